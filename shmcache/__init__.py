@@ -1,0 +1,71 @@
+"""shmcache: datasets loaded once into shared memory, opened by every process in microseconds.
+
+Data plane: entries are ``.npy`` files under a tmpfs root, opened read-only with
+``mmap`` by any process without talking to a daemon. See README.md.
+"""
+
+from __future__ import annotations
+
+from ._api import (
+    cache,
+    cleanup,
+    evict,
+    get_store,
+    list_entries,
+    open_array,
+    put_array,
+    put_file,
+    stats,
+)
+from ._keys import MAX_KEY_LENGTH, validate_key
+from ._root import default_root
+from ._store import EntryInfo, Store, StoreStats
+from .errors import (
+    CacheFullError,
+    CacheRootError,
+    CorruptEntryError,
+    CorruptSourceError,
+    DaemonUnavailableError,
+    InvalidKeyError,
+    InvalidSourceError,
+    KeyExistsError,
+    KeyNotFoundError,
+    LockTimeoutError,
+    ShmCacheError,
+    SourceNotFoundError,
+    UnsupportedDataError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "CacheFullError",
+    "CacheRootError",
+    "CorruptEntryError",
+    "CorruptSourceError",
+    "DaemonUnavailableError",
+    "EntryInfo",
+    "InvalidKeyError",
+    "InvalidSourceError",
+    "KeyExistsError",
+    "KeyNotFoundError",
+    "LockTimeoutError",
+    "ShmCacheError",
+    "SourceNotFoundError",
+    "Store",
+    "StoreStats",
+    "UnsupportedDataError",
+    "__version__",
+    "cache",
+    "cleanup",
+    "default_root",
+    "evict",
+    "get_store",
+    "list_entries",
+    "open_array",
+    "put_array",
+    "put_file",
+    "stats",
+    "validate_key",
+]

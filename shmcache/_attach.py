@@ -1,0 +1,166 @@
+"""Read-only mappings of entry files, and pickling of arrays by reference.
+
+An array handed out by shmcache is a plain ``ndarray`` (full indexing speed, unlike
+``np.memmap``) whose buffer is a :class:`SharedMapping`. Pickling such an array, or
+any view of it, sends ``(root, version, file, offset, shape, strides, dtype)`` instead
+of the data, and the receiving process maps the same file again: DataLoader workers
+started with ``spawn``/``forkserver`` get the dataset in microseconds, not a copy.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import mmap
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._npy import header_length, parse_header_bytes
+from .errors import CorruptEntryError, KeyNotFoundError
+
+__all__ = ["SharedMapping", "attach_array", "install_pickle_by_reference", "map_entry_file"]
+
+
+class SharedMapping(mmap.mmap):
+    """A read-only mapping of one published entry file that knows where it came from."""
+
+    origin: tuple[str, str, str, str]
+    """``(root, version, filename, key)`` of the mapped file."""
+    _start: int | None = None
+
+    def start_address(self) -> int:
+        """Virtual address of the first byte of the mapping (for view offsets)."""
+        if self._start is None:
+            self._start = int(np.frombuffer(self, dtype=np.uint8, count=1).ctypes.data)
+        return self._start
+
+
+_HEADER_READ = 256  # numpy pads headers to 64 bytes; nearly all fit in 128
+_MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], SharedMapping] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def map_entry_file(root: str, version: str, filename: str, key: str) -> SharedMapping:
+    """Map ``root/objects/<version>/<filename>`` read-only.
+
+    Raises FileNotFoundError if the version is gone (replaced or evicted).
+    """
+    return _map(root, version, filename, key, read_header=False)[0]
+
+
+def attach_array(root: str, version: str, filename: str, key: str) -> np.ndarray:
+    """The read-only array a published ``.npy`` file holds (a plain ``ndarray``).
+
+    The header is read with ``pread`` rather than through the mapping: touching the
+    mapping would cost a page fault, more than the rest of the attach together.
+    Raises FileNotFoundError if the version is gone (replaced or evicted).
+    """
+    mapping, head, end = _map(root, version, filename, key, read_header=True)
+    dtype, shape, fortran_order, offset = parse_header_bytes(head, end, f"entry {key!r}")
+    try:
+        if fortran_order:
+            return np.ndarray(shape, dtype, mapping, offset, order="F")
+        return np.ndarray(shape, dtype, mapping, offset)
+    except TypeError as exc:  # "buffer is too small for requested array"
+        raise CorruptEntryError(
+            f"entry {key!r} ({filename}) is truncated: {len(mapping)} bytes, fewer than its "
+            f"header promises ({shape} of {dtype}); evict it and put it again"
+        ) from exc
+
+
+def _map(
+    root: str, version: str, filename: str, key: str, read_header: bool
+) -> tuple[SharedMapping, bytes, int]:
+    path = f"{root}/objects/{version}/{filename}"
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        head, end = b"", 0
+        if read_header:
+            head = os.pread(fd, _HEADER_READ, 0)
+            end = header_length(head, f"entry {key!r}")
+            if end > len(head):
+                head = os.pread(fd, end, 0)
+                if end > len(head):
+                    raise CorruptEntryError(f"entry {key!r}: {path} is truncated inside its header")
+        try:
+            mapping = SharedMapping(fd, 0, prot=mmap.PROT_READ)
+        except ValueError as exc:  # an empty file cannot be mapped
+            raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
+        try:  # when it was last used, for least-recently-used eviction
+            os.utime(fd)
+        except OSError:
+            pass
+    finally:
+        os.close(fd)
+    mapping.origin = (root, version, filename, key)
+    if not _installed:
+        install_pickle_by_reference()
+    return mapping, head, end
+
+
+def _reattach(
+    root: str,
+    version: str,
+    filename: str,
+    key: str,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: np.dtype,
+) -> np.ndarray:
+    """Unpickle side of :func:`_reduce_ndarray`: map the same version again.
+
+    Mappings are shared by all arrays unpickled in this process while any of them lives.
+    """
+    ident = (root, version, filename)
+    try:
+        mapping = _MAPPINGS.get(ident) or map_entry_file(root, version, filename, key)
+    except FileNotFoundError:
+        raise KeyNotFoundError(
+            f"entry {key!r} (version {version}) in {root} was replaced or evicted before this "
+            "process could attach to it; open the key again"
+        ) from None
+    _MAPPINGS[ident] = mapping
+    return np.ndarray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+
+
+_previous_reducer: Callable[[np.ndarray], Any] | None = None
+_installed = False
+
+
+def _reduce_ndarray(array: np.ndarray) -> Any:
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, SharedMapping) and array.size:
+        offset = int(array.__array_interface__["data"][0]) - base.start_address()
+        return _reattach, (
+            *base.origin,
+            offset,
+            array.shape,
+            array.strides,
+            array.dtype,
+        )
+    if _previous_reducer is not None:
+        return _previous_reducer(array)
+    return array.__reduce__()
+
+
+def install_pickle_by_reference() -> None:
+    """Make pickle send shared arrays by reference (idempotent; other arrays unchanged).
+
+    Installed on the first attach, not on import, so a process that never opens an
+    entry pickles exactly as before.
+    """
+    global _installed, _previous_reducer
+    if _installed:
+        return
+    existing = copyreg.dispatch_table.get(np.ndarray)
+    if existing is not _reduce_ndarray:
+        _previous_reducer = existing
+    copyreg.pickle(np.ndarray, _reduce_ndarray)
+    _installed = True

@@ -1,0 +1,143 @@
+"""File-system primitives: writes that fail cleanly, kernel copies, locks, space.
+
+Data is written with ``write()``/``copy_file_range`` and never through a mapping: on a
+full tmpfs a ``write()`` fails with ENOSPC (turned into :class:`CacheFullError`), while
+a store through a mapping kills the process with SIGBUS.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from .errors import CacheFullError
+
+__all__ = [
+    "FileLockProbe",
+    "copy_range",
+    "free_bytes",
+    "remove_tree",
+    "total_bytes",
+    "try_lock_exclusive",
+    "write_all",
+]
+
+_CHUNK = 64 << 20
+
+
+def _full(path: str | Path, exc: OSError) -> CacheFullError:
+    return CacheFullError(
+        f"no space left on the cache's file system while writing {path} ({exc.strerror}); "
+        "free space with `shmcache evict`/`cleanup`, or enlarge /dev/shm "
+        "(Docker: --shm-size or --ipc=host)"
+    )
+
+
+def write_all(fd: int, data: memoryview | bytes, path: str | Path) -> None:
+    """Write every byte of ``data`` to ``fd``; ENOSPC/EDQUOT become CacheFullError."""
+    view = memoryview(data).cast("B")
+    done = 0
+    try:
+        while done < len(view):
+            done += os.write(fd, view[done : done + _CHUNK])
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _full(path, exc) from exc
+        raise
+
+
+def copy_range(src_fd: int, dst_fd: int, offset: int, count: int, path: str | Path) -> None:
+    """Copy ``count`` bytes from ``src_fd`` at ``offset`` to the end of ``dst_fd``.
+
+    The kernel moves the bytes (``copy_file_range``, else ``sendfile``); they never
+    pass through Python memory.
+    """
+    end = offset + count
+    try:
+        try:
+            while offset < end:
+                copied = os.copy_file_range(src_fd, dst_fd, min(end - offset, 1 << 30), offset)
+                if copied == 0:
+                    raise EOFError(f"source ended at byte {offset}, expected {end}")
+                offset += copied
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+        while offset < end:  # across file systems on kernels that refuse copy_file_range
+            sent = os.sendfile(dst_fd, src_fd, offset, min(end - offset, 1 << 30))
+            if sent == 0:
+                raise EOFError(f"source ended at byte {offset}, expected {end}")
+            offset += sent
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _full(path, exc) from exc
+        raise
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer can still allocate on ``path``'s file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def total_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize
+
+
+def remove_tree(path: Path) -> int:
+    """Remove a directory tree, returning the bytes its files held (0 if it is gone)."""
+    freed = 0
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                try:
+                    freed += entry.stat(follow_symlinks=False).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+    except FileNotFoundError:
+        return 0
+    except NotADirectoryError:
+        try:
+            freed = os.lstat(path).st_blocks * 512
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return freed
+    shutil.rmtree(path, ignore_errors=True)
+    return freed
+
+
+def try_lock_exclusive(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` without waiting; False if someone holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class FileLockProbe:
+    """Tells whether the process that flocked a file is still alive.
+
+    The kernel drops a flock when its holder dies (even by ``kill -9``), so a lock we
+    can take belongs to a dead (or finished) writer, whatever PID namespace it ran in.
+    """
+
+    @staticmethod
+    def holder_alive(path: Path) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            if try_lock_exclusive(fd):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return False
+            return True
+        finally:
+            os.close(fd)

@@ -1,0 +1,204 @@
+"""The ``.npy`` format: building headers, parsing them fast, validating sources.
+
+Entries are stored as standard ``.npy`` files, so any tool can read them. The hot
+path parses the header numpy itself writes with one regular expression (about a
+microsecond) instead of ``ast.literal_eval`` (about 20 us), and falls back to numpy's
+own parser for anything unusual.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, NamedTuple
+
+import numpy as np
+import numpy.lib.format as npy_format
+
+from .errors import CorruptEntryError, CorruptSourceError, UnsupportedDataError
+
+__all__ = [
+    "NpyHeader",
+    "NpzMember",
+    "build_header",
+    "check_storable_dtype",
+    "iter_npz_members",
+    "header_length",
+    "parse_header_bytes",
+    "read_source_header",
+]
+
+_MAGIC = b"\x93NUMPY"
+_MAX_HEADER_SIZE = 1 << 20  # numpy's default (10000) rejects wide structured dtypes
+_CANONICAL_HEADER = re.compile(
+    rb"\{'descr': '([^']+)', 'fortran_order': (False|True), 'shape': \(([0-9, ]*)\), \} *\n\Z"
+)
+_DTYPES: dict[bytes, np.dtype] = {}
+
+
+class NpyHeader(NamedTuple):
+    """What a ``.npy`` header says, plus where its payload starts (a tuple: cheap to make)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran_order: bool
+    data_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def file_size(self) -> int:
+        return self.data_offset + self.nbytes
+
+
+def check_storable_dtype(dtype: np.dtype, what: str) -> None:
+    """Refuse dtypes that would need pickling (objects, also inside structured fields)."""
+    if dtype.hasobject:
+        raise UnsupportedDataError(
+            f"{what} has dtype {dtype!r}, which holds Python objects and cannot be shared "
+            "without pickling; convert it to numbers or fixed-width strings first "
+            "(e.g. arr.astype('U') or shmcache strings/records)"
+        )
+
+
+def build_header(dtype: np.dtype, shape: tuple[int, ...], fortran_order: bool) -> bytes:
+    """The ``.npy`` header numpy would write for an array of this dtype/shape/order."""
+    fields = {
+        "descr": npy_format.dtype_to_descr(dtype),
+        "fortran_order": fortran_order,
+        "shape": tuple(shape),
+    }
+    for write in (npy_format.write_array_header_1_0, npy_format.write_array_header_2_0):
+        buffer = io.BytesIO()
+        try:
+            write(buffer, fields)
+        except ValueError:  # header too long for format 1.0
+            continue
+        except UnicodeEncodeError as exc:
+            raise UnsupportedDataError(
+                f"dtype {dtype!r} has field names that are not latin-1; rename the fields"
+            ) from exc
+        return buffer.getvalue()
+    raise UnsupportedDataError(f"dtype {dtype!r} is too large to describe in a .npy header")
+
+
+def _dtype_from_descr(descr: bytes) -> np.dtype:
+    dtype = _DTYPES.get(descr)
+    if dtype is None:
+        dtype = _DTYPES[descr] = np.dtype(descr.decode("ascii"))
+    return dtype
+
+
+def header_length(head: bytes, where: str) -> int:
+    """Total header bytes (magic included) from the first 12 bytes of a ``.npy`` file."""
+    if len(head) < 12 or head[:6] != _MAGIC:
+        raise CorruptEntryError(f"{where} is not a .npy file (bad magic); evict and put it again")
+    if head[6] == 1:
+        return 10 + (head[8] | head[9] << 8)
+    return 12 + int.from_bytes(head[8:12], "little")
+
+
+def parse_header_bytes(head: bytes, end: int, where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """Parse a ``.npy`` header of ``end`` bytes (``head`` holds at least that many).
+
+    Returns ``(dtype, shape, fortran_order, data_offset)`` as a plain tuple (this is
+    the attach hot path). Damage raises :class:`CorruptEntryError`.
+    """
+    match = _CANONICAL_HEADER.match(head, 10 if head[6] == 1 else 12, end)
+    if match is None:
+        return tuple(_parse_header_slowly(head[:end], where))  # type: ignore[return-value]
+    descr, fortran, dims = match.groups()
+    dims = dims.replace(b" ", b"").rstrip(b",")
+    return (
+        _dtype_from_descr(descr),
+        tuple(map(int, dims.split(b","))) if dims else (),
+        fortran == b"True",
+        end,
+    )
+
+
+def _parse_header_slowly(raw: bytes, where: str) -> NpyHeader:
+    try:
+        return _read_header(io.BytesIO(raw))
+    except (ValueError, UnsupportedDataError) as exc:
+        raise CorruptEntryError(f"{where} has a damaged .npy header ({exc})") from exc
+
+
+def _read_header(fp: BinaryIO) -> NpyHeader:
+    """Read magic and header from ``fp`` with ``allow_pickle=False`` semantics."""
+    version = npy_format.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = npy_format.read_array_header_1_0(fp, _MAX_HEADER_SIZE)
+    elif version == (2, 0):
+        shape, fortran, dtype = npy_format.read_array_header_2_0(fp, _MAX_HEADER_SIZE)
+    else:
+        raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    return NpyHeader(dtype, tuple(shape), bool(fortran), fp.tell())
+
+
+def read_source_header(fp: BinaryIO, size: int, where: str) -> NpyHeader:
+    """Validate a source ``.npy`` stream of ``size`` bytes; return its header.
+
+    Truncation, a corrupt header and object dtypes raise typed errors naming ``where``.
+    """
+    try:
+        header = _read_header(fp)
+    except (ValueError, EOFError, SyntaxError) as exc:
+        raise CorruptSourceError(f"{where}: not a valid .npy file ({exc})") from exc
+    check_storable_dtype(header.dtype, where)
+    if size < header.file_size:
+        raise CorruptSourceError(
+            f"{where}: truncated .npy file: the header promises {header.file_size} bytes "
+            f"({header.shape} of {header.dtype}) but the file has {size}"
+        )
+    return header
+
+
+@dataclass(frozen=True)
+class NpzMember:
+    """One ``.npy`` inside an ``.npz``: where its bytes are, and its header."""
+
+    name: str
+    header: NpyHeader
+    stored_offset: int | None
+    """Offset of the member's ``.npy`` in the zip file when stored uncompressed, else None."""
+
+
+def _local_data_offset(raw: BinaryIO, info: zipfile.ZipInfo) -> int:
+    raw.seek(info.header_offset)
+    local = raw.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header for {info.filename}")
+    name_len = int.from_bytes(local[26:28], "little")
+    extra_len = int.from_bytes(local[28:30], "little")
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def iter_npz_members(path: str) -> Iterator[NpzMember]:
+    """Validate every ``.npy`` member of an ``.npz`` (non-``.npy`` members are skipped)."""
+    try:
+        with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+            for info in archive.infolist():
+                if info.is_dir() or not info.filename.endswith(".npy"):
+                    continue
+                where = f"{path}[{info.filename}]"
+                with archive.open(info) as member:
+                    header = read_source_header(member, info.file_size, where)  # type: ignore[arg-type]
+                stored = None
+                if info.compress_type == zipfile.ZIP_STORED:
+                    stored = _local_data_offset(raw, info)
+                yield NpzMember(info.filename[: -len(".npy")], header, stored)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
+        raise CorruptSourceError(f"{path}: not a valid .npz archive ({exc})") from exc
+    except NotImplementedError as exc:  # unsupported compression method
+        raise CorruptSourceError(f"{path}: {exc}") from exc
+

@@ -1,0 +1,727 @@
+"""The store: publish, open, evict, list, account for and clean up entries in a root.
+
+On-disk layout (all 0700/0600, see README "On-disk layout")::
+
+    <root>/generation            8 bytes that change on every publish/evict
+    <root>/entries/<key>         symlink -> ../objects/<version>   ("/" in keys is "~")
+    <root>/objects/<version>/    data.npy + meta.json, immutable once published
+    <root>/tmp/                  partial writes and the lock of each live writer
+    <root>/locks/                per-key and space locks
+
+Publishing renames a finished version into ``objects/`` and then swaps the entry's
+symlink in one ``rename``: a reader sees the old version or the new one, never a
+partial one. Replaced and evicted versions are unlinked, never rewritten, so processes
+that still map them keep reading them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import FileLock
+from filelock import Timeout as FileLockTimeout
+
+from ._attach import attach_array
+from ._fs import FileLockProbe, copy_range, free_bytes, remove_tree, total_bytes
+from ._keys import decode_key, encode_key, key_in_prefix, validate_key
+from ._npy import NpyHeader, check_storable_dtype, iter_npz_members, read_source_header
+from ._procmaps import mapped_versions
+from ._root import Layout, default_root, prepare_root
+from ._writer import META_FILE, VersionWriter, writer_of
+from .errors import (
+    CacheFullError,
+    CorruptSourceError,
+    InvalidSourceError,
+    KeyExistsError,
+    KeyNotFoundError,
+    LockTimeoutError,
+    ShmCacheError,
+    SourceNotFoundError,
+    UnsupportedDataError,
+)
+
+__all__ = ["ARRAY_FILE", "EntryInfo", "Store", "StoreStats"]
+
+logger = logging.getLogger(__name__)
+
+ARRAY_FILE = "data.npy"
+META_FORMAT = 1
+_RESOLVE_RETRIES = 100
+_SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What ``Store.list`` reports about one entry."""
+
+    key: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    nbytes: int
+    """Bytes of data (what ``array.nbytes`` says)."""
+    size: int
+    """Bytes the entry occupies in the cache (data plus headers and metadata)."""
+    created: float
+    pinned: bool
+    source: str | None
+    version: str
+    last_used: float
+    source_fingerprint: dict[str, int] | None = None
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Space and entry counts of a cache root."""
+
+    root: str
+    capacity: int
+    """Size of the file system holding the root (the tmpfs)."""
+    used: int
+    """Bytes held by published entries."""
+    free: int
+    """Bytes still free on that file system."""
+    budget: int | None
+    """The store's ``max_bytes``, or None for no budget."""
+    entries: int
+
+
+@dataclass
+class _Planned:
+    """One entry a ``put_file`` call will write, validated before any byte is copied."""
+
+    key: str
+    header: NpyHeader
+    source: str
+    fingerprint: dict[str, int]
+    copy_from: str
+    copy_offset: int | None  # None: the member is compressed and must be inflated
+    member: str | None = None
+    version: str = field(default="")
+
+
+class Store:
+    """A cache root: put, open, evict, list, stats, cleanup.
+
+    ``max_bytes`` is this store's budget: a put that would exceed it first evicts
+    least-recently-used entries that are neither pinned nor mapped by a live process.
+    ``lock_timeout`` bounds waits on other processes' locks (None waits forever).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        max_bytes: int | None = None,
+        lock_timeout: float | None = None,
+    ) -> None:
+        self.root = Path(os.path.abspath(root if root is not None else default_root()))
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.lock_timeout = lock_timeout
+        self.layout = Layout(self.root)
+        self._root_str = str(self.root)
+        self._entries_str = str(self.layout.entries)
+        self._prepared = False
+        self._generation: memoryview | None = None
+        self._attached: dict[str, tuple[int, str, np.ndarray]] = {}
+        self._last_sweep = 0.0
+
+    def __repr__(self) -> str:
+        return f"Store({self._root_str!r}, max_bytes={self.max_bytes!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Store, (self._root_str,), {"max_bytes": self.max_bytes, "lock_timeout": self.lock_timeout})
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.max_bytes = state["max_bytes"]
+        self.lock_timeout = state["lock_timeout"]
+
+    # ------------------------------------------------------------------ reading
+
+    def open_array(self, key: str) -> np.ndarray:
+        """A read-only array over the entry's shared mapping (a plain ``ndarray``).
+
+        Repeated opens in one process return the attached array in well under a
+        microsecond until any entry of the root changes.
+        """
+        hit = self._attached.get(key)
+        if hit is not None and self._generation is not None and hit[0] == self._generation[0]:
+            return hit[2]
+        return self._open_array_slowly(key)
+
+    def _open_array_slowly(self, key: str) -> np.ndarray:
+        validate_key(key)
+        generation = self._read_generation()
+        self._sweep_stale(generation)
+        link = f"{self._entries_str}/{encode_key(key)}"
+        for _ in range(_RESOLVE_RETRIES):
+            try:
+                version = os.readlink(link).rpartition("/")[2]
+            except FileNotFoundError:
+                raise self._not_found(key) from None
+            hit = self._attached.get(key)
+            if hit is not None and hit[1] == version:
+                array = hit[2]
+            else:
+                try:
+                    array = attach_array(self._root_str, version, ARRAY_FILE, key)
+                except FileNotFoundError:
+                    if self.layout.objects.joinpath(version, META_FILE).exists():
+                        raise self._wrong_kind(key, version, "array") from None
+                    continue  # replaced or evicted between readlink and open: resolve again
+            self._attached[key] = (generation, version, array)
+            return array
+        raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
+
+    def _read_generation(self) -> int:
+        if self._generation is None:
+            try:
+                fd = os.open(self.layout.generation, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return -1  # nothing was ever published here
+            try:
+                self._generation = memoryview(mmap.mmap(fd, 8, prot=mmap.PROT_READ)).cast("Q")
+            finally:
+                os.close(fd)
+        return int(self._generation[0])
+
+    def _sweep_stale(self, generation: int) -> None:
+        """Drop this process's attachments to versions that are no longer current.
+
+        Their memory can only return to the system once no process maps them.
+        """
+        now = time.monotonic()
+        if now - self._last_sweep < _SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        for key, (_, version, _) in list(self._attached.items()):
+            try:
+                current = os.readlink(f"{self._entries_str}/{encode_key(key)}").rpartition("/")[2]
+            except FileNotFoundError:
+                current = None
+            if current != version:
+                self._attached.pop(key, None)
+
+    def _not_found(self, key: str) -> KeyNotFoundError:
+        return KeyNotFoundError(
+            f"no entry {key!r} in cache {self._root_str}; put it first "
+            "(shmcache.put_array / put_file, or `shmcache put`)"
+        )
+
+    def _wrong_kind(self, key: str, version: str, wanted: str) -> UnsupportedDataError:
+        kind = self._read_meta(version).get("kind", "unknown")
+        return UnsupportedDataError(f"entry {key!r} holds {kind}, not {wanted}; open it as {kind}")
+
+    def exists(self, key: str) -> bool:
+        validate_key(key)
+        return os.path.lexists(f"{self._entries_str}/{encode_key(key)}")
+
+    # ------------------------------------------------------------------ writing
+
+    def put_array(
+        self, key: str, array: Any, *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        """Publish ``array`` under ``key`` atomically; returns the new entry's info."""
+        validate_key(key)
+        array = _as_storable_array(array, f"array for key {key!r}")
+        self._refuse_existing([key], overwrite)
+        header_room = 4096
+        with self._writer() as writer:
+            self._reserve(writer, array.nbytes + header_room)
+            version = writer.new_version()
+            writer.write_array(version, ARRAY_FILE, array)
+            meta = self._array_meta(key, version, writer.path(version, ARRAY_FILE), pin)
+            writer.write_meta(version, meta)
+            self._publish(writer, key, version, overwrite)
+        logger.info("put %s (%d bytes, version %s)", key, array.nbytes, version)
+        return _entry_info(meta, meta["created"])
+
+    def put_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        pin: bool = False,
+    ) -> list[str]:
+        """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
+        directory of them (as ``key/<relative path without suffix>``).
+
+        Everything is validated before anything is copied: a truncated or corrupt file
+        raises a typed error naming it and publishes nothing. Payloads are copied by the
+        kernel, never through Python memory. Returns the published keys.
+        """
+        validate_key(key)
+        plan = _plan_sources(key, Path(path))
+        self._refuse_existing([p.key for p in plan], overwrite)
+        total = sum(p.header.file_size for p in plan)
+        with self._writer() as writer:
+            self._reserve(writer, total + 4096 * len(plan))
+            for item in plan:
+                item.version = writer.new_version()
+                self._copy_planned(writer, item)
+                meta = self._array_meta(item.key, item.version, writer.path(item.version, ARRAY_FILE), pin)
+                meta["source"] = item.source
+                meta["source_fingerprint"] = item.fingerprint
+                writer.write_meta(item.version, meta)
+            for item in plan:
+                self._publish(writer, item.key, item.version, overwrite)
+        logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
+        return [p.key for p in plan]
+
+    def cache(
+        self, key: str, loader: Callable[[], Any], *, timeout: float | None = None
+    ) -> np.ndarray:
+        """Get-or-create: open ``key``, or run ``loader`` once across all processes.
+
+        Concurrent callers wait on the key's lock and then open what the first one
+        published. If the loading process dies, the kernel releases its lock and the
+        next waiter loads instead; nothing partial is ever visible.
+        """
+        try:
+            return self.open_array(key)
+        except KeyNotFoundError:
+            pass
+        with self._key_lock(key, timeout):
+            try:
+                return self.open_array(key)
+            except KeyNotFoundError:
+                pass
+            self.put_array(key, loader())
+        return self.open_array(key)
+
+    def _refuse_existing(self, keys: list[str], overwrite: bool) -> None:
+        if overwrite:
+            return
+        for key in keys:
+            if self.exists(key):
+                raise KeyExistsError(
+                    f"entry {key!r} already exists in {self._root_str}; pass overwrite=True "
+                    "(--overwrite) to replace it, or evict it first"
+                )
+
+    def _array_meta(self, key: str, version: str, data_path: Path, pin: bool) -> dict[str, Any]:
+        with open(data_path, "rb") as fp:
+            size = os.fstat(fp.fileno()).st_size
+            header = read_source_header(fp, size, str(data_path))
+        return {
+            "format": META_FORMAT,
+            "key": key,
+            "kind": "array",
+            "version": version,
+            "dtype": str(header.dtype),
+            "shape": list(header.shape),
+            "fortran_order": header.fortran_order,
+            "nbytes": header.nbytes,
+            "size": size,
+            "created": time.time(),
+            "pinned": pin,
+            "source": None,
+            "source_fingerprint": None,
+            "checksum": None,
+        }
+
+    def _copy_planned(self, writer: VersionWriter, item: _Planned) -> None:
+        target = writer.path(item.version, ARRAY_FILE)
+        dst = writer.create_file(item.version, ARRAY_FILE)
+        try:
+            if item.copy_offset is not None:
+                src = os.open(item.copy_from, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    copy_range(src, dst, item.copy_offset, item.header.file_size, target)
+                except EOFError as exc:
+                    raise CorruptSourceError(f"{item.source}: {exc} (did it change while loading?)") from exc
+                finally:
+                    os.close(src)
+            else:
+                _inflate_member(item, dst, target)
+        finally:
+            os.close(dst)
+
+    @contextmanager
+    def _writer(self) -> Iterator[VersionWriter]:
+        self._prepare()
+        with VersionWriter(self.layout) as writer:
+            yield writer
+
+    def _prepare(self) -> None:
+        if not self._prepared:
+            prepare_root(self.root)
+            self._prepared = True
+
+    def _key_lock(self, key: str, timeout: float | None) -> Any:
+        self._prepare()
+        lock = FileLock(self.layout.locks / f"{encode_key(key)}.lock", mode=0o600, is_singleton=True)
+        return _acquired(lock, -1 if timeout is None else timeout, f"key {key!r}")
+
+    def _space_lock(self) -> Any:
+        lock = FileLock(self.layout.locks / "space.lock", mode=0o600, is_singleton=True)
+        return _acquired(lock, -1 if self.lock_timeout is None else self.lock_timeout, "space accounting")
+
+    def _publish(self, writer: VersionWriter, key: str, version: str, overwrite: bool) -> None:
+        """Make ``version`` the entry of ``key`` with one atomic rename."""
+        link = self.layout.entries / encode_key(key)
+        target = f"../objects/{version}"
+        with self._key_lock(key, self.lock_timeout):
+            writer.promote(version)
+            old = _read_version(link)
+            if old is not None and not overwrite:
+                raise KeyExistsError(f"entry {key!r} was published by another process meanwhile")
+            staged = self.layout.tmp / f"{version}.link"
+            os.symlink(target, staged)
+            os.replace(staged, link)
+            writer.mark_published(version)
+            self._bump_generation()
+            if old is not None:
+                remove_tree(self.layout.objects / old)
+
+    def _bump_generation(self) -> None:
+        fd = os.open(self.layout.generation, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, os.urandom(8), 0)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ space
+
+    def _reserve(self, writer: VersionWriter, nbytes: int) -> None:
+        """Check room for ``nbytes`` (evicting for the budget if needed), then record it."""
+        with self._space_lock():
+            if self.max_bytes is not None:
+                self._make_room_in_budget(nbytes, writer)
+            free = free_bytes(self.root)
+            if nbytes > free:
+                raise CacheFullError(
+                    f"need {_human(nbytes)} but the file system of {self._root_str} has only "
+                    f"{_human(free)} free (of {_human(total_bytes(self.root))}); evict entries "
+                    "(`shmcache evict`) or enlarge /dev/shm (Docker: --shm-size or --ipc=host)"
+                )
+            writer.reserve(nbytes)
+
+    def _make_room_in_budget(self, nbytes: int, writer: VersionWriter) -> None:
+        assert self.max_bytes is not None
+        entries = list(self._iter_infos())
+        used = sum(e.size for e in entries) + self._reserved_by_others(writer)
+        excess = used + nbytes - self.max_bytes
+        if excess <= 0:
+            return
+        mapped = mapped_versions(self.layout.objects)
+        candidates = sorted(
+            (e for e in entries if not e.pinned and e.version not in mapped),
+            key=lambda e: e.last_used,
+        )
+        if sum(e.size for e in candidates) < excess:
+            pinned = [e.key for e in entries if e.pinned]
+            busy = [e.key for e in entries if e.version in mapped]
+            raise CacheFullError(
+                f"need {_human(nbytes)} within the budget of {_human(self.max_bytes)}, "
+                f"{_human(used)} used; only {_human(sum(e.size for e in candidates))} could be "
+                f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}"
+            )
+        for entry in candidates:
+            if excess <= 0:
+                break
+            if self._evict_version(entry.key, entry.version) is not None:
+                logger.info("evicted %s (%d bytes) to stay within the budget", entry.key, entry.size)
+                excess -= entry.size
+
+    def _reserved_by_others(self, writer: VersionWriter) -> int:
+        reserved = 0
+        for lock in self.layout.tmp.glob("*.lock"):
+            if lock == writer.lock_path or not FileLockProbe.holder_alive(lock):
+                continue
+            try:
+                reserved += int(lock.read_text() or 0)
+            except (OSError, ValueError):
+                pass
+        return reserved
+
+    # ------------------------------------------------------------------ evict, list, stats
+
+    def evict(self, key: str) -> int:
+        """Remove an entry (pinned or not); returns the bytes released.
+
+        Processes that map it keep reading their version; its memory returns to the
+        system when the last of them lets go.
+        """
+        validate_key(key)
+        version = _read_version(self.layout.entries / encode_key(key))
+        freed = None if version is None else self._evict_version(key, version)
+        if freed is None:
+            raise self._not_found(key)
+        logger.info("evicted %s (%d bytes)", key, freed)
+        return freed
+
+    def _evict_version(self, key: str, version: str) -> int | None:
+        """Unlink ``key`` if it still points at ``version`` and return the bytes freed;
+        None if it no longer does."""
+        link = self.layout.entries / encode_key(key)
+        with self._key_lock(key, self.lock_timeout):
+            if _read_version(link) != version:
+                return None
+            os.unlink(link)
+            self._bump_generation()
+            return remove_tree(self.layout.objects / version)
+
+    def list(self, prefix: str | None = None) -> list[EntryInfo]:
+        """Entries whose key is ``prefix`` or lies under it, sorted by key."""
+        if prefix:
+            validate_key(prefix.rstrip("/"))
+        return sorted(
+            (e for e in self._iter_infos() if key_in_prefix(e.key, prefix)), key=lambda e: e.key
+        )
+
+    def info(self, key: str) -> EntryInfo:
+        validate_key(key)
+        version = _read_version(self.layout.entries / encode_key(key))
+        if version is None:
+            raise self._not_found(key)
+        info = self._info_of(version)
+        if info is None:
+            raise self._not_found(key)
+        return info
+
+    def stats(self) -> StoreStats:
+        entries = list(self._iter_infos())
+        probe = self.root if self.root.exists() else self.root.parent
+        return StoreStats(
+            root=self._root_str,
+            capacity=total_bytes(probe),
+            used=sum(e.size for e in entries),
+            free=free_bytes(probe),
+            budget=self.max_bytes,
+            entries=len(entries),
+        )
+
+    def _iter_infos(self) -> Iterator[EntryInfo]:
+        try:
+            names = os.listdir(self.layout.entries)
+        except FileNotFoundError:
+            return
+        for name in names:
+            version = _read_version(self.layout.entries / name)
+            if version is None:
+                continue
+            info = self._info_of(version)
+            if info is not None and info.key == decode_key(name):
+                yield info
+
+    def _info_of(self, version: str) -> EntryInfo | None:
+        meta = self._read_meta(version)
+        if not meta:
+            return None
+        try:
+            last_used = os.stat(self.layout.objects / version / ARRAY_FILE).st_atime
+        except FileNotFoundError:
+            last_used = meta.get("created", 0.0)
+        return _entry_info(meta, max(last_used, meta.get("created", 0.0)))
+
+    def _read_meta(self, version: str) -> dict[str, Any]:
+        try:
+            with open(self.layout.objects / version / META_FILE, "rb") as fp:
+                meta: dict[str, Any] = json.load(fp)
+                return meta
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    # ------------------------------------------------------------------ cleanup
+
+    def cleanup(self) -> int:
+        """Remove what dead writers left behind; returns the bytes freed.
+
+        Partial writes of live writers are never touched: a writer's flock tells the two
+        apart, whatever PID namespace the writer runs in.
+        """
+        if not self.layout.tmp.is_dir():
+            return 0
+        self._prepare()
+        freed = 0
+        live: dict[str, bool] = {}
+
+        def alive(writer: str) -> bool:
+            if writer not in live:
+                live[writer] = FileLockProbe.holder_alive(self.layout.tmp / f"{writer}.lock")
+            return live[writer]
+
+        for name in os.listdir(self.layout.tmp):
+            if not alive(writer_of(name)):
+                freed += remove_tree(self.layout.tmp / name)
+        dead_unreferenced = [
+            v for v in os.listdir(self.layout.objects) if not alive(writer_of(v))
+        ]
+        # Read the links only now: a dead writer can no longer link anything.
+        referenced = self._referenced_versions()
+        for version in dead_unreferenced:
+            if version not in referenced:
+                freed += remove_tree(self.layout.objects / version)
+        if freed:
+            logger.info("cleanup freed %d bytes in %s", freed, self._root_str)
+        return freed
+
+    def _referenced_versions(self) -> set[str]:
+        versions = set()
+        for name in os.listdir(self.layout.entries):
+            version = _read_version(self.layout.entries / name)
+            if version is not None:
+                versions.add(version)
+        return versions
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _acquired(lock: FileLock, timeout: float, what: str) -> Iterator[None]:
+    try:
+        lock.acquire(timeout=timeout)
+    except FileLockTimeout:
+        raise LockTimeoutError(
+            f"gave up after {timeout:g} s waiting for the lock on {what} held by another "
+            "process; raise the timeout, or check for a stuck loader with `shmcache top`"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _read_version(link: Path) -> str | None:
+    try:
+        return os.readlink(link).rpartition("/")[2]
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def _as_storable_array(value: Any, what: str) -> np.ndarray:
+    if isinstance(value, np.ma.MaskedArray):
+        raise UnsupportedDataError(f"{what} is a masked array; store .data and .mask separately")
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        raise UnsupportedDataError(f"{what} cannot be converted to an array: {exc}") from exc
+    check_storable_dtype(array.dtype, what)
+    return array
+
+
+def _entry_info(meta: dict[str, Any], last_used: float) -> EntryInfo:
+    shape = meta.get("shape")
+    return EntryInfo(
+        key=meta["key"],
+        kind=meta.get("kind", "array"),
+        dtype=meta.get("dtype"),
+        shape=tuple(shape) if shape is not None else None,
+        nbytes=int(meta.get("nbytes", 0)),
+        size=int(meta.get("size", 0)),
+        created=float(meta.get("created", 0.0)),
+        pinned=bool(meta.get("pinned", False)),
+        source=meta.get("source"),
+        version=meta["version"],
+        last_used=last_used,
+        source_fingerprint=meta.get("source_fingerprint"),
+        checksum=meta.get("checksum"),
+    )
+
+
+def _fingerprint(st: os.stat_result) -> dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _plan_sources(key: str, path: Path) -> list[_Planned]:
+    """Validate every source file under ``path`` and name the entries they become."""
+    path = Path(os.path.abspath(path))
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"source {path} does not exist") from None
+    except OSError as exc:
+        raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
+    if path.is_dir():
+        plan: list[_Planned] = []
+        for file in sorted(path.rglob("*")):
+            if file.suffix in (".npy", ".npz") and file.is_file():
+                relative = file.relative_to(path).with_suffix("").as_posix()
+                plan.extend(_plan_file(_child_key(key, relative, file), file))
+        if not plan:
+            raise InvalidSourceError(f"directory {path} holds no .npy or .npz files")
+        return plan
+    return _plan_file(key, path, st)
+
+
+def _child_key(key: str, relative: str, file: Path) -> str:
+    child = f"{key}/{relative}"
+    try:
+        return validate_key(child)
+    except ShmCacheError as exc:
+        raise type(exc)(f"{file}: its path does not make a valid key ({exc})") from None
+
+
+def _plan_file(key: str, path: Path, st: os.stat_result | None = None) -> list[_Planned]:
+    st = st or path.stat()
+    if path.suffix == ".npz":
+        return [
+            _Planned(
+                key=_child_key(key, member.name, path),
+                header=member.header,
+                source=f"{path}[{member.name}.npy]",
+                fingerprint=_fingerprint(st),
+                copy_from=str(path),
+                copy_offset=member.stored_offset,
+                member=member.name,
+            )
+            for member in iter_npz_members(str(path))
+        ]
+    if path.suffix != ".npy":
+        raise CorruptSourceError(f"{path}: not a .npy or .npz file (or a directory of them)")
+    try:
+        with open(path, "rb") as fp:
+            header = read_source_header(fp, st.st_size, str(path))
+    except PermissionError as exc:
+        raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
+    return [_Planned(key, header, str(path), _fingerprint(st), str(path), 0)]
+
+
+def _inflate_member(item: _Planned, dst: int, target: Path) -> None:
+    """Copy a compressed ``.npz`` member (zipfile checks its CRC while inflating)."""
+    import zipfile
+
+    from ._fs import write_all
+
+    written = 0
+    try:
+        with zipfile.ZipFile(item.copy_from) as archive:
+            with archive.open(f"{item.member}.npy") as member:
+                while chunk := member.read(16 << 20):
+                    write_all(dst, chunk[: item.header.file_size - written], target)
+                    written += len(chunk)
+    except (zipfile.BadZipFile, EOFError, KeyError) as exc:
+        raise CorruptSourceError(f"{item.source}: {exc}") from exc
+    if written < item.header.file_size:
+        raise CorruptSourceError(f"{item.source}: truncated member ({written} bytes)")
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _names(keys: list[str]) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")

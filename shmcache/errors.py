@@ -1,0 +1,81 @@
+"""One exception hierarchy for shmcache.
+
+Every error derives from :class:`ShmCacheError` and also from the built-in that an
+existing ``except`` clause would expect (``KeyError``, ``ValueError``, ``OSError``...).
+Each is constructible from its message alone, so PyTorch can re-raise a DataLoader
+worker's exception in the main process as ``type(exc)(message)``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheFullError",
+    "CacheRootError",
+    "CorruptEntryError",
+    "CorruptSourceError",
+    "DaemonUnavailableError",
+    "InvalidKeyError",
+    "InvalidSourceError",
+    "KeyExistsError",
+    "KeyNotFoundError",
+    "LockTimeoutError",
+    "ShmCacheError",
+    "SourceNotFoundError",
+    "UnsupportedDataError",
+]
+
+
+class ShmCacheError(Exception):
+    """Base class of every error shmcache raises on purpose."""
+
+    def __str__(self) -> str:
+        # KeyError (and OSError with errno) would decorate the message; we want it verbatim.
+        return str(self.args[0]) if self.args else ""
+
+
+class KeyNotFoundError(ShmCacheError, KeyError):
+    """No entry is published under the key (or the requested version is gone)."""
+
+
+class KeyExistsError(ShmCacheError, FileExistsError):
+    """An entry already exists under the key and ``overwrite`` was not given."""
+
+
+class InvalidKeyError(ShmCacheError, ValueError):
+    """The key is not a path of ``[A-Za-z0-9._-]+`` segments joined by ``/``."""
+
+
+class UnsupportedDataError(ShmCacheError, TypeError):
+    """The data cannot live in shared memory without pickling (object dtypes...)."""
+
+
+class CacheFullError(ShmCacheError, OSError):
+    """The tmpfs or the cache's byte budget has no room for the write."""
+
+
+class LockTimeoutError(ShmCacheError, TimeoutError):
+    """Waiting for another process's lock took longer than the timeout."""
+
+
+class DaemonUnavailableError(ShmCacheError, ConnectionError):
+    """The shmcache daemon is not reachable."""
+
+
+class InvalidSourceError(ShmCacheError):
+    """A source path given to ``put_file`` cannot be loaded."""
+
+
+class SourceNotFoundError(InvalidSourceError, FileNotFoundError):
+    """A source path given to ``put_file`` does not exist."""
+
+
+class CorruptSourceError(InvalidSourceError, ValueError):
+    """A source file is truncated, corrupt or not an ``.npy``/``.npz`` file."""
+
+
+class CorruptEntryError(ShmCacheError, ValueError):
+    """A published entry's files were damaged behind the cache's back."""
+
+
+class CacheRootError(ShmCacheError, PermissionError):
+    """The cache root is unusable: owned by another user, not a directory..."""
