@@ -7,13 +7,17 @@ a store through a mapping kills the process with SIGBUS.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from .errors import CacheFullError
+
+Buffer = Any  # anything with the buffer protocol (bytes, memoryview, ndarray)
 
 __all__ = [
     "FileLockProbe",
@@ -36,7 +40,7 @@ def _full(path: str | Path, exc: OSError) -> CacheFullError:
     )
 
 
-def write_all(fd: int, data: memoryview | bytes, path: str | Path) -> None:
+def write_all(fd: int, data: Buffer, path: str | Path) -> None:
     """Write every byte of ``data`` to ``fd``; ENOSPC/EDQUOT become CacheFullError."""
     view = memoryview(data).cast("B")
     done = 0
@@ -95,10 +99,8 @@ def remove_tree(path: Path) -> int:
     try:
         with os.scandir(path) as it:
             for entry in it:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     freed += entry.stat(follow_symlinks=False).st_blocks * 512
-                except FileNotFoundError:
-                    pass
     except FileNotFoundError:
         return 0
     except NotADirectoryError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import re
 import zipfile
 from collections.abc import Iterator
@@ -27,8 +26,8 @@ __all__ = [
     "NpzMember",
     "build_header",
     "check_storable_dtype",
-    "iter_npz_members",
     "header_length",
+    "iter_npz_members",
     "parse_header_bytes",
     "read_source_header",
 ]

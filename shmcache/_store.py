@@ -22,7 +22,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from ._keys import decode_key, encode_key, key_in_prefix, validate_key
 from ._npy import NpyHeader, check_storable_dtype, iter_npz_members, read_source_header
 from ._procmaps import mapped_versions
 from ._root import Layout, default_root, prepare_root
+from ._units import human_bytes
 from ._writer import META_FILE, VersionWriter, writer_of
 from .errors import (
     CacheFullError,
@@ -405,8 +406,8 @@ class Store:
             free = free_bytes(self.root)
             if nbytes > free:
                 raise CacheFullError(
-                    f"need {_human(nbytes)} but the file system of {self._root_str} has only "
-                    f"{_human(free)} free (of {_human(total_bytes(self.root))}); evict entries "
+                    f"need {human_bytes(nbytes)} but the file system of {self._root_str} has only "
+                    f"{human_bytes(free)} free (of {human_bytes(total_bytes(self.root))}); evict entries "
                     "(`shmcache evict`) or enlarge /dev/shm (Docker: --shm-size or --ipc=host)"
                 )
             writer.reserve(nbytes)
@@ -427,8 +428,8 @@ class Store:
             pinned = [e.key for e in entries if e.pinned]
             busy = [e.key for e in entries if e.version in mapped]
             raise CacheFullError(
-                f"need {_human(nbytes)} within the budget of {_human(self.max_bytes)}, "
-                f"{_human(used)} used; only {_human(sum(e.size for e in candidates))} could be "
+                f"need {human_bytes(nbytes)} within the budget of {human_bytes(self.max_bytes)}, "
+                f"{human_bytes(used)} used; only {human_bytes(sum(e.size for e in candidates))} could be "
                 f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}"
             )
         for entry in candidates:
@@ -443,10 +444,8 @@ class Store:
         for lock in self.layout.tmp.glob("*.lock"):
             if lock == writer.lock_path or not FileLockProbe.holder_alive(lock):
                 continue
-            try:
+            with suppress(OSError, ValueError):
                 reserved += int(lock.read_text() or 0)
-            except (OSError, ValueError):
-                pass
         return reserved
 
     # ------------------------------------------------------------------ evict, list, stats
@@ -701,24 +700,14 @@ def _inflate_member(item: _Planned, dst: int, target: Path) -> None:
 
     written = 0
     try:
-        with zipfile.ZipFile(item.copy_from) as archive:
-            with archive.open(f"{item.member}.npy") as member:
-                while chunk := member.read(16 << 20):
-                    write_all(dst, chunk[: item.header.file_size - written], target)
-                    written += len(chunk)
+        with zipfile.ZipFile(item.copy_from) as archive, archive.open(f"{item.member}.npy") as member:
+            while chunk := member.read(16 << 20):
+                write_all(dst, chunk[: item.header.file_size - written], target)
+                written += len(chunk)
     except (zipfile.BadZipFile, EOFError, KeyError) as exc:
         raise CorruptSourceError(f"{item.source}: {exc}") from exc
     if written < item.header.file_size:
         raise CorruptSourceError(f"{item.source}: truncated member ({written} bytes)")
-
-
-def _human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 def _names(keys: list[str]) -> str:

@@ -1,0 +1,3 @@
+"""Drop-in replacements for the ``/dev/shm`` caching helpers people already use."""
+
+__all__: list[str] = []

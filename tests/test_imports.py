@@ -1,0 +1,68 @@
+"""Layering: the core loads numpy alone; public names are exported once."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+import shmcache
+
+HEAVY = ["fastapi", "uvicorn", "httpx", "torch", "typer", "rich"]
+
+
+def test_import_shmcache_loads_no_service_client_or_torch() -> None:
+    code = (
+        "import json, sys, shmcache; "
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_opening_an_array_loads_no_heavy_module(root: object) -> None:
+    code = (
+        "import json, sys, numpy as np, shmcache; "
+        "shmcache.put_array('k', np.arange(3)); shmcache.open_array('k'); "
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["shmcache", "shmcache.errors", "shmcache.compat.sharearray", "shmcache.service", "shmcache.client"],
+)
+def test_every_module_declares_sorted_all(module: str) -> None:
+    mod = importlib.import_module(module)
+    exported = mod.__all__
+    assert exported == sorted(exported)
+    for name in exported:
+        assert hasattr(mod, name), name
+
+
+def test_public_api_names_from_design() -> None:
+    for name in [
+        "open_array", "put_array", "put_file", "cache", "Store", "ShmCacheError", "KeyNotFoundError",
+        "KeyExistsError", "InvalidKeyError", "UnsupportedDataError", "CacheFullError",
+        "LockTimeoutError", "DaemonUnavailableError",
+    ]:
+        assert name in shmcache.__all__, name
+
+
+def test_service_and_client_install_under_shmcache() -> None:
+    import shmcache.client
+    import shmcache.service
+
+    assert shmcache.service.__name__ == "shmcache.service"
+    assert shmcache.client.__name__ == "shmcache.client"
+    # From outside the checkout, no generic top-level name leaks into site-packages.
+    for name in ("service", "client"):
+        probe = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], cwd="/", capture_output=True, text=True
+        )
+        assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr
