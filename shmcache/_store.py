@@ -38,9 +38,10 @@ from ._npy import NpyHeader, check_storable_dtype, iter_npz_members, read_source
 from ._procmaps import mapped_versions
 from ._root import Layout, default_root, prepare_root
 from ._units import human_bytes
-from ._writer import META_FILE, VersionWriter, writer_of
+from ._writer import META_FILE, STAGING_SUFFIX, VersionWriter, writer_of
 from .errors import (
     CacheFullError,
+    CorruptEntryError,
     CorruptSourceError,
     InvalidSourceError,
     KeyExistsError,
@@ -59,6 +60,7 @@ ARRAY_FILE = "data.npy"
 META_FORMAT = 1
 _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
+_STAGING_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,11 @@ class Store:
                 except FileNotFoundError:
                     if self.layout.objects.joinpath(version, META_FILE).exists():
                         raise self._wrong_kind(key, version, "array") from None
+                    if _read_version(Path(link)) == version:
+                        raise CorruptEntryError(
+                            f"entry {key!r}: its data ({version}) is missing from "
+                            f"{self.layout.objects}; run `shmcache cleanup` and put it again"
+                        ) from None
                     continue  # replaced or evicted between readlink and open: resolve again
             self._attached[key] = (generation, version, array)
             return array
@@ -556,8 +563,12 @@ class Store:
             return live[writer]
 
         for name in os.listdir(self.layout.tmp):
-            if not alive(writer_of(name)):
-                freed += remove_tree(self.layout.tmp / name)
+            path = self.layout.tmp / name
+            if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
+                if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
+                    freed += remove_tree(path)
+            elif not alive(writer_of(name)):
+                freed += remove_tree(path)
         dead_unreferenced = [
             v for v in os.listdir(self.layout.objects) if not alive(writer_of(v))
         ]
@@ -566,9 +577,21 @@ class Store:
         for version in dead_unreferenced:
             if version not in referenced:
                 freed += remove_tree(self.layout.objects / version)
+        self._unlink_dangling_entries()
         if freed:
             logger.info("cleanup freed %d bytes in %s", freed, self._root_str)
         return freed
+
+    def _unlink_dangling_entries(self) -> None:
+        """Drop entry links whose version directory vanished (removed by hand)."""
+        for name in os.listdir(self.layout.entries):
+            version = _read_version(self.layout.entries / name)
+            if version is None or (self.layout.objects / version).is_dir():
+                continue
+            with suppress(KeyNotFoundError, OSError):
+                key = decode_key(name)
+                if self._evict_version(key, version) is not None:
+                    logger.warning("removed entry %s: its data had vanished", key)
 
     def _referenced_versions(self) -> set[str]:
         versions = set()
@@ -595,6 +618,13 @@ def _acquired(lock: FileLock, timeout: float, what: str) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _read_version(link: Path) -> str | None:
@@ -655,6 +685,14 @@ def _plan_sources(key: str, path: Path) -> list[_Planned]:
                 plan.extend(_plan_file(_child_key(key, relative, file), file))
         if not plan:
             raise InvalidSourceError(f"directory {path} holds no .npy or .npz files")
+        seen: dict[str, str] = {}
+        for item in plan:
+            if item.key in seen:
+                raise InvalidSourceError(
+                    f"{seen[item.key]} and {item.source} would both become key {item.key!r}; "
+                    "rename one of them"
+                )
+            seen[item.key] = item.source
         return plan
     return _plan_file(key, path, st)
 

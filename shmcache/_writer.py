@@ -22,9 +22,10 @@ from ._fs import remove_tree, write_all
 from ._npy import build_header
 from ._root import Layout
 
-__all__ = ["META_FILE", "VersionWriter", "writer_of"]
+__all__ = ["META_FILE", "STAGING_SUFFIX", "VersionWriter", "writer_of"]
 
 META_FILE = "meta.json"
+STAGING_SUFFIX = ".lock.new"
 _ROWS_BYTES = 16 << 20  # chunk size when a non-contiguous array must be copied to write
 
 
@@ -45,11 +46,15 @@ class VersionWriter:
         self._count = 0
         self._pending: list[str] = []
         # Lock under a temporary name, then rename: the lock file never appears unlocked.
-        staging = layout.tmp / f"{self.writer_id}.lock.new"
+        staging = layout.tmp / f"{self.writer_id}{STAGING_SUFFIX}"
         self._lock_fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        self.lock_path = layout.tmp / f"{self.writer_id}.lock"
-        os.rename(staging, self.lock_path)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            self.lock_path = layout.tmp / f"{self.writer_id}.lock"
+            os.rename(staging, self.lock_path)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     def reserve(self, nbytes: int) -> None:
         """Record the bytes this writer is about to write (counted against the budget)."""
