@@ -7,11 +7,11 @@ a store through a mapping kills the process with SIGBUS.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -94,22 +94,27 @@ def total_bytes(path: Path) -> int:
 
 
 def remove_tree(path: Path) -> int:
-    """Remove a directory tree, returning the bytes its files held (0 if it is gone)."""
-    freed = 0
+    """Remove a directory tree, file or symlink; return the bytes its files held.
+
+    Symlinks are removed, never followed (a staged entry link points into ``objects/``).
+    """
     try:
-        with os.scandir(path) as it:
-            for entry in it:
-                with contextlib.suppress(FileNotFoundError):
-                    freed += entry.stat(follow_symlinks=False).st_blocks * 512
+        st = os.lstat(path)
     except FileNotFoundError:
         return 0
-    except NotADirectoryError:
+    if not stat.S_ISDIR(st.st_mode):
         try:
-            freed = os.lstat(path).st_blocks * 512
             os.unlink(path)
         except FileNotFoundError:
             return 0
-        return freed
+        return st.st_blocks * 512
+    freed = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                freed += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
     shutil.rmtree(path, ignore_errors=True)
     return freed
 

@@ -12,6 +12,7 @@ import io
 import math
 import re
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
@@ -78,20 +79,25 @@ def build_header(dtype: np.dtype, shape: tuple[int, ...], fortran_order: bool) -
         buffer = io.BytesIO()
         try:
             write(buffer, fields)
+        except UnicodeEncodeError as exc:  # (a ValueError too: must come first)
+            raise UnsupportedDataError(
+                f"dtype {dtype!r} has field names that are not latin-1 (that needs .npy "
+                "format 3.0, which shmcache does not write); rename the fields"
+            ) from exc
         except ValueError:  # header too long for format 1.0
             continue
-        except UnicodeEncodeError as exc:
-            raise UnsupportedDataError(
-                f"dtype {dtype!r} has field names that are not latin-1; rename the fields"
-            ) from exc
         return buffer.getvalue()
     raise UnsupportedDataError(f"dtype {dtype!r} is too large to describe in a .npy header")
 
 
-def _dtype_from_descr(descr: bytes) -> np.dtype:
+def _dtype_from_descr(descr: bytes, where: str) -> np.dtype:
     dtype = _DTYPES.get(descr)
     if dtype is None:
-        dtype = _DTYPES[descr] = np.dtype(descr.decode("ascii"))
+        try:
+            dtype = np.dtype(descr.decode("ascii"))
+        except (TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptEntryError(f"{where} has a damaged .npy header (dtype {descr!r})") from exc
+        _DTYPES[descr] = dtype
     return dtype
 
 
@@ -116,7 +122,7 @@ def parse_header_bytes(head: bytes, end: int, where: str) -> tuple[np.dtype, tup
     descr, fortran, dims = match.groups()
     dims = dims.replace(b" ", b"").rstrip(b",")
     return (
-        _dtype_from_descr(descr),
+        _dtype_from_descr(descr, where),
         tuple(map(int, dims.split(b","))) if dims else (),
         fortran == b"True",
         end,
@@ -126,19 +132,28 @@ def parse_header_bytes(head: bytes, end: int, where: str) -> tuple[np.dtype, tup
 def _parse_header_slowly(raw: bytes, where: str) -> NpyHeader:
     try:
         return _read_header(io.BytesIO(raw))
-    except (ValueError, UnsupportedDataError) as exc:
+    except ValueError as exc:
         raise CorruptEntryError(f"{where} has a damaged .npy header ({exc})") from exc
 
 
 def _read_header(fp: BinaryIO) -> NpyHeader:
-    """Read magic and header from ``fp`` with ``allow_pickle=False`` semantics."""
-    version = npy_format.read_magic(fp)
-    if version == (1, 0):
-        shape, fortran, dtype = npy_format.read_array_header_1_0(fp, _MAX_HEADER_SIZE)
-    elif version == (2, 0):
-        shape, fortran, dtype = npy_format.read_array_header_2_0(fp, _MAX_HEADER_SIZE)
-    else:
-        raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    """Read magic and header from ``fp`` with ``allow_pickle=False`` semantics.
+
+    Whatever numpy's parser raises on damaged input (ValueError, SyntaxError,
+    tokenize.TokenError, EOFError...) comes out as ValueError.
+    """
+    try:
+        version = npy_format.read_magic(fp)
+        if version == (1, 0):
+            shape, fortran, dtype = npy_format.read_array_header_1_0(fp, _MAX_HEADER_SIZE)
+        elif version == (2, 0):
+            shape, fortran, dtype = npy_format.read_array_header_2_0(fp, _MAX_HEADER_SIZE)
+        else:
+            raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from exc
     if any(d < 0 for d in shape):
         raise ValueError(f"negative dimension in shape {shape}")
     return NpyHeader(dtype, tuple(shape), bool(fortran), fp.tell())
@@ -151,7 +166,7 @@ def read_source_header(fp: BinaryIO, size: int, where: str) -> NpyHeader:
     """
     try:
         header = _read_header(fp)
-    except (ValueError, EOFError, SyntaxError) as exc:
+    except ValueError as exc:
         raise CorruptSourceError(f"{where}: not a valid .npy file ({exc})") from exc
     check_storable_dtype(header.dtype, where)
     if size < header.file_size:
@@ -196,7 +211,7 @@ def iter_npz_members(path: str) -> Iterator[NpzMember]:
                 if info.compress_type == zipfile.ZIP_STORED:
                     stored = _local_data_offset(raw, info)
                 yield NpzMember(info.filename[: -len(".npy")], header, stored)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as exc:
         raise CorruptSourceError(f"{path}: not a valid .npz archive ({exc})") from exc
     except NotImplementedError as exc:  # unsupported compression method
         raise CorruptSourceError(f"{path}: {exc}") from exc

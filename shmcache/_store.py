@@ -21,7 +21,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,7 +160,10 @@ class Store:
         Repeated opens in one process return the attached array in well under a
         microsecond until any entry of the root changes.
         """
-        hit = self._attached.get(key)
+        try:
+            hit = self._attached.get(key)
+        except TypeError:  # unhashable: let validation explain
+            hit = None
         if hit is not None and self._generation is not None and hit[0] == self._generation[0]:
             return hit[2]
         return self._open_array_slowly(key)
@@ -248,7 +251,7 @@ class Store:
         self._refuse_existing([key], overwrite)
         header_room = 4096
         with self._writer() as writer:
-            self._reserve(writer, array.nbytes + header_room)
+            self._reserve(writer, array.nbytes + header_room, [key] if overwrite else ())
             version = writer.new_version()
             writer.write_array(version, ARRAY_FILE, array)
             meta = self._array_meta(key, version, writer.path(version, ARRAY_FILE), pin)
@@ -277,7 +280,7 @@ class Store:
         self._refuse_existing([p.key for p in plan], overwrite)
         total = sum(p.header.file_size for p in plan)
         with self._writer() as writer:
-            self._reserve(writer, total + 4096 * len(plan))
+            self._reserve(writer, total + 4096 * len(plan), [p.key for p in plan] if overwrite else ())
             for item in plan:
                 item.version = writer.new_version()
                 self._copy_planned(writer, item)
@@ -405,11 +408,15 @@ class Store:
 
     # ------------------------------------------------------------------ space
 
-    def _reserve(self, writer: VersionWriter, nbytes: int) -> None:
-        """Check room for ``nbytes`` (evicting for the budget if needed), then record it."""
+    def _reserve(self, writer: VersionWriter, nbytes: int, replacing: Collection[str] = ()) -> None:
+        """Check room for ``nbytes`` (evicting for the budget if needed), then record it.
+
+        Entries under ``replacing`` keys are about to be replaced: their bytes do not
+        count against the budget.
+        """
         with self._space_lock():
             if self.max_bytes is not None:
-                self._make_room_in_budget(nbytes, writer)
+                self._make_room_in_budget(nbytes, writer, set(replacing))
             free = free_bytes(self.root)
             if nbytes > free:
                 raise CacheFullError(
@@ -419,9 +426,9 @@ class Store:
                 )
             writer.reserve(nbytes)
 
-    def _make_room_in_budget(self, nbytes: int, writer: VersionWriter) -> None:
+    def _make_room_in_budget(self, nbytes: int, writer: VersionWriter, replacing: set[str]) -> None:
         assert self.max_bytes is not None
-        entries = list(self._iter_infos())
+        entries = [e for e in self._iter_infos() if e.key not in replacing]
         used = sum(e.size for e in entries) + self._reserved_by_others(writer)
         excess = used + nbytes - self.max_bytes
         if excess <= 0:
@@ -484,6 +491,8 @@ class Store:
 
     def list(self, prefix: str | None = None) -> list[EntryInfo]:
         """Entries whose key is ``prefix`` or lies under it, sorted by key."""
+        if prefix is not None and not isinstance(prefix, str):
+            validate_key(prefix)  # raises InvalidKeyError naming the type
         if prefix:
             validate_key(prefix.rstrip("/"))
         return sorted(
@@ -708,7 +717,7 @@ def _child_key(key: str, relative: str, file: Path) -> str:
 def _plan_file(key: str, path: Path, st: os.stat_result | None = None) -> list[_Planned]:
     st = st or path.stat()
     if path.suffix == ".npz":
-        return [
+        members = [
             _Planned(
                 key=_child_key(key, member.name, path),
                 header=member.header,
@@ -720,6 +729,9 @@ def _plan_file(key: str, path: Path, st: os.stat_result | None = None) -> list[_
             )
             for member in iter_npz_members(str(path))
         ]
+        if not members:
+            raise InvalidSourceError(f"{path}: the .npz archive holds no .npy arrays")
+        return members
     if path.suffix != ".npy":
         raise CorruptSourceError(f"{path}: not a .npy or .npz file (or a directory of them)")
     try:
@@ -733,6 +745,7 @@ def _plan_file(key: str, path: Path, st: os.stat_result | None = None) -> list[_
 def _inflate_member(item: _Planned, dst: int, target: Path) -> None:
     """Copy a compressed ``.npz`` member (zipfile checks its CRC while inflating)."""
     import zipfile
+    import zlib
 
     from ._fs import write_all
 
@@ -742,7 +755,7 @@ def _inflate_member(item: _Planned, dst: int, target: Path) -> None:
             while chunk := member.read(16 << 20):
                 write_all(dst, chunk[: item.header.file_size - written], target)
                 written += len(chunk)
-    except (zipfile.BadZipFile, EOFError, KeyError) as exc:
+    except (zipfile.BadZipFile, EOFError, KeyError, zlib.error) as exc:
         raise CorruptSourceError(f"{item.source}: {exc}") from exc
     if written < item.header.file_size:
         raise CorruptSourceError(f"{item.source}: truncated member ({written} bytes)")
