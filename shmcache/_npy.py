@@ -38,7 +38,9 @@ _MAX_HEADER_SIZE = 1 << 20  # numpy's default (10000) rejects wide structured dt
 _CANONICAL_HEADER = re.compile(
     rb"\{'descr': '([^']+)', 'fortran_order': (False|True), 'shape': \(([0-9, ]*)\), \} *\n\Z"
 )
-_DTYPES: dict[bytes, np.dtype] = {}
+_MEMO_LIMIT = 4096
+_DTYPES: dict[bytes, np.dtype] = {}  # descr text -> dtype
+_SHAPES: dict[bytes, tuple[int, ...]] = {}  # shape text -> shape
 
 
 class NpyHeader(NamedTuple):
@@ -97,6 +99,8 @@ def _dtype_from_descr(descr: bytes, where: str) -> np.dtype:
             dtype = np.dtype(descr.decode("ascii"))
         except (TypeError, ValueError, UnicodeDecodeError) as exc:
             raise CorruptEntryError(f"{where} has a damaged .npy header (dtype {descr!r})") from exc
+        if len(_DTYPES) >= _MEMO_LIMIT:
+            _DTYPES.clear()
         _DTYPES[descr] = dtype
     return dtype
 
@@ -120,13 +124,20 @@ def parse_header_bytes(head: bytes, end: int, where: str) -> tuple[np.dtype, tup
     if match is None:
         return tuple(_parse_header_slowly(head[:end], where))  # type: ignore[return-value]
     descr, fortran, dims = match.groups()
-    dims = dims.replace(b" ", b"").rstrip(b",")
-    return (
-        _dtype_from_descr(descr, where),
-        tuple(map(int, dims.split(b","))) if dims else (),
-        fortran == b"True",
-        end,
-    )
+    shape = _SHAPES.get(dims)
+    if shape is None:
+        shape = _shape_from_text(dims)
+    return (_dtype_from_descr(descr, where), shape, fortran == b"True", end)
+
+
+def _shape_from_text(dims: bytes) -> tuple[int, ...]:
+    """``b"64, 256"`` -> ``(64, 256)``, remembered (a pure function of the text)."""
+    digits = dims.replace(b" ", b"").rstrip(b",")
+    shape = tuple(map(int, digits.split(b","))) if digits else ()
+    if len(_SHAPES) >= _MEMO_LIMIT:
+        _SHAPES.clear()
+    _SHAPES[dims] = shape
+    return shape
 
 
 def _parse_header_slowly(raw: bytes, where: str) -> NpyHeader:

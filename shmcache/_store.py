@@ -169,14 +169,19 @@ class Store:
         return self._open_array_slowly(key)
 
     def _open_array_slowly(self, key: str) -> np.ndarray:
-        validate_key(key)
+        # Links exist only for validated keys, and "/" <-> "~" is the only renaming, so
+        # a key without "~" that resolves is valid: validate only when it does not.
+        if not isinstance(key, str) or "~" in key:
+            validate_key(key)
         generation = self._read_generation()
-        self._sweep_stale(generation)
-        link = f"{self._entries_str}/{encode_key(key)}"
+        if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
+            self._sweep_stale()
+        link = f"{self._entries_str}/{key.replace('/', '~')}"
         for _ in range(_RESOLVE_RETRIES):
             try:
                 version = os.readlink(link).rpartition("/")[2]
-            except FileNotFoundError:
+            except (OSError, ValueError):  # missing, or no valid key: "", ".", NUL, too long
+                validate_key(key)
                 raise self._not_found(key) from None
             hit = self._attached.get(key)
             if hit is not None and hit[1] == version:
@@ -209,15 +214,12 @@ class Store:
                 os.close(fd)
         return int(self._generation[0])
 
-    def _sweep_stale(self, generation: int) -> None:
+    def _sweep_stale(self) -> None:
         """Drop this process's attachments to versions that are no longer current.
 
         Their memory can only return to the system once no process maps them.
         """
-        now = time.monotonic()
-        if now - self._last_sweep < _SWEEP_INTERVAL_S:
-            return
-        self._last_sweep = now
+        self._last_sweep = time.monotonic()
         for key, (_, version, _) in list(self._attached.items()):
             try:
                 current = os.readlink(f"{self._entries_str}/{encode_key(key)}").rpartition("/")[2]
