@@ -80,11 +80,16 @@ def _mkdir_private(path: Path) -> None:
     except OSError as exc:
         raise CacheRootError(f"cannot create cache directory {path}: {exc.strerror}") from exc
     st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise CacheRootError(
+            f"{path} is a symlink; shmcache does not follow symlinks in its root (someone "
+            f"could plant one in /dev/shm): use the real path {os.path.realpath(path)}"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise CacheRootError(f"{path} exists but is not a directory; remove it or pick another root")
-    if st.st_uid != os.getuid() and os.getuid() != 0:
+    if st.st_uid != os.geteuid():  # e.g. planted in world-writable /dev/shm; root included
         raise CacheRootError(
-            f"cache directory {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+            f"cache directory {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
             "pick another root with root= or SHMCACHE_ROOT"
         )
 
