@@ -12,6 +12,7 @@ import fcntl
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,29 +54,41 @@ def write_all(fd: int, data: Buffer, path: str | Path) -> None:
         raise
 
 
-def copy_range(src_fd: int, dst_fd: int, offset: int, count: int, path: str | Path) -> None:
+def copy_range(
+    src_fd: int,
+    dst_fd: int,
+    offset: int,
+    count: int,
+    path: str | Path,
+    on_chunk: Callable[[int], None] | None = None,
+) -> None:
     """Copy ``count`` bytes from ``src_fd`` at ``offset`` to the end of ``dst_fd``.
 
     The kernel moves the bytes (``copy_file_range``, else ``sendfile``); they never
-    pass through Python memory.
+    pass through Python memory. ``on_chunk(n)`` is called after every chunk of ``n``
+    bytes (it may raise to abort the copy).
     """
     end = offset + count
     try:
         try:
             while offset < end:
-                copied = os.copy_file_range(src_fd, dst_fd, min(end - offset, 1 << 30), offset)
+                copied = os.copy_file_range(src_fd, dst_fd, min(end - offset, _CHUNK), offset)
                 if copied == 0:
                     raise EOFError(f"source ended at byte {offset}, expected {end}")
                 offset += copied
+                if on_chunk is not None:
+                    on_chunk(copied)
             return
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
         while offset < end:  # across file systems on kernels that refuse copy_file_range
-            sent = os.sendfile(dst_fd, src_fd, offset, min(end - offset, 1 << 30))
+            sent = os.sendfile(dst_fd, src_fd, offset, min(end - offset, _CHUNK))
             if sent == 0:
                 raise EOFError(f"source ended at byte {offset}, expected {end}")
             offset += sent
+            if on_chunk is not None:
+                on_chunk(sent)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _full(path, exc) from exc

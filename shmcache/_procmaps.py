@@ -9,34 +9,61 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["mapped_versions"]
+__all__ = ["MappingScan", "mapped_versions", "scan_mappings"]
+
+_DELETED = " (deleted)"
 
 
-def mapped_versions(objects_dir: Path) -> dict[str, set[int]]:
-    """Map each version directory name under ``objects_dir`` to the PIDs that map it.
+@dataclass
+class MappingScan:
+    """What live processes map under one ``objects/`` directory."""
+
+    pids_by_version: dict[str, set[int]] = field(default_factory=dict)
+    """Version directory name -> PIDs mapping one of its files (current or unlinked)."""
+    deleted_bytes: int = 0
+    """Bytes of unlinked (evicted or replaced) entry files still mapped by someone:
+    memory that returns to the system only when those processes let go."""
+
+
+def scan_mappings(objects_dir: Path) -> MappingScan:
+    """Scan every readable ``/proc/<pid>/maps`` for files under ``objects_dir``.
 
     Processes whose maps we may not read (another user's, without privileges) are
     skipped: they cannot map this user's 0700 cache anyway.
     """
     prefix = os.path.realpath(objects_dir) + "/"
-    found: dict[str, set[int]] = defaultdict(set)
+    needle = prefix.encode()
+    pids_by_version: dict[str, set[int]] = defaultdict(set)
+    deleted_extent: dict[tuple[str, str], int] = {}
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except FileNotFoundError:  # no procfs: report nothing mapped
-        return {}
+        return MappingScan()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps", "rb") as maps:
                 data = maps.read()
         except OSError:  # exited meanwhile, or not ours to read
             continue
-        if prefix.encode() not in data:
+        if needle not in data:
             continue
         for line in data.decode("utf-8", "replace").splitlines():
             where = line.find(prefix)
-            if where >= 0:
-                version = line[where + len(prefix) :].split("/", 1)[0]
-                found[version].add(pid)
-    return dict(found)
+            if where < 0:
+                continue
+            version = line[where + len(prefix) :].split("/", 1)[0]
+            pids_by_version[version].add(pid)
+            if line.endswith(_DELETED):
+                fields = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ident = (fields[3], fields[4])  # device, inode
+                deleted_extent[ident] = max(deleted_extent.get(ident, 0), end - start)
+    return MappingScan(dict(pids_by_version), sum(deleted_extent.values()))
+
+
+def mapped_versions(objects_dir: Path) -> dict[str, set[int]]:
+    """Map each version directory name under ``objects_dir`` to the PIDs that map it."""
+    return scan_mappings(objects_dir).pids_by_version

@@ -16,6 +16,7 @@ that still map them keep reading them.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import mmap
@@ -35,7 +36,7 @@ from ._attach import attach_array
 from ._fs import FileLockProbe, copy_range, free_bytes, remove_tree, total_bytes
 from ._keys import decode_key, encode_key, key_in_prefix, validate_key
 from ._npy import NpyHeader, check_storable_dtype, iter_npz_members, read_source_header
-from ._procmaps import mapped_versions
+from ._procmaps import MappingScan, mapped_versions, scan_mappings
 from ._root import Layout, default_root, prepare_root
 from ._units import human_bytes
 from ._writer import META_FILE, STAGING_SUFFIX, VersionWriter, writer_of
@@ -269,23 +270,36 @@ class Store:
         *,
         overwrite: bool = False,
         pin: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
         directory of them (as ``key/<relative path without suffix>``).
 
         Everything is validated before anything is copied: a truncated or corrupt file
         raises a typed error naming it and publishes nothing. Payloads are copied by the
-        kernel, never through Python memory. Returns the published keys.
+        kernel, never through Python memory. ``progress(bytes_done, bytes_total)`` is
+        called as data is copied; an exception it raises cancels the load, and nothing
+        is published. Returns the published keys.
         """
         validate_key(key)
         plan = _plan_sources(key, Path(path))
         self._refuse_existing([p.key for p in plan], overwrite)
         total = sum(p.header.file_size for p in plan)
+        done = 0
+
+        def advance(nbytes: int) -> None:
+            nonlocal done
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
+
         with self._writer() as writer:
             self._reserve(writer, total + 4096 * len(plan), [p.key for p in plan] if overwrite else ())
+            if progress is not None:
+                progress(0, total)
             for item in plan:
                 item.version = writer.new_version()
-                self._copy_planned(writer, item)
+                self._copy_planned(writer, item, advance)
                 meta = self._array_meta(item.key, item.version, writer.path(item.version, ARRAY_FILE), pin)
                 meta["source"] = item.source
                 meta["source_fingerprint"] = item.fingerprint
@@ -347,20 +361,20 @@ class Store:
             "checksum": None,
         }
 
-    def _copy_planned(self, writer: VersionWriter, item: _Planned) -> None:
+    def _copy_planned(self, writer: VersionWriter, item: _Planned, advance: Callable[[int], None]) -> None:
         target = writer.path(item.version, ARRAY_FILE)
         dst = writer.create_file(item.version, ARRAY_FILE)
         try:
             if item.copy_offset is not None:
                 src = os.open(item.copy_from, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    copy_range(src, dst, item.copy_offset, item.header.file_size, target)
+                    copy_range(src, dst, item.copy_offset, item.header.file_size, target, advance)
                 except EOFError as exc:
                     raise CorruptSourceError(f"{item.source}: {exc} (did it change while loading?)") from exc
                 finally:
                     os.close(src)
             else:
-                _inflate_member(item, dst, target)
+                _inflate_member(item, dst, target, advance)
         finally:
             os.close(dst)
 
@@ -510,6 +524,15 @@ class Store:
         if info is None:
             raise self._not_found(key)
         return info
+
+    def mapped_by(self, key: str) -> builtins.list[int]:
+        """PIDs of live processes that map the current version of ``key`` (a ``/proc`` scan)."""
+        version = self.info(key).version
+        return sorted(mapped_versions(self.layout.objects).get(version, ()))
+
+    def scan_mappings(self) -> MappingScan:
+        """Which processes map which versions, and bytes still held by unlinked ones."""
+        return scan_mappings(self.layout.objects)
 
     def stats(self) -> StoreStats:
         entries = list(self._iter_infos())
@@ -744,7 +767,7 @@ def _plan_file(key: str, path: Path, st: os.stat_result | None = None) -> list[_
     return [_Planned(key, header, str(path), _fingerprint(st), str(path), 0)]
 
 
-def _inflate_member(item: _Planned, dst: int, target: Path) -> None:
+def _inflate_member(item: _Planned, dst: int, target: Path, advance: Callable[[int], None]) -> None:
     """Copy a compressed ``.npz`` member (zipfile checks its CRC while inflating)."""
     import zipfile
     import zlib
