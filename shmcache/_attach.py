@@ -1,7 +1,7 @@
 """Read-only mappings of entry files, and pickling of arrays by reference.
 
 An array handed out by shmcache is a plain ``ndarray`` (full indexing speed, unlike
-``np.memmap``) whose buffer is a :class:`SharedMapping`. Pickling such an array, or
+``np.memmap``) whose buffer is a :class:`MappedFile`. Pickling such an array, or
 any view of it, sends ``(root, version, file, offset, shape, strides, dtype)`` instead
 of the data, and the receiving process maps the same file again: DataLoader workers
 started with ``spawn``/``forkserver`` get the dataset in microseconds, not a copy.
@@ -21,10 +21,10 @@ import numpy as np
 from ._npy import header_length, parse_header_bytes
 from .errors import CorruptEntryError, KeyNotFoundError
 
-__all__ = ["SharedMapping", "attach_array", "install_pickle_by_reference", "map_entry_file"]
+__all__ = ["MappedFile", "attach_array", "install_pickle_by_reference", "map_entry_file"]
 
 
-class SharedMapping(mmap.mmap):
+class MappedFile(mmap.mmap):
     """A read-only mapping of one published entry file that knows where it came from."""
 
     origin: tuple[str, str, str, str]
@@ -39,12 +39,12 @@ class SharedMapping(mmap.mmap):
 
 
 _HEADER_READ = 256  # numpy pads headers to 64 bytes; nearly all fit in 128
-_MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], SharedMapping] = (
+_MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
     weakref.WeakValueDictionary()
 )
 
 
-def map_entry_file(root: str, version: str, filename: str, key: str) -> SharedMapping:
+def map_entry_file(root: str, version: str, filename: str, key: str) -> MappedFile:
     """Map ``root/objects/<version>/<filename>`` read-only.
 
     Raises FileNotFoundError if the version is gone (replaced or evicted).
@@ -74,7 +74,7 @@ def attach_array(root: str, version: str, filename: str, key: str) -> np.ndarray
 
 def _map(
     root: str, version: str, filename: str, key: str, read_header: bool
-) -> tuple[SharedMapping, bytes, int]:
+) -> tuple[MappedFile, bytes, int]:
     path = f"{root}/objects/{version}/{filename}"
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -87,7 +87,7 @@ def _map(
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: {path} is truncated inside its header")
         try:
-            mapping = SharedMapping(fd, 0, prot=mmap.PROT_READ)
+            mapping = MappedFile(fd, 0, prot=mmap.PROT_READ)
         except ValueError as exc:  # an empty file cannot be mapped
             raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
         try:  # when it was last used, for least-recently-used eviction
@@ -136,7 +136,7 @@ def _reduce_ndarray(array: np.ndarray) -> Any:
     base = array.base
     while isinstance(base, np.ndarray):
         base = base.base
-    if isinstance(base, SharedMapping) and array.size:
+    if isinstance(base, MappedFile) and array.size:
         offset = int(array.__array_interface__["data"][0]) - base.start_address()
         return _reattach, (
             *base.origin,

@@ -15,12 +15,12 @@ import torch
 from torch.utils.data import Dataset
 
 import shmcache
-from shmcache._attach import SharedMapping
+from shmcache._attach import MappedFile
 
 __all__ = ["SharedRowsDataset", "WorkerView", "describe_array"]
 
 WorkerView = tuple[int, bool, bool, bool, str]
-"""``(pid, base chain ends in a SharedMapping, data file in /proc/self/maps, writeable,
+"""``(pid, base chain ends in a MappedFile, data file in /proc/self/maps, writeable,
 base types)`` as one worker sees the Dataset's array."""
 
 
@@ -31,7 +31,7 @@ def describe_array(array: np.ndarray) -> WorkerView:
     while base is not None:
         chain.append(base)
         base = getattr(base, "base", None)
-    shared = bool(chain) and isinstance(chain[-1], SharedMapping)
+    shared = bool(chain) and isinstance(chain[-1], MappedFile)
     mapped = False
     if shared:
         root, version, filename, _key = chain[-1].origin

@@ -87,7 +87,7 @@ def test_dataloader_workers_read_the_shared_entry(context: str, data: np.ndarray
     pids = set(torch.cat([b["pid"] for b in batches]).tolist())
     assert len(pids) == NUM_WORKERS and os.getpid() not in pids
     base_types = {t for b in batches for t in b["base_types"]}
-    assert base_types == {"SharedMapping"}, f"workers hold {base_types}, not the shared mapping"
+    assert base_types == {"MappedFile"}, f"workers hold {base_types}, not the shared mapping"
     assert bool(torch.cat([b["shared"] for b in batches]).all())
     assert bool(torch.cat([b["mapped"] for b in batches]).all()), "entry file not mapped by a worker"
     assert not bool(torch.cat([b["writeable"] for b in batches]).any())

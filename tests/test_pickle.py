@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import shmcache
-from shmcache._attach import SharedMapping
+from shmcache._attach import MappedFile
 
 REFERENCE_LIMIT = 1024
 """A pickled reference must stay under 1 KiB, whatever the array's size."""
@@ -79,7 +79,7 @@ def _base_chain(array: np.ndarray) -> list[Any]:
 
 def _ends_in_shared_mapping(array: np.ndarray) -> bool:
     chain = _base_chain(array)
-    return bool(chain) and isinstance(chain[-1], SharedMapping)
+    return bool(chain) and isinstance(chain[-1], MappedFile)
 
 
 def _digest(array: np.ndarray) -> str:
@@ -307,7 +307,7 @@ _CHILD = textwrap.dedent(
     import hashlib, json, pickle, sys
     import numpy as np
     import shmcache
-    from shmcache._attach import SharedMapping
+    from shmcache._attach import MappedFile
 
     def status(field):
         with open("/proc/self/status") as fp:
@@ -342,7 +342,7 @@ _CHILD = textwrap.dedent(
     print(json.dumps({
         "type": type(array).__module__ + "." + type(array).__qualname__,
         "base_types": [type(b).__qualname__ for b in chain],
-        "ends_in_shared_mapping": isinstance(mapping, SharedMapping),
+        "ends_in_shared_mapping": isinstance(mapping, MappedFile),
         "mapped": mapped,
         "writeable": bool(array.flags.writeable),
         "shape": list(array.shape),
