@@ -6,13 +6,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
+from ._containers import SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._group import SharedGroup
 from ._root import ENV_ROOT
 from ._store import EntryInfo, Store, StoreStats
+
+Root = str | os.PathLike[str] | None
 
 __all__ = [
     "cache",
@@ -20,9 +24,20 @@ __all__ = [
     "evict",
     "get_store",
     "list_entries",
+    "open",
     "open_array",
+    "open_group",
+    "open_mapping",
+    "open_ragged",
+    "open_records",
+    "open_strings",
     "put_array",
     "put_file",
+    "put_mapping",
+    "put_ragged",
+    "put_records",
+    "put_strings",
+    "share",
     "stats",
 ]
 
@@ -107,3 +122,77 @@ def stats(*, root: str | os.PathLike[str] | None = None) -> StoreStats:
 def cleanup(*, root: str | os.PathLike[str] | None = None) -> int:
     """Remove partial writes and orphans of dead writers; returns bytes freed."""
     return get_store(root).cleanup()
+
+
+def open(key: str, *, root: Root = None) -> Any:
+    """Open an entry of any kind (array, strings, ragged, records or mapping)."""
+    return get_store(root).open(key)
+
+
+def put_strings(
+    key: str, strings: Iterable[str], *, root: Root = None, overwrite: bool = False, pin: bool = False
+) -> EntryInfo:
+    """Publish a list of ``str``; ``open_strings(key)[i]`` gives them back."""
+    return get_store(root).put_strings(key, strings, overwrite=overwrite, pin=pin)
+
+
+def open_strings(key: str, *, root: Root = None) -> SharedStrings:
+    """Read-only ``Sequence[str]`` (with hash ``index``/``in``) over shared memory."""
+    return get_store(root).open_strings(key)
+
+
+def put_ragged(
+    key: str, arrays: Iterable[Any], *, root: Root = None, overwrite: bool = False, pin: bool = False
+) -> EntryInfo:
+    """Publish arrays of one dtype with varying first dimension (boxes per image...)."""
+    return get_store(root).put_ragged(key, arrays, overwrite=overwrite, pin=pin)
+
+
+def open_ragged(key: str, *, root: Root = None) -> SharedRagged:
+    """Read-only sequence of read-only array views over shared memory."""
+    return get_store(root).open_ragged(key)
+
+
+def put_records(
+    key: str,
+    records: Iterable[Any],
+    *,
+    root: Root = None,
+    overwrite: bool = False,
+    pin: bool = False,
+    allow_nan: bool = False,
+) -> EntryInfo:
+    """Publish JSON-compatible records (annotation dicts)."""
+    return get_store(root).put_records(key, records, overwrite=overwrite, pin=pin, allow_nan=allow_nan)
+
+
+def open_records(key: str, *, root: Root = None) -> SharedRecords:
+    """Read-only sequence whose items are decoded fresh on every access."""
+    return get_store(root).open_records(key)
+
+
+def put_mapping(
+    key: str, mapping: Mapping[str, Any], *, root: Root = None, overwrite: bool = False, pin: bool = False
+) -> EntryInfo:
+    """Publish a ``dict`` from str to arrays/numbers, str, or records."""
+    return get_store(root).put_mapping(key, mapping, overwrite=overwrite, pin=pin)
+
+
+def open_mapping(key: str, *, root: Root = None) -> SharedMapping:
+    """Read-only ``Mapping[str, X]`` with hash lookup in shared memory."""
+    return get_store(root).open_mapping(key)
+
+
+def open_group(prefix: str, *, root: Root = None) -> SharedGroup:
+    """Lazy read-only ``Mapping`` of the entries under ``prefix`` (e.g. a put directory)."""
+    return get_store(root).open_group(prefix)
+
+
+def share(key: str, obj: Any, *, root: Root = None) -> Any:
+    """Put ``obj`` in the shared form that fits it (reusing identical content) and open it.
+
+    The one-line fix for a Dataset's big lists and dicts::
+
+        self.paths = shmcache.share("paths", self.paths)
+    """
+    return get_store(root).share(key, obj)

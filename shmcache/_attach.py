@@ -21,7 +21,13 @@ import numpy as np
 from ._npy import header_length, parse_header_bytes
 from .errors import CorruptEntryError, KeyNotFoundError
 
-__all__ = ["MappedFile", "attach_array", "install_pickle_by_reference", "map_entry_file"]
+__all__ = [
+    "MappedFile",
+    "attach_array",
+    "install_pickle_by_reference",
+    "map_entry_file",
+    "private_view",
+]
 
 
 class MappedFile(mmap.mmap):
@@ -100,6 +106,34 @@ def _map(
     if not _installed:
         install_pickle_by_reference()
     return mapping, head, end
+
+
+def private_view(array: np.ndarray) -> np.ndarray:
+    """A writable copy-on-write view of a shared array's bytes.
+
+    The file is mapped again with ``MAP_PRIVATE``: reads share the cache's pages (no
+    copy); a write copies just the touched page into this process, so the cache and
+    every other process keep the original. Raises ValueError for arrays that do not
+    live in the cache.
+    """
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if not isinstance(base, MappedFile):
+        raise ValueError("array does not live in the shmcache (open it with shmcache.open_array)")
+    root, version, filename, key = base.origin
+    offset = int(array.__array_interface__["data"][0]) - base.start_address()
+    try:
+        fd = os.open(f"{root}/objects/{version}/{filename}", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise KeyNotFoundError(
+            f"entry {key!r} (version {version}) was replaced or evicted; open the key again"
+        ) from None
+    try:
+        private = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    return np.ndarray(array.shape, array.dtype, buffer=private, offset=offset, strides=array.strides)
 
 
 def _reattach(

@@ -22,7 +22,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +33,10 @@ from filelock import FileLock
 from filelock import Timeout as FileLockTimeout
 
 from ._attach import attach_array
+from ._codecs import content_digest, encode_any, encode_mapping, encode_ragged, encode_records, encode_strings
+from ._containers import EntryRef, SharedMapping, SharedRagged, SharedRecords, SharedStrings, container_for
 from ._fs import FileLockProbe, copy_range, free_bytes, remove_tree, total_bytes
+from ._group import SharedGroup
 from ._keys import decode_key, encode_key, key_in_prefix, validate_key
 from ._npy import NpyHeader, check_storable_dtype, iter_npz_members, read_source_header
 from ._procmaps import MappingScan, mapped_versions, scan_mappings
@@ -141,6 +144,7 @@ class Store:
         self._prepared = False
         self._generation: memoryview | None = None
         self._attached: dict[str, tuple[int, str, np.ndarray]] = {}
+        self._handles: dict[str, tuple[int, str, Any]] = {}
         self._last_sweep = 0.0
 
     def __repr__(self) -> str:
@@ -203,6 +207,88 @@ class Store:
             return array
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
 
+    # Containers (strings, ragged, records, mapping) and any-kind opens.
+
+    def open(self, key: str) -> Any:
+        """Open an entry of any kind: an array, or the shared container its kind names."""
+        kind = self._kind_of(key)
+        return self.open_array(key) if kind == "array" else self._open_container(key, kind)
+
+    def open_strings(self, key: str) -> SharedStrings:
+        """Read-only ``Sequence[str]`` over a ``put_strings`` entry."""
+        return self._open_container(key, "strings")  # type: ignore[no-any-return]
+
+    def open_ragged(self, key: str) -> SharedRagged:
+        """Read-only sequence of arrays over a ``put_ragged`` entry."""
+        return self._open_container(key, "ragged")  # type: ignore[no-any-return]
+
+    def open_records(self, key: str) -> SharedRecords:
+        """Read-only sequence of freshly decoded records over a ``put_records`` entry."""
+        return self._open_container(key, "records")  # type: ignore[no-any-return]
+
+    def open_mapping(self, key: str) -> SharedMapping:
+        """Read-only ``Mapping[str, X]`` over a ``put_mapping`` entry."""
+        return self._open_container(key, "mapping")  # type: ignore[no-any-return]
+
+    def open_group(self, prefix: str) -> SharedGroup:
+        """Lazy read-only ``Mapping`` of every entry under ``prefix`` (relative names)."""
+        validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
+        return SharedGroup(self, prefix.rstrip("/"))
+
+    def _kind_of(self, key: str) -> str:
+        validate_key(key)
+        version = _read_version(self.layout.entries / encode_key(key))
+        if version is None:
+            raise self._not_found(key)
+        return str(self._read_meta(version).get("kind", "array"))
+
+    def _open_container(self, key: str, kind: str) -> Any:
+        hit = self._handles.get(key) if isinstance(key, str) else None
+        if (
+            hit is not None
+            and self._generation is not None
+            and hit[0] == self._generation[0]
+            and hit[2]._ref.kind == kind
+        ):
+            return hit[2]
+        validate_key(key)
+        generation = self._read_generation()
+        link = self.layout.entries / encode_key(key)
+        for _ in range(_RESOLVE_RETRIES):
+            version = _read_version(link)
+            if version is None:
+                raise self._not_found(key)
+            if hit is not None and hit[1] == version and hit[2]._ref.kind == kind:
+                handle = hit[2]
+            else:
+                try:
+                    handle = self.open_version(key, version, kind)
+                except KeyNotFoundError:
+                    continue  # replaced or evicted meanwhile: resolve again
+            self._handles[key] = (generation, version, handle)
+            return handle
+        raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
+
+    def open_version(self, key: str, version: str, kind: str) -> Any:
+        """Attach one version of an entry (also what unpickling a container calls)."""
+        meta = self._read_meta(version)
+        if not meta:
+            raise KeyNotFoundError(
+                f"entry {key!r} (version {version}) in {self._root_str} was replaced or evicted; "
+                "open the key again"
+            )
+        if meta.get("kind", "array") != kind:
+            raise self._wrong_kind(key, version, kind)
+        try:
+            files = {
+                name: attach_array(self._root_str, version, f"{name}.npy", key) for name in meta["files"]
+            }
+        except FileNotFoundError:
+            raise KeyNotFoundError(
+                f"entry {key!r} (version {version}) was evicted while being opened"
+            ) from None
+        return container_for(EntryRef(self._root_str, key, version, kind), files, meta)
+
     def _read_generation(self) -> int:
         if self._generation is None:
             try:
@@ -221,13 +307,10 @@ class Store:
         Their memory can only return to the system once no process maps them.
         """
         self._last_sweep = time.monotonic()
-        for key, (_, version, _) in list(self._attached.items()):
-            try:
-                current = os.readlink(f"{self._entries_str}/{encode_key(key)}").rpartition("/")[2]
-            except FileNotFoundError:
-                current = None
-            if current != version:
-                self._attached.pop(key, None)
+        for cache in (self._attached, self._handles):
+            for key, (_, version, _) in list(cache.items()):
+                if _read_version(self.layout.entries / encode_key(key)) != version:
+                    cache.pop(key, None)
 
     def _not_found(self, key: str) -> KeyNotFoundError:
         return KeyNotFoundError(
@@ -237,7 +320,10 @@ class Store:
 
     def _wrong_kind(self, key: str, version: str, wanted: str) -> UnsupportedDataError:
         kind = self._read_meta(version).get("kind", "unknown")
-        return UnsupportedDataError(f"entry {key!r} holds {kind}, not {wanted}; open it as {kind}")
+        opener = "open_array" if kind == "array" else f"open_{kind}"
+        return UnsupportedDataError(
+            f"entry {key!r} holds {kind}, not {wanted}; open it with shmcache.{opener} (or shmcache.open)"
+        )
 
     def exists(self, key: str) -> bool:
         validate_key(key)
@@ -251,16 +337,94 @@ class Store:
         """Publish ``array`` under ``key`` atomically; returns the new entry's info."""
         validate_key(key)
         array = _as_storable_array(array, f"array for key {key!r}")
+        return self._put_entry(key, "array", {"data": array}, {}, overwrite=overwrite, pin=pin)
+
+    def put_strings(
+        self, key: str, strings: Iterable[str], *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        """Publish a list of ``str`` (one UTF-8 buffer + offsets + a hash index)."""
+        validate_key(key)
+        files = encode_strings(strings, f"strings for key {key!r}")
+        meta = {"length": len(files["offsets"]) - 1}
+        return self._put_entry(key, "strings", files, meta, overwrite=overwrite, pin=pin)
+
+    def put_ragged(
+        self, key: str, arrays: Iterable[Any], *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        """Publish arrays of one dtype that differ in their first dimension."""
+        validate_key(key)
+        files, meta = encode_ragged(arrays, f"arrays for key {key!r}")
+        meta["length"] = len(files["offsets"]) - 1
+        return self._put_entry(key, "ragged", files, meta, overwrite=overwrite, pin=pin)
+
+    def put_records(
+        self,
+        key: str,
+        records: Iterable[Any],
+        *,
+        overwrite: bool = False,
+        pin: bool = False,
+        allow_nan: bool = False,
+    ) -> EntryInfo:
+        """Publish JSON-compatible records (dicts, lists, str, numbers, bools, None).
+
+        numpy scalars become Python numbers and tuples become lists; anything else
+        (sets, bytes, arrays, custom objects, non-str keys, NaN unless ``allow_nan``)
+        raises :class:`UnsupportedDataError` naming where it is in the record.
+        """
+        validate_key(key)
+        files = encode_records(records, f"records for key {key!r}", allow_nan=allow_nan)
+        meta = {"length": len(files["offsets"]) - 1}
+        return self._put_entry(key, "records", files, meta, overwrite=overwrite, pin=pin)
+
+    def put_mapping(
+        self, key: str, mapping: Mapping[str, Any], *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        """Publish a ``dict`` from str to arrays/numbers (rows or ragged), str, or records."""
+        validate_key(key)
+        _, files, meta = encode_mapping(mapping, f"mapping for key {key!r}")
+        return self._put_entry(key, "mapping", files, meta, overwrite=overwrite, pin=pin)
+
+    def share(self, key: str, obj: Any) -> Any:
+        """Put ``obj`` in the form that fits it and return the opened shared object.
+
+        ndarray -> array; list of str -> strings; list of equal-dtype arrays -> ragged;
+        list of dicts/lists -> records; dict -> mapping. If ``key`` already holds the
+        same content (many experiments sharing one dataset), it is reused, not written
+        again; different content replaces it (processes reading the old version keep it).
+        """
+        validate_key(key)
+        kind, files, meta = encode_any(obj, f"object for key {key!r}")
+        digest = content_digest(kind, files)
+        with self._key_lock(key, self.lock_timeout):
+            version = _read_version(self.layout.entries / encode_key(key))
+            if version is None or self._read_meta(version).get("content_hash") != digest:
+                meta["content_hash"] = digest
+                self._put_entry(key, kind, files, meta, overwrite=True, pin=False)
+        return self.open(key)
+
+    def _put_entry(
+        self,
+        key: str,
+        kind: str,
+        files: Mapping[str, np.ndarray],
+        extra: Mapping[str, Any],
+        *,
+        overwrite: bool,
+        pin: bool,
+    ) -> EntryInfo:
+        """Write ``files`` as ``<name>.npy`` in a new version and publish it atomically."""
         self._refuse_existing([key], overwrite)
-        header_room = 4096
+        nbytes = sum(int(a.nbytes) for a in files.values())
         with self._writer() as writer:
-            self._reserve(writer, array.nbytes + header_room, [key] if overwrite else ())
+            self._reserve(writer, nbytes + 4096 * (len(files) + 1), [key] if overwrite else ())
             version = writer.new_version()
-            writer.write_array(version, ARRAY_FILE, array)
-            meta = self._array_meta(key, version, writer.path(version, ARRAY_FILE), pin)
+            for name, array in files.items():
+                writer.write_array(version, f"{name}.npy", array)
+            meta = self._entry_meta(key, kind, version, writer, sorted(files), pin) | dict(extra)
             writer.write_meta(version, meta)
             self._publish(writer, key, version, overwrite)
-        logger.info("put %s (%d bytes, version %s)", key, array.nbytes, version)
+        logger.info("put %s (%s, %d bytes, version %s)", key, kind, nbytes, version)
         return _entry_info(meta, meta["created"])
 
     def put_file(
@@ -300,7 +464,7 @@ class Store:
             for item in plan:
                 item.version = writer.new_version()
                 self._copy_planned(writer, item, advance)
-                meta = self._array_meta(item.key, item.version, writer.path(item.version, ARRAY_FILE), pin)
+                meta = self._entry_meta(item.key, "array", item.version, writer, ["data"], pin)
                 meta["source"] = item.source
                 meta["source_fingerprint"] = item.fingerprint
                 writer.write_meta(item.version, meta)
@@ -340,19 +504,25 @@ class Store:
                     "(--overwrite) to replace it, or evict it first"
                 )
 
-    def _array_meta(self, key: str, version: str, data_path: Path, pin: bool) -> dict[str, Any]:
-        with open(data_path, "rb") as fp:
-            size = os.fstat(fp.fileno()).st_size
-            header = read_source_header(fp, size, str(data_path))
-        return {
+    def _entry_meta(
+        self, key: str, kind: str, version: str, writer: VersionWriter, names: list[str], pin: bool
+    ) -> dict[str, Any]:
+        """Metadata of a version, read back from the headers of the files as written."""
+        headers = {}
+        size = 0
+        for name in names:
+            path = writer.path(version, f"{name}.npy")
+            with open(path, "rb") as fp:
+                file_size = os.fstat(fp.fileno()).st_size
+                headers[name] = read_source_header(fp, file_size, str(path))
+            size += file_size
+        meta: dict[str, Any] = {
             "format": META_FORMAT,
             "key": key,
-            "kind": "array",
+            "kind": kind,
             "version": version,
-            "dtype": str(header.dtype),
-            "shape": list(header.shape),
-            "fortran_order": header.fortran_order,
-            "nbytes": header.nbytes,
+            "files": names,
+            "nbytes": sum(h.nbytes for h in headers.values()),
             "size": size,
             "created": time.time(),
             "pinned": pin,
@@ -360,6 +530,10 @@ class Store:
             "source_fingerprint": None,
             "checksum": None,
         }
+        if kind == "array":
+            data = headers["data"]
+            meta |= {"dtype": str(data.dtype), "shape": list(data.shape), "fortran_order": data.fortran_order}
+        return meta
 
     def _copy_planned(self, writer: VersionWriter, item: _Planned, advance: Callable[[int], None]) -> None:
         target = writer.path(item.version, ARRAY_FILE)
@@ -563,8 +737,9 @@ class Store:
         meta = self._read_meta(version)
         if not meta:
             return None
+        first = (meta.get("files") or ["data"])[0]
         try:
-            last_used = os.stat(self.layout.objects / version / ARRAY_FILE).st_atime
+            last_used = os.stat(self.layout.objects / version / f"{first}.npy").st_atime
         except FileNotFoundError:
             last_used = meta.get("created", 0.0)
         return _entry_info(meta, max(last_used, meta.get("created", 0.0)))

@@ -1,0 +1,219 @@
+"""Encoding Python containers into object-free arrays (the put side of each kind).
+
+A Dataset's memory grows in DataLoader workers because reading a Python object writes
+its reference count. Each kind here stores the same information as plain numbers and
+bytes, which have no reference counts:
+
+- strings: one UTF-8 buffer + int64 offsets, plus (crc32, position) pairs sorted by
+  hash so ``index``/``in`` need no dict in the reader;
+- ragged: one values array + int64 offsets along the first dimension;
+- records: one buffer of JSON documents + int64 offsets (decoded fresh on each access);
+- mapping: keys as strings + values as rows, strings, ragged or records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._npy import check_storable_dtype
+from .errors import UnsupportedDataError
+
+__all__ = [
+    "Encoded",
+    "content_digest",
+    "encode_any",
+    "encode_mapping",
+    "encode_ragged",
+    "encode_records",
+    "encode_strings",
+    "utf8",
+]
+
+Encoded = tuple[str, dict[str, np.ndarray], dict[str, Any]]
+"""``(kind, files, meta)``: the arrays to store (file name without ``.npy``) and the
+extra metadata of an entry."""
+
+
+def utf8(text: str) -> bytes:
+    """UTF-8 that round-trips every Python ``str`` (lone surrogates included)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _offsets(lengths: Iterable[int], count: int) -> np.ndarray:
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(lengths, dtype=np.int64, count=count), out=offsets[1:])
+    return offsets
+
+
+def _bytes_with_offsets(blobs: list[bytes], prefix: str) -> dict[str, np.ndarray]:
+    return {
+        f"{prefix}bytes": np.frombuffer(b"".join(blobs), dtype=np.uint8),
+        f"{prefix}offsets": _offsets(map(len, blobs), len(blobs)),
+    }
+
+
+def _hash_index(blobs: list[bytes], prefix: str) -> dict[str, np.ndarray]:
+    hashes = np.fromiter(map(zlib.crc32, blobs), dtype=np.uint32, count=len(blobs))
+    order = np.argsort(hashes, kind="stable")  # equal hashes keep positions ascending
+    return {f"{prefix}hashes": hashes[order], f"{prefix}order": order.astype(np.int64)}
+
+
+def encode_strings(strings: Iterable[Any], what: str, prefix: str = "") -> dict[str, np.ndarray]:
+    blobs = []
+    for i, text in enumerate(strings):
+        if not isinstance(text, str):
+            raise UnsupportedDataError(f"{what}[{i}] is {type(text).__name__}, not str")
+        blobs.append(utf8(text))
+    return _bytes_with_offsets(blobs, prefix) | _hash_index(blobs, prefix)
+
+
+def encode_ragged(
+    arrays: Iterable[Any], what: str, prefix: str = ""
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    parts = [np.asarray(a) for a in arrays]
+    for i, part in enumerate(parts):
+        check_storable_dtype(part.dtype, f"{what}[{i}]")
+        if part.ndim == 0:
+            raise UnsupportedDataError(f"{what}[{i}] is a 0-d array; ragged items need a first dimension")
+    if parts:
+        first = parts[0]
+        for i, part in enumerate(parts):
+            if part.dtype != first.dtype or part.shape[1:] != first.shape[1:]:
+                raise UnsupportedDataError(
+                    f"{what}[{i}] has dtype {part.dtype} and item shape {part.shape[1:]}, but "
+                    f"{what}[0] has {first.dtype} and {first.shape[1:]}; ragged arrays must agree "
+                    "on everything but the first dimension"
+                )
+        values = np.concatenate(parts) if len(parts) > 1 else np.ascontiguousarray(first)
+    else:
+        values = np.empty(0, dtype=np.float64)
+    offsets = _offsets((len(p) for p in parts), len(parts))
+    meta = {"dtype": str(values.dtype), "item_shape": list(values.shape[1:])}
+    return {f"{prefix}values": values, f"{prefix}offsets": offsets}, meta
+
+
+def _jsonable(value: Any, path: str, allow_nan: bool) -> Any:
+    """``value`` as plain JSON types, or UnsupportedDataError naming where it is not."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if not allow_nan and not math.isfinite(value):
+            raise UnsupportedDataError(
+                f"{path} is {value!r}, which JSON cannot represent; replace it (e.g. with None) "
+                "or pass allow_nan=True"
+            )
+        return value
+    if isinstance(value, np.generic) and not isinstance(value, (np.void, np.object_)):
+        return _jsonable(value.item(), path, allow_nan)
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise UnsupportedDataError(
+                    f"{path} has key {key!r} of type {type(key).__name__}; JSON object keys must "
+                    "be str (convert them, or store a list of pairs)"
+                )
+            out[key] = _jsonable(item, f"{path}[{key!r}]", allow_nan)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item, f"{path}[{i}]", allow_nan) for i, item in enumerate(value)]
+    hint = " (use .tolist(), or put it with put_ragged/put_array)" if isinstance(value, np.ndarray) else ""
+    raise UnsupportedDataError(f"{path} is a {type(value).__name__}, which is not JSON-compatible{hint}")
+
+
+def encode_records(
+    records: Iterable[Any], what: str, prefix: str = "", allow_nan: bool = False
+) -> dict[str, np.ndarray]:
+    blobs = [
+        utf8(json.dumps(_jsonable(r, f"{what}[{i}]", allow_nan), ensure_ascii=False, separators=(",", ":")))
+        for i, r in enumerate(records)
+    ]
+    return _bytes_with_offsets(blobs, prefix)
+
+
+def _value_form(values: Sequence[Any]) -> str:
+    """Which kind stores these mapping values: rows, strings, ragged or records."""
+    if all(isinstance(v, str) for v in values):
+        return "strings"
+    if all(isinstance(v, (Mapping, list, tuple)) and not isinstance(v, np.ndarray) for v in values):
+        return "records"
+    if all(isinstance(v, (np.ndarray, np.generic, int, float, bool, complex)) for v in values):
+        shapes = {np.shape(v) for v in values}
+        return "rows" if len(shapes) <= 1 else "ragged"
+    kinds = sorted({type(v).__name__ for v in values})
+    raise UnsupportedDataError(
+        f"mapping values must all be arrays/numbers, all str, or all dicts/lists; got {', '.join(kinds)}"
+    )
+
+
+def encode_mapping(mapping: Mapping[Any, Any], what: str, allow_nan: bool = False) -> Encoded:
+    keys = list(mapping.keys())
+    for key in keys:
+        if not isinstance(key, str):
+            raise UnsupportedDataError(
+                f"{what} has key {key!r} of type {type(key).__name__}; keys must be str"
+            )
+    values = [mapping[k] for k in keys]
+    form = _value_form(values)
+    files = encode_strings(keys, f"{what} keys", prefix="keys.")
+    meta: dict[str, Any] = {"values": form, "length": len(keys)}
+    labels = [f"{what}[{k!r}]" for k in keys]
+    if form == "strings":
+        files |= encode_strings(values, what, prefix="values.")
+    elif form == "records":
+        files |= encode_records(values, what, prefix="values.", allow_nan=allow_nan)
+    elif form == "ragged":
+        ragged, extra = encode_ragged(values, what, prefix="values.")
+        files |= ragged
+        meta |= extra
+    else:
+        rows = np.asarray(values) if values else np.empty(0, dtype=np.float64)
+        check_storable_dtype(rows.dtype, labels[0] if labels else what)
+        files["values.rows"] = rows
+        meta |= {"dtype": str(rows.dtype), "item_shape": list(rows.shape[1:])}
+    return "mapping", files, meta
+
+
+def encode_any(obj: Any, what: str) -> Encoded:
+    """Pick the kind for a usual Dataset container (see ``shmcache.share``)."""
+    if isinstance(obj, np.ndarray):
+        check_storable_dtype(obj.dtype, what)
+        return "array", {"data": obj}, {}
+    if isinstance(obj, Mapping):
+        return encode_mapping(obj, what)
+    if isinstance(obj, (list, tuple)):
+        if all(isinstance(x, str) for x in obj):
+            return "strings", encode_strings(obj, what), {"length": len(obj)}
+        if obj and all(isinstance(x, np.ndarray) for x in obj):
+            files, meta = encode_ragged(obj, what)
+            return "ragged", files, meta | {"length": len(obj)}
+        if all(isinstance(x, (Mapping, list, tuple)) for x in obj):
+            return "records", encode_records(obj, what), {"length": len(obj)}
+        kinds = sorted({type(x).__name__ for x in obj})
+        raise UnsupportedDataError(
+            f"{what} is a list of {', '.join(kinds)}: shmcache.share takes a list of str, of "
+            "equal-dtype arrays, or of dicts/lists (or convert it with np.asarray)"
+        )
+    raise UnsupportedDataError(
+        f"{what} is a {type(obj).__name__}; shmcache.share takes an ndarray, a list of str, "
+        "of arrays or of dicts, or a dict of arrays, str or dicts"
+    )
+
+
+def content_digest(kind: str, files: Mapping[str, np.ndarray]) -> str:
+    """A hash of an entry's content, so ``share`` can reuse an identical entry."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(kind.encode())
+    for name in sorted(files):
+        array = np.ascontiguousarray(files[name])
+        digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        if array.size and array.dtype.itemsize:
+            digest.update(array.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()

@@ -1,0 +1,281 @@
+"""Read-only shared containers: the open side of strings, ragged, records and mapping.
+
+Each reads straight from the mapped arrays: no per-item Python object lives in the
+reader, so nothing has a reference count for a forked DataLoader worker to copy. Each
+pickles as a reference (root, key, version), like the arrays.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import operator
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, overload
+
+import numpy as np
+
+from ._attach import MappedFile
+from ._codecs import utf8
+
+__all__ = [
+    "EntryRef",
+    "SharedMapping",
+    "SharedRagged",
+    "SharedRecords",
+    "SharedStrings",
+    "container_for",
+]
+
+
+class EntryRef(NamedTuple):
+    """Where a container's data lives; what it pickles as."""
+
+    root: str
+    key: str
+    version: str
+    kind: str
+
+
+def _reattach(root: str, key: str, version: str, kind: str) -> Any:
+    from ._api import get_store  # the handle must not import the store at module load
+
+    return get_store(root).open_version(key, version, kind)
+
+
+def _position(index: Any, length: int) -> int:
+    i = operator.index(index)
+    if i < 0:
+        i += length
+    if not 0 <= i < length:
+        raise IndexError(f"index {index} out of range for {length} items")
+    return i
+
+
+def _byte_source(array: np.ndarray) -> tuple[Any, int]:
+    """``(buffer, start)`` such that ``buffer[start + a : start + b]`` are bytes a..b of
+    ``array``: slicing the mapping itself is the fastest way to get ``bytes`` out."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, MappedFile) and array.size:
+        return base, int(array.ctypes.data) - base.start_address()
+    return array.tobytes(), 0
+
+
+class _Shared:
+    """Base of the containers: a reference that pickles small."""
+
+    __slots__ = ("_ref",)
+    _ref: EntryRef
+
+    @property
+    def key(self) -> str:
+        return self._ref.key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reattach, tuple(self._ref)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._ref.key!r} ({len(self)} items) in {self._ref.root}>"  # type: ignore[arg-type]
+
+
+class SharedStrings(_Shared, Sequence[str]):
+    """A read-only sequence of ``str`` in shared memory (``put_strings``).
+
+    ``strings[i]`` decodes one string; ``s in strings`` and ``strings.index(s)`` use a
+    prebuilt hash index (no dict is built in the reader).
+    """
+
+    __slots__ = ("_buffer", "_bytes", "_hashes", "_length", "_offsets", "_order", "_start")
+
+    def __init__(self, ref: EntryRef, files: Mapping[str, np.ndarray], prefix: str = "") -> None:
+        self._ref = ref
+        self._bytes = files[f"{prefix}bytes"].data
+        self._buffer, self._start = _byte_source(files[f"{prefix}bytes"])
+        self._offsets = files[f"{prefix}offsets"].data  # Python ints on indexing
+        self._length = len(self._offsets) - 1
+        self._hashes = files[f"{prefix}hashes"].data
+        self._order = files[f"{prefix}order"].data
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if index.__class__ is int and 0 <= index < self._length:  # the hot path
+            offsets, start = self._offsets, self._start
+            return self._buffer[start + offsets[index] : start + offsets[index + 1]].decode(  # type: ignore[no-any-return]
+                "utf-8", "surrogatepass"
+            )
+        if isinstance(index, slice):
+            return [self._decode(i) for i in range(*index.indices(self._length))]
+        return self._decode(_position(index, self._length))
+
+    def _decode(self, i: int) -> str:
+        offsets, start = self._offsets, self._start
+        return self._buffer[start + offsets[i] : start + offsets[i + 1]].decode(  # type: ignore[no-any-return]
+            "utf-8", "surrogatepass"
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        for i in range(len(self)):
+            yield self._decode(i)
+
+    def find(self, value: object) -> int:
+        """Position of the first ``value``, or -1 (hash lookup: no scan)."""
+        if not isinstance(value, str):
+            return -1
+        encoded = utf8(value)
+        wanted = zlib.crc32(encoded)
+        hashes, order, offsets = self._hashes, self._order, self._offsets
+        at = bisect.bisect_left(hashes, wanted)  # type: ignore[call-overload]
+        while at < len(hashes) and hashes[at] == wanted:
+            position = order[at]
+            if self._bytes[offsets[position] : offsets[position + 1]] == encoded:
+                return int(position)
+            at += 1
+        return -1
+
+    def __contains__(self, value: object) -> bool:
+        return self.find(value) >= 0
+
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+        if start == 0 and stop is None:
+            position = self.find(value)
+            if position >= 0:
+                return position
+            raise ValueError(f"{value!r} is not in {self._ref.key!r}")
+        return super().index(value, start, len(self) if stop is None else stop)
+
+
+class SharedRagged(_Shared, Sequence[np.ndarray]):
+    """A read-only sequence of arrays that differ in their first dimension (``put_ragged``).
+
+    ``ragged[i]`` is a read-only view of the shared values: no copy.
+    """
+
+    __slots__ = ("_length", "_offsets", "_values")
+
+    def __init__(self, ref: EntryRef, files: Mapping[str, np.ndarray], prefix: str = "") -> None:
+        self._ref = ref
+        self._values = files[f"{prefix}values"]
+        self._offsets = files[f"{prefix}offsets"].data
+        self._length = len(self._offsets) - 1
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(self._length))]
+        return self._item(_position(index, self._length))
+
+    def _item(self, i: int) -> np.ndarray:
+        return self._values[self._offsets[i] : self._offsets[i + 1]]
+
+    @property
+    def values(self) -> np.ndarray:
+        """All items concatenated (read-only, shared)."""
+        return self._values
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """First-dimension length of every item."""
+        return np.diff(np.asarray(self._offsets))
+
+
+class SharedRecords(_Shared, Sequence[Any]):
+    """A read-only sequence of JSON-compatible records (``put_records``).
+
+    Each access decodes a fresh object: a training loop that mutates what it got can
+    change neither the cache nor what the next access (or epoch) sees.
+    """
+
+    __slots__ = ("_buffer", "_length", "_offsets", "_start")
+
+    def __init__(self, ref: EntryRef, files: Mapping[str, np.ndarray], prefix: str = "") -> None:
+        self._ref = ref
+        self._buffer, self._start = _byte_source(files[f"{prefix}bytes"])
+        self._offsets = files[f"{prefix}offsets"].data
+        self._length = len(self._offsets) - 1
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self._decode(i) for i in range(*index.indices(self._length))]
+        return self._decode(_position(index, self._length))
+
+    def _decode(self, i: int) -> Any:
+        offsets, start = self._offsets, self._start
+        # json.loads decodes bytes with surrogatepass, matching how they were encoded.
+        return json.loads(self._buffer[start + offsets[i] : start + offsets[i + 1]])
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            yield self._decode(i)
+
+
+class SharedMapping(_Shared, Mapping[str, Any]):
+    """A read-only ``Mapping[str, X]`` in shared memory (``put_mapping``).
+
+    Keys are found through a hash index in shared memory; values are array rows (or
+    ragged items: read-only views), strings, or freshly decoded records.
+    """
+
+    __slots__ = ("_keys", "_values")
+
+    def __init__(self, ref: EntryRef, files: Mapping[str, np.ndarray], form: str) -> None:
+        self._ref = ref
+        self._keys = SharedStrings(ref, files, prefix="keys.")
+        self._values: Sequence[Any] | np.ndarray
+        if form == "strings":
+            self._values = SharedStrings(ref, files, prefix="values.")
+        elif form == "records":
+            self._values = SharedRecords(ref, files, prefix="values.")
+        elif form == "ragged":
+            self._values = SharedRagged(ref, files, prefix="values.")
+        else:
+            self._values = files["values.rows"]
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return self._keys.find(key) >= 0
+
+    def __getitem__(self, key: str) -> Any:
+        position = self._keys.find(key)
+        if position < 0:
+            raise KeyError(key)
+        return self._values[position]
+
+
+def container_for(ref: EntryRef, files: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Any:
+    """The reader object of a non-array entry kind."""
+    if ref.kind == "strings":
+        return SharedStrings(ref, files)
+    if ref.kind == "ragged":
+        return SharedRagged(ref, files)
+    if ref.kind == "records":
+        return SharedRecords(ref, files)
+    if ref.kind == "mapping":
+        return SharedMapping(ref, files, meta["values"])
+    raise ValueError(f"unknown entry kind {ref.kind!r}")

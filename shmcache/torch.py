@@ -1,0 +1,112 @@
+"""PyTorch helpers: tensors over cached arrays, and a Dataset with batched gathers.
+
+Needs torch (``import shmcache`` never imports this module). Tensors made here share
+the cache's memory without a copy and without torch's "non-writable NumPy array"
+warning: they sit on a private copy-on-write mapping of the entry, so a training loop
+that writes into one changes only its own process's copy, never the cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from ._api import get_store
+from ._attach import private_view
+
+__all__ = ["CachedDataset", "GatheredBatch", "as_tensor", "collate"]
+
+Root = str | os.PathLike[str] | None
+
+
+def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Tensor:
+    """A CPU tensor over a cached array: no copy, writable, private on write.
+
+    Do not keep such tensors in a Dataset that is pickled to spawn/forkserver workers
+    (torch would copy them into its own shared memory); keep keys or shmcache arrays
+    and convert in the worker, as :class:`CachedDataset` does.
+    """
+    array = get_store(root).open_array(array_or_key) if isinstance(array_or_key, str) else array_or_key
+    return torch.from_numpy(private_view(array))
+
+
+class GatheredBatch(list[Any]):
+    """What ``CachedDataset.__getitems__`` returns: the samples of one batch, plus
+    ``columns``, the whole batch already gathered (one fancy index per array)."""
+
+    def __init__(self, samples: list[Any], columns: Any) -> None:
+        super().__init__(samples)
+        self.columns = columns
+
+
+def collate(batch: Any) -> Any:
+    """``collate_fn`` that returns a ``GatheredBatch``'s columns as they are (no
+    re-stacking); anything else goes to torch's ``default_collate``."""
+    if isinstance(batch, GatheredBatch):
+        return batch.columns
+    return default_collate(batch)
+
+
+class CachedDataset(Dataset[Any]):
+    """Rows of cached arrays of equal length, as tensors.
+
+    ``CachedDataset("feats", "labels")`` yields ``(feats[i], labels[i])``;
+    ``CachedDataset({"x": "feats", "y": "labels"})`` yields ``{"x": ..., "y": ...}``.
+    It pickles as its keys (under 1 KiB) and maps the entries lazily in each worker.
+    Batches are gathered with one fancy index per array (``__getitems__``); pass
+    ``collate_fn=shmcache.torch.collate`` to use them without a second copy.
+    """
+
+    def __init__(self, *keys: str | Mapping[str, str], root: Root = None) -> None:
+        if len(keys) == 1 and isinstance(keys[0], Mapping):
+            self._names: list[str] | None = list(keys[0])
+            self._keys = list(keys[0].values())
+        elif all(isinstance(k, str) for k in keys) and keys:
+            self._names = None
+            self._keys = [str(k) for k in keys]
+        else:
+            raise TypeError("CachedDataset takes keys as strings, or one mapping of name -> key")
+        self._root = None if root is None else os.fspath(root)
+        self._pid = -1
+        self._tensors: list[torch.Tensor] = []
+        lengths = {len(get_store(self._root).open_array(k)) for k in self._keys}
+        if len(lengths) != 1:
+            raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
+        self._length = lengths.pop()
+
+    def _columns(self) -> list[torch.Tensor]:
+        if self._pid != os.getpid():  # first use in this process (or a fresh worker)
+            store = get_store(self._root)
+            self._tensors = [torch.from_numpy(private_view(store.open_array(k))) for k in self._keys]
+            self._pid = os.getpid()
+        return self._tensors
+
+    def _pack(self, values: Sequence[torch.Tensor]) -> Any:
+        if self._names is not None:
+            return dict(zip(self._names, values, strict=True))
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        return self._pack([column[index] for column in self._columns()])
+
+    def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
+        positions = torch.as_tensor(indices, dtype=torch.long)
+        gathered = [column.index_select(0, positions) for column in self._columns()]
+        samples = [self._pack([g[i] for g in gathered]) for i in range(len(positions))]
+        return GatheredBatch(samples, self._pack(gathered))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_names": self._names, "_keys": self._keys, "_root": self._root, "_length": self._length}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = -1
+        self._tensors = []
