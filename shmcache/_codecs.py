@@ -163,7 +163,7 @@ def encode_mapping(mapping: Mapping[Any, Any], what: str, allow_nan: bool = Fals
     values = [mapping[k] for k in keys]
     form = _value_form(values)
     files = encode_strings(keys, f"{what} keys", prefix="keys.")
-    meta: dict[str, Any] = {"values": form, "length": len(keys)}
+    meta: dict[str, Any] = {"values": form, "length": len(keys), "dtype": f"str -> {form}"}
     labels = [f"{what}[{k!r}]" for k in keys]
     if form == "strings":
         files |= encode_strings(values, what, prefix="values.")
@@ -172,12 +172,12 @@ def encode_mapping(mapping: Mapping[Any, Any], what: str, allow_nan: bool = Fals
     elif form == "ragged":
         ragged, extra = encode_ragged(values, what, prefix="values.")
         files |= ragged
-        meta |= extra
+        meta |= extra | {"dtype": f"str -> {extra['dtype']}"}
     else:
         rows = np.asarray(values) if values else np.empty(0, dtype=np.float64)
         check_storable_dtype(rows.dtype, labels[0] if labels else what)
         files["values.rows"] = rows
-        meta |= {"dtype": str(rows.dtype), "item_shape": list(rows.shape[1:])}
+        meta |= {"dtype": f"str -> {rows.dtype}", "item_shape": list(rows.shape[1:])}
     return "mapping", files, meta
 
 

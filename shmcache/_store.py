@@ -65,6 +65,7 @@ META_FORMAT = 1
 _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
 _STAGING_GRACE_S = 60.0
+_ITEM_TYPES = {"strings": "str", "records": "json"}
 
 
 @dataclass(frozen=True)
@@ -422,6 +423,9 @@ class Store:
             for name, array in files.items():
                 writer.write_array(version, f"{name}.npy", array)
             meta = self._entry_meta(key, kind, version, writer, sorted(files), pin) | dict(extra)
+            if kind != "array":  # what `ls` shows: item count, and the item type
+                meta["shape"] = [meta.get("length", 0)]
+                meta.setdefault("dtype", _ITEM_TYPES.get(kind))
             writer.write_meta(version, meta)
             self._publish(writer, key, version, overwrite)
         logger.info("put %s (%s, %d bytes, version %s)", key, kind, nbytes, version)
