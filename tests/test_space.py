@@ -118,10 +118,10 @@ def test_write_that_runs_out_of_space_midway(small_tmpfs: Path, tmp_path: Path, 
     first = np.arange(5 * MiB // 8, dtype=np.int64)
     store.put_array("first", first)
     free = _free(small_tmpfs)
-    # Room by the store's own check (payload + a page for headers), but not for the data file's
-    # header page, the writer's lock and the metadata as well: the write fails with ENOSPC.
+    # Room by the store's own check (payload + a page per file for headers and metadata), but
+    # not once the writer's lock page is counted too: the write fails with ENOSPC.
     if how == "put_array":
-        tight = np.ones(free - 4096, np.uint8)
+        tight = np.ones(free - 8192, np.uint8)
         name, message, is_os_error = _in_child(lambda: Store(root).put_array("tight", tight))
     else:
         source = tmp_path / "tight.npy"  # on the big /dev/shm or disk, not on the small tmpfs
