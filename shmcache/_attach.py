@@ -10,8 +10,11 @@ started with ``spawn``/``forkserver`` get the dataset in microseconds, not a cop
 from __future__ import annotations
 
 import copyreg
+import errno
 import mmap
 import os
+import resource
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -19,13 +22,14 @@ from typing import Any
 import numpy as np
 
 from ._npy import header_length, parse_header_bytes
-from .errors import CorruptEntryError, KeyNotFoundError
+from .errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
 
 __all__ = [
     "MappedFile",
     "attach_array",
     "install_pickle_by_reference",
     "map_entry_file",
+    "mapped_base",
     "private_view",
 ]
 
@@ -44,6 +48,8 @@ class MappedFile(mmap.mmap):
         return self._start
 
 
+# Python 3.13+ can map without keeping a duplicate descriptor per mapping.
+_MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 _HEADER_READ = 256  # numpy pads headers to 64 bytes; nearly all fit in 128
 _MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
     weakref.WeakValueDictionary()
@@ -82,7 +88,12 @@ def _map(
     root: str, version: str, filename: str, key: str, read_header: bool
 ) -> tuple[MappedFile, bytes, int]:
     path = f"{root}/objects/{version}/{filename}"
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise _too_many_open(key) from exc
+        raise
     try:
         head, end = b"", 0
         if read_header:
@@ -93,9 +104,13 @@ def _map(
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: {path} is truncated inside its header")
         try:
-            mapping = MappedFile(fd, 0, prot=mmap.PROT_READ)
+            mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
         except ValueError as exc:  # an empty file cannot be mapped
             raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise _too_many_open(key) from exc
+            raise
         try:  # when it was last used, for least-recently-used eviction
             os.utime(fd)
         except OSError:
@@ -108,6 +123,27 @@ def _map(
     return mapping, head, end
 
 
+def _too_many_open(key: str) -> ShmCacheError:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return ShmCacheError(
+        f"cannot attach entry {key!r}: this process has too many open files (limit {soft}; "
+        f"on Python < 3.13 each attached entry holds a descriptor). Raise `ulimit -n` (hard limit "
+        f"{hard}), or open fewer distinct entries (e.g. one array instead of many small ones)"
+    )
+
+
+def _raise_open_file_limit() -> None:
+    """Python < 3.13 keeps a descriptor per mapping: lift the soft limit to the hard one
+    (the common 1024 is reached by a process that attaches ~1000 entries)."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, 1 << 20), hard))
+    except (ValueError, OSError):
+        pass
+
+
 def private_view(array: np.ndarray) -> np.ndarray:
     """A writable copy-on-write view of a shared array's bytes.
 
@@ -116,9 +152,7 @@ def private_view(array: np.ndarray) -> np.ndarray:
     every other process keep the original. Raises ValueError for arrays that do not
     live in the cache.
     """
-    base = array.base
-    while isinstance(base, np.ndarray):
-        base = base.base
+    base = mapped_base(array)
     if not isinstance(base, MappedFile):
         raise ValueError("array does not live in the shmcache (open it with shmcache.open_array)")
     root, version, filename, key = base.origin
@@ -166,10 +200,20 @@ _previous_reducer: Callable[[np.ndarray], Any] | None = None
 _installed = False
 
 
-def _reduce_ndarray(array: np.ndarray) -> Any:
+def mapped_base(array: np.ndarray) -> Any:
+    """The object at the end of ``array``'s base chain, looking through ndarrays and
+    wrappers such as the one ``as_strided``/``sliding_window_view`` put in between."""
     base = array.base
-    while isinstance(base, np.ndarray):
-        base = base.base
+    while base is not None and not isinstance(base, MappedFile):
+        parent = getattr(base, "base", None)
+        if parent is None:
+            break
+        base = parent
+    return base
+
+
+def _reduce_ndarray(array: np.ndarray) -> Any:
+    base = mapped_base(array)
     if isinstance(base, MappedFile) and array.size:
         offset = int(array.__array_interface__["data"][0]) - base.start_address()
         return _reattach, (
@@ -193,6 +237,8 @@ def install_pickle_by_reference() -> None:
     global _installed, _previous_reducer
     if _installed:
         return
+    if not _MMAP_OPTIONS:
+        _raise_open_file_limit()
     existing = copyreg.dispatch_table.get(np.ndarray)
     if existing is not _reduce_ndarray:
         _previous_reducer = existing

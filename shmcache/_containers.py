@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from ._attach import MappedFile
+from ._attach import MappedFile, mapped_base
 from ._codecs import utf8
 
 __all__ = [
@@ -56,9 +56,7 @@ def _position(index: Any, length: int) -> int:
 def _byte_source(array: np.ndarray) -> tuple[Any, int]:
     """``(buffer, start)`` such that ``buffer[start + a : start + b]`` are bytes a..b of
     ``array``: slicing the mapping itself is the fastest way to get ``bytes`` out."""
-    base = array.base
-    while isinstance(base, np.ndarray):
-        base = base.base
+    base = mapped_base(array)
     if isinstance(base, MappedFile) and array.size:
         return base, int(array.ctypes.data) - base.start_address()
     return array.tobytes(), 0

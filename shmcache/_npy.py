@@ -20,7 +20,7 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 import numpy.lib.format as npy_format
 
-from .errors import CorruptEntryError, CorruptSourceError, UnsupportedDataError
+from .errors import CorruptEntryError, CorruptSourceError, InvalidSourceError, UnsupportedDataError
 
 __all__ = [
     "NpyHeader",
@@ -226,4 +226,6 @@ def iter_npz_members(path: str) -> Iterator[NpzMember]:
         raise CorruptSourceError(f"{path}: not a valid .npz archive ({exc})") from exc
     except NotImplementedError as exc:  # unsupported compression method
         raise CorruptSourceError(f"{path}: {exc}") from exc
+    except PermissionError as exc:
+        raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
 

@@ -79,7 +79,10 @@ def _mkdir_private(path: Path) -> None:
         pass
     except OSError as exc:
         raise CacheRootError(f"cannot create cache directory {path}: {exc.strerror}") from exc
-    st = os.lstat(path)
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise CacheRootError(f"cannot use cache directory {path}: {exc.strerror}") from exc
     if stat.S_ISLNK(st.st_mode):
         raise CacheRootError(
             f"{path} is a symlink; shmcache does not follow symlinks in its root (someone "
@@ -97,14 +100,24 @@ def _mkdir_private(path: Path) -> None:
 def prepare_root(root: Path) -> Layout:
     """Create the root and its sub-directories (mode 0700) if needed; return the layout."""
     layout = Layout(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheRootError(f"cannot create the parent of cache root {root}: {exc.strerror}") from exc
     for directory in layout.directories():
         _mkdir_private(directory)
     if not layout.generation.exists():
-        fd = os.open(layout.generation, os.O_RDWR | os.O_CREAT, 0o600)
+        # Written whole under a temporary name, then linked in: never seen short.
+        staging = layout.root / f".generation.{os.getpid()}.{os.urandom(4).hex()}"
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            if os.fstat(fd).st_size < 8:
-                os.pwrite(fd, os.urandom(8), 0)
+            os.pwrite(fd, os.urandom(8), 0)
         finally:
             os.close(fd)
+        try:
+            os.link(staging, layout.generation)  # fails if another process won the race
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(staging)
     return layout

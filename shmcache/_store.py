@@ -17,11 +17,13 @@ that still map them keep reading them.
 from __future__ import annotations
 
 import builtins
+import gc
 import json
 import logging
 import mmap
 import os
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ from ._units import human_bytes
 from ._writer import META_FILE, STAGING_SUFFIX, VersionWriter, writer_of
 from .errors import (
     CacheFullError,
+    CacheRootError,
     CorruptEntryError,
     CorruptSourceError,
     InvalidSourceError,
@@ -56,7 +59,7 @@ from .errors import (
     UnsupportedDataError,
 )
 
-__all__ = ["ARRAY_FILE", "EntryInfo", "Store", "StoreStats"]
+__all__ = ["ARRAY_FILE", "EntryInfo", "PlannedEntry", "Store", "StoreStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,17 @@ _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
 _STAGING_GRACE_S = 60.0
 _ITEM_TYPES = {"strings": "str", "records": "json"}
+_STORES: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _forget_attachments(root: str) -> None:
+    """Drop every store's cached attachments of ``root`` in this process, so that only
+    arrays the program still holds keep entries mapped (and unevictable)."""
+    for store in list(_STORES):
+        if store._root_str == root:
+            store._attached.clear()
+            store._handles.clear()
+    gc.collect()  # cycles could keep a dropped array (and its mapping) alive
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,19 @@ class StoreStats:
     entries: int
 
 
+@dataclass(frozen=True)
+class PlannedEntry:
+    """One entry ``put_file`` would publish (see ``Store.plan_file``)."""
+
+    key: str
+    source: str
+    """The file, or ``archive.npz[member.npy]``."""
+    file: str
+    """The file on disk the bytes come from."""
+    size: int
+    """Bytes the entry's data file will take."""
+
+
 @dataclass
 class _Planned:
     """One entry a ``put_file`` call will write, validated before any byte is copied."""
@@ -135,8 +162,10 @@ class Store:
         lock_timeout: float | None = None,
     ) -> None:
         self.root = Path(os.path.abspath(root if root is not None else default_root()))
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if max_bytes is not None and (
+            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
+        ):
+            raise ValueError(f"max_bytes must be a number of bytes >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.lock_timeout = lock_timeout
         self.layout = Layout(self.root)
@@ -146,6 +175,8 @@ class Store:
         self._generation: memoryview | None = None
         self._attached: dict[str, tuple[int, str, np.ndarray]] = {}
         self._handles: dict[str, tuple[int, str, Any]] = {}
+        self._generation_inode = -1
+        _STORES.add(self)
         self._last_sweep = 0.0
 
     def __repr__(self) -> str:
@@ -297,10 +328,27 @@ class Store:
             except FileNotFoundError:
                 return -1  # nothing was ever published here
             try:
+                st = os.fstat(fd)
+                if st.st_size < 8:
+                    return -1  # not initialised yet (prepare_root writes it atomically)
                 self._generation = memoryview(mmap.mmap(fd, 8, prot=mmap.PROT_READ)).cast("Q")
+                self._generation_inode = st.st_ino
             finally:
                 os.close(fd)
         return int(self._generation[0])
+
+    def _check_root_identity(self) -> None:
+        """Start afresh if the root was deleted and recreated under us (the mapped
+        generation file would otherwise never change again)."""
+        try:
+            inode = os.stat(self.layout.generation).st_ino
+        except OSError:  # missing, or the root is not a directory (prepare explains)
+            inode = -1
+        if self._generation is not None and inode != self._generation_inode:
+            self._generation = None
+            self._attached.clear()
+            self._handles.clear()
+            self._prepared = False
 
     def _sweep_stale(self) -> None:
         """Drop this process's attachments to versions that are no longer current.
@@ -308,6 +356,7 @@ class Store:
         Their memory can only return to the system once no process maps them.
         """
         self._last_sweep = time.monotonic()
+        self._check_root_identity()
         for cache in (self._attached, self._handles):
             for key, (_, version, _) in list(cache.items()):
                 if _read_version(self.layout.entries / encode_key(key)) != version:
@@ -477,6 +526,20 @@ class Store:
         logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
         return [p.key for p in plan]
 
+    def plan_file(self, key: str, path: str | os.PathLike[str]) -> builtins.list[PlannedEntry]:
+        """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
+        names) without copying anything: a dry run for callers that must answer early."""
+        validate_key(key)
+        return [
+            PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
+            for p in _plan_sources(key, Path(path))
+        ]
+
+    def prepare(self) -> None:
+        """Create the root and its directories (0700) now rather than on the first put."""
+        self._check_root_identity()
+        self._prepare()
+
     def cache(
         self, key: str, loader: Callable[[], Any], *, timeout: float | None = None
     ) -> np.ndarray:
@@ -558,8 +621,15 @@ class Store:
 
     @contextmanager
     def _writer(self) -> Iterator[VersionWriter]:
+        self._check_root_identity()
         self._prepare()
-        with VersionWriter(self.layout) as writer:
+        try:
+            writer = VersionWriter(self.layout)
+        except FileNotFoundError:  # the root was removed after we prepared it
+            self._prepared = False
+            self._prepare()
+            writer = VersionWriter(self.layout)
+        with writer:
             yield writer
 
     def _prepare(self) -> None:
@@ -627,6 +697,7 @@ class Store:
         excess = used + nbytes - self.max_bytes
         if excess <= 0:
             return
+        _forget_attachments(self._root_str)  # our cache alone must not pin entries
         mapped = mapped_versions(self.layout.objects)
         candidates = sorted(
             (e for e in entries if not e.pinned and e.version not in mapped),
@@ -643,9 +714,17 @@ class Store:
         for entry in candidates:
             if excess <= 0:
                 break
-            if self._evict_version(entry.key, entry.version) is not None:
+            # Never wait for a key lock while holding the space lock: a cache() loader holds
+            # its key lock and then waits for the space lock (lock-order deadlock).
+            if self._evict_version(entry.key, entry.version, wait=False) is not None:
                 logger.info("evicted %s (%d bytes) to stay within the budget", entry.key, entry.size)
                 excess -= entry.size
+        if excess > 0:
+            raise CacheFullError(
+                f"need {human_bytes(nbytes)} within the budget of {human_bytes(self.max_bytes)}; "
+                f"{human_bytes(excess)} could not be freed because the entries to evict were being "
+                "replaced or loaded by other processes; try again"
+            )
 
     def _reserved_by_others(self, writer: VersionWriter) -> int:
         reserved = 0
@@ -672,16 +751,25 @@ class Store:
         logger.info("evicted %s (%d bytes)", key, freed)
         return freed
 
-    def _evict_version(self, key: str, version: str) -> int | None:
+    def _evict_version(self, key: str, version: str, wait: bool = True) -> int | None:
         """Unlink ``key`` if it still points at ``version`` and return the bytes freed;
-        None if it no longer does."""
+        None if it no longer does (or, with ``wait=False``, if its lock is taken)."""
         link = self.layout.entries / encode_key(key)
-        with self._key_lock(key, self.lock_timeout):
+        try:
+            lock = self._key_lock(key, self.lock_timeout if wait else 0)
+            lock.__enter__()
+        except LockTimeoutError:
+            if wait:
+                raise
+            return None
+        try:
             if _read_version(link) != version:
                 return None
             os.unlink(link)
             self._bump_generation()
             return remove_tree(self.layout.objects / version)
+        finally:
+            lock.__exit__(None, None, None)
 
     def list(self, prefix: str | None = None) -> list[EntryInfo]:
         """Entries whose key is ``prefix`` or lies under it, sorted by key."""
@@ -714,7 +802,9 @@ class Store:
 
     def stats(self) -> StoreStats:
         entries = list(self._iter_infos())
-        probe = self.root if self.root.exists() else self.root.parent
+        probe = self.root
+        while not probe.exists() and probe != probe.parent:  # report the file system it would be on
+            probe = probe.parent
         return StoreStats(
             root=self._root_str,
             capacity=total_bytes(probe),
@@ -729,6 +819,8 @@ class Store:
             names = os.listdir(self.layout.entries)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise CacheRootError(f"cannot read cache root {self._root_str}: {exc.strerror}") from exc
         for name in names:
             version = _read_version(self.layout.entries / name)
             if version is None:
@@ -825,7 +917,7 @@ def _acquired(lock: FileLock, timeout: float, what: str) -> Iterator[None]:
     except FileLockTimeout:
         raise LockTimeoutError(
             f"gave up after {timeout:g} s waiting for the lock on {what} held by another "
-            "process; raise the timeout, or check for a stuck loader with `shmcache top`"
+            "process; raise the timeout, or look for a stuck loading process"
         ) from None
     try:
         yield
@@ -890,6 +982,19 @@ def _plan_sources(key: str, path: Path) -> list[_Planned]:
         raise SourceNotFoundError(f"source {path} does not exist") from None
     except OSError as exc:
         raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
+    plan = _plan_sources_unchecked(key, path, st)
+    seen: dict[str, str] = {}
+    for item in plan:
+        if item.key in seen:
+            raise InvalidSourceError(
+                f"{seen[item.key]} and {item.source} would both become key {item.key!r}; "
+                "rename one of them"
+            )
+        seen[item.key] = item.source
+    return plan
+
+
+def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result) -> list[_Planned]:
     if path.is_dir():
         plan: list[_Planned] = []
         for file in sorted(path.rglob("*")):
@@ -898,14 +1003,6 @@ def _plan_sources(key: str, path: Path) -> list[_Planned]:
                 plan.extend(_plan_file(_child_key(key, relative, file), file))
         if not plan:
             raise InvalidSourceError(f"directory {path} holds no .npy or .npz files")
-        seen: dict[str, str] = {}
-        for item in plan:
-            if item.key in seen:
-                raise InvalidSourceError(
-                    f"{seen[item.key]} and {item.source} would both become key {item.key!r}; "
-                    "rename one of them"
-                )
-            seen[item.key] = item.source
         return plan
     return _plan_file(key, path, st)
 
