@@ -1,0 +1,245 @@
+"""``create_app(settings)``: the FastAPI application of the daemon.
+
+The lifespan cleans what dead writers left in the root, preloads the config file's
+``[[datasets]]`` and, on shutdown, cancels running loads (nothing partial is
+published) and with ``cleanup_on_exit`` evicts every entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shmcache import __version__
+from shmcache.errors import LockTimeoutError, ShmCacheError
+
+from .errors import status_of
+from .routes import metrics_router, v1
+from .settings import Settings
+from .sources import is_up_to_date
+from .state import Service
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+_HTTP_ERROR_NAMES = {
+    400: "BadRequestError",
+    401: "UnauthorizedError",
+    403: "ForbiddenError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    406: "NotAcceptableError",
+    413: "PayloadTooLargeError",
+    415: "UnsupportedMediaTypeError",
+}
+
+DESCRIPTION = """\
+Control plane of a shmcache root: load datasets into shared memory, evict, clean up,
+list, stats, metrics. Reads never go through the daemon: processes open entries
+directly with `shmcache.open_array(key)`.
+
+Errors are `{"error": <exception type>, "detail": <message>}`.
+"""
+
+
+def create_app(settings: Settings, *, service: Service | None = None) -> FastAPI:
+    """The daemon's ASGI app over ``settings.root`` (prepares the root if needed)."""
+    service = service or Service(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(_start, service)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(_stop, service)
+
+    app = FastAPI(
+        title="shmcache daemon",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.include_router(v1)
+    app.include_router(metrics_router)
+    _install_error_handlers(app)
+    app.add_middleware(
+        ControlMiddleware,  # type: ignore[arg-type]
+        service=service,
+        token=settings.token,
+        unix_socket=str(settings.socket_path),
+    )
+    if settings.token:
+        _document_bearer_auth(app)
+    return app
+
+
+def _start(service: Service) -> None:
+    freed = service.store.cleanup()
+    logger.info(
+        "serving %s: %d entries, budget %s; cleanup freed %d bytes",
+        service.store.root,
+        len(service.entries()),
+        "none" if service.store.max_bytes is None else f"{service.store.max_bytes} bytes",
+        freed,
+    )
+    for spec in service.settings.datasets:
+        try:
+            if not spec.source.exists():
+                logger.warning("preload %s: source %s does not exist; skipped", spec.key, spec.source)
+            elif is_up_to_date(service.store, spec.key, spec.source):
+                logger.info("preload %s: %s unchanged since it was loaded; skipped", spec.key, spec.source)
+            else:
+                job, _ = service.jobs.submit(spec.key, spec.source, pin=spec.pin, overwrite=True)
+                logger.info("preload %s from %s: job %s", spec.key, spec.source, job.id)
+        except ShmCacheError as exc:
+            logger.error("preload %s from %s: %s", spec.key, spec.source, exc)
+
+
+def _stop(service: Service) -> None:
+    running = [job for job in service.jobs.list() if job.active]
+    if running:
+        logger.info("cancelling %d load(s)", len(running))
+    service.jobs.shutdown()
+    if service.settings.cleanup_on_exit:
+        evicted = freed = 0
+        for entry in service.store.list():
+            try:
+                freed += service.store.evict(entry.key)
+                evicted += 1
+            except ShmCacheError as exc:
+                logger.warning("cleanup on exit: %s", exc)
+        freed += service.store.cleanup()
+        logger.info("cleanup on exit: evicted %d entries, freed %d bytes", evicted, freed)
+    service.close()
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def _error(status: int, error: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ShmCacheError)
+    async def shmcache_error(request: Request, exc: ShmCacheError) -> JSONResponse:
+        status = status_of(exc)
+        if status >= 500:
+            logger.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        headers = {"Retry-After": "1"} if isinstance(exc, LockTimeoutError) else None
+        return _error(status, type(exc).__name__, str(exc), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, "InvalidRequestError", _describe_validation(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        name = _HTTP_ERROR_NAMES.get(exc.status_code, "HTTPError")
+        return _error(exc.status_code, name, str(exc.detail), dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return _error(500, "InternalError", f"{type(exc).__name__}: {exc}")
+
+
+def _describe_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def _document_bearer_auth(app: FastAPI) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}
+            }
+            schema["security"] = [{"bearer": []}]
+            unauthorized = {
+                "description": "Missing or wrong token",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+            }
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.setdefault("responses", {})["401"] = unauthorized
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------- middleware
+
+
+class ControlMiddleware:
+    """Bearer-token check (TCP only: Unix-socket peers are checked by uid) and latency metrics."""
+
+    def __init__(self, app: ASGIApp, *, service: Service, token: str | None, unix_socket: str) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+        self.unix_socket = unix_socket
+        self.histogram = service.metrics.requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.token is not None and not self._via_unix_socket(scope) and not self._authorized(scope):
+                response = _error(
+                    401,
+                    "UnauthorizedError",
+                    "missing or wrong token: send the header 'Authorization: Bearer <token>' with the "
+                    "token the daemon was started with",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send_with_status)
+                return
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.histogram.labels(scope["method"], template, str(status)).observe(time.perf_counter() - start)
+
+    def _via_unix_socket(self, scope: Scope) -> bool:
+        server = scope.get("server")
+        return server is not None and server[1] is None and server[0] == self.unix_socket
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.token is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, credentials = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.token)
+        return False

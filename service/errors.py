@@ -1,0 +1,80 @@
+"""Errors of the daemon and how every error maps to an HTTP status.
+
+Response bodies are ``{"error": <type>, "detail": <message>}`` where ``type`` is the
+exception's class name (``KeyNotFoundError``...), so a client can re-raise the same
+``shmcache`` exception. Bad input is never a 500.
+"""
+
+from __future__ import annotations
+
+from shmcache.errors import (
+    CacheFullError,
+    CacheRootError,
+    CorruptEntryError,
+    InvalidKeyError,
+    InvalidSourceError,
+    KeyExistsError,
+    KeyNotFoundError,
+    LockTimeoutError,
+    ShmCacheError,
+    UnsupportedDataError,
+)
+
+__all__ = [
+    "DaemonRunningError",
+    "JobCancelledError",
+    "JobConflictError",
+    "JobFinishedError",
+    "JobNotFoundError",
+    "SourceNotAllowedError",
+    "status_of",
+]
+
+
+class SourceNotAllowedError(InvalidSourceError, PermissionError):
+    """The source path (after resolving symlinks and ``..``) is outside ``--allow-source``."""
+
+
+class JobNotFoundError(ShmCacheError, LookupError):
+    """No load job with that id (finished jobs are kept for a while, then forgotten)."""
+
+
+class JobConflictError(ShmCacheError):
+    """Another load of the same key, from a different source, is queued or running."""
+
+
+class JobFinishedError(ShmCacheError):
+    """The job already finished; there is nothing to cancel."""
+
+
+class JobCancelledError(ShmCacheError):
+    """The load was cancelled (``DELETE /v1/jobs/{id}`` or daemon shutdown)."""
+
+
+class DaemonRunningError(ShmCacheError, RuntimeError):
+    """Another daemon already serves this root."""
+
+
+# Most specific first: the first matching class decides the status.
+_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (InvalidKeyError, 422),
+    (KeyNotFoundError, 404),
+    (JobNotFoundError, 404),
+    (KeyExistsError, 409),
+    (JobConflictError, 409),
+    (JobFinishedError, 409),
+    (CacheFullError, 507),
+    (UnsupportedDataError, 415),
+    (InvalidSourceError, 400),  # SourceNotFound, CorruptSource, SourceNotAllowed
+    (LockTimeoutError, 503),
+    (CorruptEntryError, 500),
+    (CacheRootError, 500),
+)
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status for an exception raised while serving a request."""
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500

@@ -1,0 +1,242 @@
+"""Background loads: a bounded pool of threads running ``Store.put_file``, one job per key.
+
+A second request for a key whose load is queued or running gets the same job back.
+Cancelling sets a flag that the load's progress callback checks after every chunk; it
+raises, the store discards the partial write, and nothing is published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shmcache import Store
+from shmcache.errors import ShmCacheError
+
+from .errors import JobCancelledError, JobConflictError, JobFinishedError, JobNotFoundError
+
+__all__ = ["ACTIVE_STATES", "Job", "JobManager"]
+
+logger = logging.getLogger(__name__)
+
+ACTIVE_STATES = ("queued", "running")
+_KEEP_FINISHED = 1000
+
+
+@dataclass
+class Job:
+    """One load of ``source`` under ``key``; fields are read by the API as they change."""
+
+    key: str
+    source: Path
+    pin: bool
+    overwrite: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    state: str = "queued"
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    keys: list[str] = field(default_factory=list)
+    error_type: str | None = None
+    error_detail: str | None = None
+    created: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    finished_event: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.cancel_event.is_set()
+
+
+class JobManager:
+    """Runs loads on ``workers`` threads; keeps the last 1000 finished jobs for status queries."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        workers: int,
+        max_load_rate: int | None = None,
+        on_finish: Callable[[Job], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.workers = workers
+        self.max_load_rate = max_load_rate
+        self._on_finish = on_finish
+        self._lock = threading.Lock()
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._active_by_key: dict[str, Job] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ queries
+
+    def get(self, job_id: str) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise JobNotFoundError(
+                f"no job {job_id!r}: unknown id, or it finished long ago (the last {_KEEP_FINISHED} "
+                "finished jobs are kept)"
+            )
+        return job
+
+    def active_for(self, key: str) -> Job | None:
+        return self._active_by_key.get(key)
+
+    def list(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(("queued", "running", "done", "failed", "cancelled"), 0)
+        with self._lock:
+            for job in self._jobs.values():
+                counts[job.state] += 1
+        return counts
+
+    # ------------------------------------------------------------------ changes
+
+    def submit(
+        self, key: str, source: Path, *, pin: bool = False, overwrite: bool = False
+    ) -> tuple[Job, bool]:
+        """Queue a load; returns ``(job, created)``. A queued or running load of the same
+        key and source is returned instead of starting another one."""
+        with self._lock:
+            if self._closed:
+                raise JobConflictError("the daemon is shutting down; it accepts no new loads")
+            current = self._active_by_key.get(key)
+            if current is not None:
+                if current.source != source:
+                    raise JobConflictError(
+                        f"key {key!r} is already being loaded from {current.source} by job {current.id}; "
+                        f"wait for it, or cancel it (DELETE /v1/jobs/{current.id}) first"
+                    )
+                return current, False
+            job = Job(key=key, source=source, pin=pin, overwrite=overwrite)
+            self._jobs[job.id] = job
+            self._active_by_key[key] = job
+            self._prune()
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="shmcache-load")
+            self._executor.submit(self._run, job)
+        logger.debug("job %s queued: %s from %s", job.id, key, source)
+        return job, True
+
+    def cancel(self, job_id: str, wait: float = 2.0) -> Job:
+        """Ask a job to stop; wait up to ``wait`` seconds for it to do so."""
+        job = self.get(job_id)
+        with self._lock:
+            if not job.active:
+                raise JobFinishedError(f"job {job_id} already finished ({job.state}); nothing to cancel")
+            job.cancel_event.set()
+            if job.state == "queued":  # never started: finish it here
+                self._finish(job, "cancelled", "JobCancelledError", "cancelled before it started")
+        job.finished_event.wait(wait)
+        return job
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancel every queued and running load and wait for the workers to stop."""
+        with self._lock:
+            self._closed = True
+            for job in self._jobs.values():
+                if job.active:
+                    job.cancel_event.set()
+                    if job.state == "queued":
+                        self._finish(job, "cancelled", "JobCancelledError", "the daemon is shutting down")
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            deadline = time.monotonic() + timeout
+            for job in self.list():
+                job.finished_event.wait(max(0.0, deadline - time.monotonic()))
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _run(self, job: Job) -> None:
+        with self._lock:
+            if job.state != "queued":  # cancelled while queued
+                return
+            job.state = "running"
+            job.started = time.time()
+        start = time.monotonic()
+        try:
+            job.keys = self.store.put_file(
+                job.key,
+                job.source,
+                overwrite=job.overwrite,
+                pin=job.pin,
+                progress=self._progress_of(job, start),
+            )
+        except JobCancelledError as exc:
+            self._finish_locked(job, "cancelled", type(exc).__name__, str(exc))
+            logger.info(
+                "load %s from %s cancelled (job %s); nothing was published", job.key, job.source, job.id
+            )
+        except (ShmCacheError, OSError) as exc:
+            self._finish_locked(job, "failed", type(exc).__name__, str(exc))
+            logger.warning("load %s from %s failed (job %s): %s", job.key, job.source, job.id, exc)
+        except Exception as exc:  # a bug: keep the worker alive, report it on the job
+            self._finish_locked(job, "failed", "InternalError", f"{type(exc).__name__}: {exc}")
+            logger.exception("load %s from %s failed unexpectedly (job %s)", job.key, job.source, job.id)
+        else:
+            self._finish_locked(job, "done", None, None)
+            elapsed = time.monotonic() - start
+            logger.debug(
+                "job %s done: %s (%d keys, %d bytes) in %.2f s",
+                job.id,
+                job.key,
+                len(job.keys),
+                job.bytes_done,
+                elapsed,
+            )
+
+    def _progress_of(self, job: Job, start: float) -> Callable[[int, int], None]:
+        rate = self.max_load_rate
+
+        def progress(done: int, total: int) -> None:
+            job.bytes_done, job.bytes_total = done, total
+            if job.cancel_event.is_set():
+                raise JobCancelledError(self._cancel_reason())
+            if rate:  # pace the copy; wake up at once when cancelled
+                delay = start + done / rate - time.monotonic()
+                if delay > 0 and job.cancel_event.wait(delay):
+                    raise JobCancelledError(self._cancel_reason())
+
+        return progress
+
+    def _cancel_reason(self) -> str:
+        return "the daemon is shutting down" if self._closed else "cancelled on request"
+
+    def _finish_locked(self, job: Job, state: str, error_type: str | None, detail: str | None) -> None:
+        with self._lock:
+            self._finish(job, state, error_type, detail)
+
+    def _finish(self, job: Job, state: str, error_type: str | None, detail: str | None) -> None:
+        job.state = state
+        job.error_type, job.error_detail = error_type, detail
+        job.finished = time.time()
+        if self._active_by_key.get(job.key) is job:
+            del self._active_by_key[job.key]
+        job.finished_event.set()
+        if self._on_finish is not None:
+            try:
+                self._on_finish(job)
+            except Exception:
+                logger.exception("job %s: on_finish hook failed", job.id)
+
+    def _prune(self) -> None:
+        finished = [job_id for job_id, job in self._jobs.items() if not job.active]
+        for job_id in finished[: max(0, len(finished) - _KEEP_FINISHED)]:
+            del self._jobs[job_id]

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one daemon, in a registry of its own (apps in one process never clash)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .state import Service
+
+__all__ = ["ServiceMetrics"]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _CacheCollector(Collector):
+    """Gauges read from the store when scraped: entries, bytes, jobs by state."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        space = self.service.space()
+        yield GaugeMetricFamily("shmcache_entries", "Published entries.", value=space.entries)
+        yield GaugeMetricFamily("shmcache_used_bytes", "Bytes held by published entries.", value=space.used)
+        yield GaugeMetricFamily(
+            "shmcache_capacity_bytes", "Size of the file system holding the root.", value=space.capacity
+        )
+        yield GaugeMetricFamily("shmcache_free_bytes", "Free bytes on that file system.", value=space.free)
+        if space.budget is not None:
+            yield GaugeMetricFamily("shmcache_budget_bytes", "The daemon's byte budget.", value=space.budget)
+        yield GaugeMetricFamily(
+            "shmcache_held_by_readers_bytes",
+            "Bytes of evicted or replaced entries still mapped by live processes.",
+            value=self.service.readers.deleted_bytes(),
+        )
+        jobs = GaugeMetricFamily(
+            "shmcache_jobs", "Load jobs known to the daemon, by state.", labels=["state"]
+        )
+        for state, count in self.service.jobs.counts().items():
+            jobs.add_metric([state], count)
+        yield jobs
+
+
+class ServiceMetrics:
+    """Counters the service updates plus the scrape-time gauges of :class:`_CacheCollector`."""
+
+    def __init__(self, service: Service) -> None:
+        self.registry = CollectorRegistry()
+        self.loads = Counter(
+            "shmcache_loads", "Load jobs finished, by outcome.", ["outcome"], registry=self.registry
+        )
+        for outcome in ("done", "failed", "cancelled"):
+            self.loads.labels(outcome=outcome)
+        self.loaded_bytes = Counter(
+            "shmcache_loaded_bytes", "Bytes loaded by finished jobs.", registry=self.registry
+        )
+        self.evictions = Counter(
+            "shmcache_evictions", "Entries evicted through the daemon.", registry=self.registry
+        )
+        self.evicted_bytes = Counter(
+            "shmcache_evicted_bytes",
+            "Bytes released by evictions through the daemon.",
+            registry=self.registry,
+        )
+        self.cleanups = Counter("shmcache_cleanups", "Cleanup runs.", registry=self.registry)
+        self.cleanup_freed_bytes = Counter(
+            "shmcache_cleanup_freed_bytes", "Bytes freed by cleanup runs.", registry=self.registry
+        )
+        self.requests = Histogram(
+            "shmcache_request_duration_seconds",
+            "HTTP request latency, by method, route template and status.",
+            ["method", "route", "status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_CacheCollector(service))

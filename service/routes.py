@@ -1,0 +1,215 @@
+"""The ``/v1`` HTTP API and ``/metrics``.
+
+Handlers that may block (locks, ``/proc`` scans, reading source headers) are plain
+``def``: FastAPI runs them in its thread pool. Cheap cached views are ``async``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from shmcache import __version__, validate_key
+
+from .jobs import Job as JobRecord
+from .schemas import (
+    CleanupResult,
+    Entry,
+    EntryDetail,
+    ErrorBody,
+    Evicted,
+    Health,
+    Job,
+    JobError,
+    LoadRequest,
+    Stats,
+)
+from .sources import check_loadable, resolve_source
+from .state import EntryView, Service, entry_model
+
+__all__ = ["metrics_router", "v1"]
+
+v1 = APIRouter(prefix="/v1")
+metrics_router = APIRouter()
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody} for code in (*codes, 422)}
+
+
+def get_service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+ServiceDep = Annotated[Service, Depends(get_service)]
+KeyPath = Annotated[str, "a key: segments of [A-Za-z0-9._-] joined by '/'"]
+
+
+def _job(job: JobRecord) -> Job:
+    error = JobError(type=job.error_type, detail=job.error_detail or "") if job.error_type else None
+    return Job(
+        id=job.id,
+        key=job.key,
+        source=str(job.source),
+        pin=job.pin,
+        overwrite=job.overwrite,
+        state=job.state,  # type: ignore[arg-type]
+        bytes_done=job.bytes_done,
+        bytes_total=job.bytes_total,
+        keys=list(job.keys),
+        error=error,
+        cancel_requested=job.cancel_requested,
+        created=job.created,
+        started=job.started,
+        finished=job.finished,
+    )
+
+
+async def _entry_view(service: Service) -> EntryView:
+    """The entry view, re-reading the root in a worker thread when it changed."""
+    view = service.current_view()
+    return view if view is not None else await asyncio.to_thread(service.entry_view)
+
+
+@v1.get("/health", response_model=Health, summary="Liveness: the daemon answers")
+async def health(service: ServiceDep) -> Health:
+    return Health(
+        version=__version__,
+        pid=os.getpid(),
+        root=str(service.store.root),
+        uptime_s=round(max(0.0, time.time() - service.started), 3),
+    )
+
+
+@v1.get("/stats", response_model=Stats, summary="Capacity, use, budget, entries, bytes held by readers")
+async def stats(service: ServiceDep) -> Stats:
+    await _entry_view(service)
+    space = service.space()
+    counts = service.jobs.counts()
+    return Stats(
+        root=str(service.store.root),
+        capacity=space.capacity,
+        used=space.used,
+        free=space.free,
+        budget=space.budget,
+        entries=space.entries,
+        held_by_readers_bytes=service.readers.deleted_bytes(),
+        jobs_queued=counts["queued"],
+        jobs_running=counts["running"],
+    )
+
+
+@v1.get(
+    "/entries",
+    response_model=list[Entry],
+    responses=_errors(),
+    summary="List entries (optionally under a prefix)",
+)
+async def list_entries(
+    service: ServiceDep,
+    prefix: Annotated[
+        str | None, Query(description="Only `prefix` itself and keys under `prefix/`.", max_length=400)
+    ] = None,
+) -> Response:
+    if prefix:
+        prefix = validate_key(prefix.rstrip("/") or prefix)
+    view = await _entry_view(service)
+    return Response(view.json_under(prefix), media_type="application/json")
+
+
+@v1.get(
+    "/entries/{key:path}",
+    response_model=EntryDetail,
+    responses=_errors(404),
+    summary="One entry's metadata and the PIDs mapping it",
+)
+def get_entry(key: KeyPath, service: ServiceDep) -> EntryDetail:
+    info = service.store.info(key)
+    pids = service.store.scan_mappings().pids_by_version.get(info.version, set())
+    return EntryDetail(**entry_model(info).model_dump(), mapped_by=sorted(pids))
+
+
+@v1.put(
+    "/entries/{key:path}",
+    response_model=Job,
+    status_code=202,
+    responses=_errors(400, 404, 409, 415, 507),
+    summary="Load a file or directory under the key in the background (answers with a job)",
+)
+def load_entry(key: KeyPath, body: LoadRequest, service: ServiceDep, response: Response) -> Job:
+    validate_key(key)
+    source = resolve_source(body.source, service.settings.allow_source)
+    current = service.jobs.active_for(key)
+    if current is None or current.source != source:
+        check_loadable(service.store, key, source, body.overwrite, service.settings.allow_source)
+    job, _ = service.jobs.submit(key, source, pin=body.pin, overwrite=body.overwrite)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return _job(job)
+
+
+@v1.delete(
+    "/entries/{key:path}",
+    response_model=Evicted,
+    responses=_errors(404, 503),
+    summary="Evict an entry (processes that map it keep reading their version)",
+)
+def evict_entry(key: KeyPath, service: ServiceDep) -> Evicted:
+    freed = service.store.evict(key)
+    service.forget_entries()
+    service.metrics.evictions.inc()
+    service.metrics.evicted_bytes.inc(freed)
+    return Evicted(key=key, freed_bytes=freed)
+
+
+@v1.post(
+    "/cleanup",
+    response_model=CleanupResult,
+    responses=_errors(503),
+    summary="Remove partial writes and orphans of dead writers",
+)
+def cleanup(service: ServiceDep) -> CleanupResult:
+    freed = service.store.cleanup()
+    service.metrics.cleanups.inc()
+    service.metrics.cleanup_freed_bytes.inc(freed)
+    return CleanupResult(freed_bytes=freed)
+
+
+@v1.get("/jobs", response_model=list[Job], summary="Recent load jobs (queued, running, last 1000 finished)")
+async def list_jobs(service: ServiceDep) -> list[Job]:
+    return [_job(job) for job in service.jobs.list()]
+
+
+@v1.get(
+    "/jobs/{job_id}", response_model=Job, responses=_errors(404), summary="A load job's state and progress"
+)
+async def get_job(job_id: str, service: ServiceDep) -> Job:
+    return _job(service.jobs.get(job_id))
+
+
+@v1.delete(
+    "/jobs/{job_id}",
+    response_model=Job,
+    responses={202: {"model": Job}, **_errors(404, 409)},
+    summary="Cancel a queued or running load (nothing partial is published)",
+)
+def cancel_job(job_id: str, service: ServiceDep, response: Response) -> Job:
+    job = service.jobs.cancel(job_id)
+    if job.active:  # asked to stop, not stopped yet
+        response.status_code = 202
+    return _job(job)
+
+
+@metrics_router.get(
+    "/metrics",
+    response_class=Response,
+    summary="Prometheus metrics (text format)",
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+)
+def metrics(service: ServiceDep) -> Response:
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,114 @@
+"""Request and response bodies of the HTTP API (pydantic models; they make the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "CleanupResult",
+    "Entry",
+    "EntryDetail",
+    "ErrorBody",
+    "Evicted",
+    "Health",
+    "Job",
+    "JobError",
+    "JobState",
+    "LoadRequest",
+    "Stats",
+]
+
+JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+
+
+class ErrorBody(BaseModel):
+    """Every error response: the exception's type and a message that says what to do."""
+
+    error: str = Field(description="Exception class name, e.g. KeyNotFoundError, InvalidRequestError.")
+    detail: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    version: str
+    pid: int
+    root: str
+    uptime_s: float
+
+
+class Stats(BaseModel):
+    root: str
+    capacity: int = Field(description="Size of the file system holding the root (bytes).")
+    used: int = Field(description="Bytes held by published entries.")
+    free: int = Field(description="Bytes still free on that file system.")
+    budget: int | None = Field(description="The daemon's byte budget, or null for none.")
+    entries: int
+    held_by_readers_bytes: int = Field(
+        description="Bytes of evicted or replaced entries that live processes still map "
+        "(returned to the system when they let go); refreshed at most every 2 s."
+    )
+    jobs_queued: int
+    jobs_running: int
+
+
+class Entry(BaseModel):
+    key: str
+    kind: str
+    dtype: str | None
+    shape: list[int] | None
+    nbytes: int = Field(description="Bytes of data (array.nbytes).")
+    size: int = Field(description="Bytes the entry occupies in the cache.")
+    created: float
+    last_used: float
+    pinned: bool
+    source: str | None
+    version: str
+    source_fingerprint: dict[str, int] | None = None
+    checksum: str | None = None
+
+
+class EntryDetail(Entry):
+    mapped_by: list[int] = Field(description="PIDs of live processes that map this entry.")
+
+
+class LoadRequest(BaseModel):
+    """Load a ``.npy``, an ``.npz`` (as key/<member>) or a directory of them (key/<relative path>)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(min_length=1, description="Absolute path on the daemon's machine.")
+    pin: bool = Field(default=False, description="Never evict it to stay within the budget.")
+    overwrite: bool = Field(default=False, description="Replace existing entries.")
+
+
+class JobError(BaseModel):
+    type: str
+    detail: str
+
+
+class Job(BaseModel):
+    id: str
+    key: str
+    source: str
+    pin: bool
+    overwrite: bool
+    state: JobState
+    bytes_done: int
+    bytes_total: int | None = Field(description="Known once the sources are validated.")
+    keys: list[str] = Field(description="Keys published (when done).")
+    error: JobError | None
+    cancel_requested: bool
+    created: float
+    started: float | None
+    finished: float | None
+
+
+class Evicted(BaseModel):
+    key: str
+    freed_bytes: int
+
+
+class CleanupResult(BaseModel):
+    freed_bytes: int
