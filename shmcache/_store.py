@@ -35,6 +35,7 @@ from filelock import FileLock
 from filelock import Timeout as FileLockTimeout
 
 from ._attach import attach_array
+from ._checksum import BackgroundCrc, crc_of_range, format_checksums, parse_checksums
 from ._codecs import content_digest, encode_any, encode_mapping, encode_ragged, encode_records, encode_strings
 from ._containers import EntryRef, SharedMapping, SharedRagged, SharedRecords, SharedStrings, container_for
 from ._fs import FileLockProbe, copy_range, free_bytes, remove_tree, total_bytes
@@ -469,9 +470,8 @@ class Store:
         with self._writer() as writer:
             self._reserve(writer, nbytes + 4096 * (len(files) + 1), [key] if overwrite else ())
             version = writer.new_version()
-            for name, array in files.items():
-                writer.write_array(version, f"{name}.npy", array)
-            meta = self._entry_meta(key, kind, version, writer, sorted(files), pin) | dict(extra)
+            crcs = {name: writer.write_array(version, f"{name}.npy", array) for name, array in files.items()}
+            meta = self._entry_meta(key, kind, version, writer, crcs, pin) | dict(extra)
             if kind != "array":  # what `ls` shows: item count, and the item type
                 meta["shape"] = [meta.get("length", 0)]
                 meta.setdefault("dtype", _ITEM_TYPES.get(kind))
@@ -516,8 +516,8 @@ class Store:
                 progress(0, total)
             for item in plan:
                 item.version = writer.new_version()
-                self._copy_planned(writer, item, advance)
-                meta = self._entry_meta(item.key, "array", item.version, writer, ["data"], pin)
+                crc = self._copy_planned(writer, item, advance)
+                meta = self._entry_meta(item.key, "array", item.version, writer, {"data": crc}, pin)
                 meta["source"] = item.source
                 meta["source_fingerprint"] = item.fingerprint
                 writer.write_meta(item.version, meta)
@@ -572,11 +572,12 @@ class Store:
                 )
 
     def _entry_meta(
-        self, key: str, kind: str, version: str, writer: VersionWriter, names: list[str], pin: bool
+        self, key: str, kind: str, version: str, writer: VersionWriter, crcs: dict[str, int], pin: bool
     ) -> dict[str, Any]:
         """Metadata of a version, read back from the headers of the files as written."""
         headers = {}
         size = 0
+        names = sorted(crcs)
         for name in names:
             path = writer.path(version, f"{name}.npy")
             with open(path, "rb") as fp:
@@ -595,29 +596,61 @@ class Store:
             "pinned": pin,
             "source": None,
             "source_fingerprint": None,
-            "checksum": None,
+            "checksum": format_checksums(crcs),
         }
         if kind == "array":
             data = headers["data"]
             meta |= {"dtype": str(data.dtype), "shape": list(data.shape), "fortran_order": data.fortran_order}
         return meta
 
-    def _copy_planned(self, writer: VersionWriter, item: _Planned, advance: Callable[[int], None]) -> None:
+    def _copy_planned(self, writer: VersionWriter, item: _Planned, advance: Callable[[int], None]) -> int:
+        """Copy one planned ``.npy`` into the version; returns its CRC-32."""
         target = writer.path(item.version, ARRAY_FILE)
         dst = writer.create_file(item.version, ARRAY_FILE)
         try:
-            if item.copy_offset is not None:
-                src = os.open(item.copy_from, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    copy_range(src, dst, item.copy_offset, item.header.file_size, target, advance)
-                except EOFError as exc:
-                    raise CorruptSourceError(f"{item.source}: {exc} (did it change while loading?)") from exc
-                finally:
-                    os.close(src)
-            else:
-                _inflate_member(item, dst, target, advance)
+            if item.copy_offset is None:
+                return _inflate_member(item, dst, target, advance)
+            # The kernel copies while another thread checksums the same (cached) bytes.
+            crc = BackgroundCrc(item.copy_from, item.copy_offset, item.header.file_size)
+            src = os.open(item.copy_from, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                copy_range(src, dst, item.copy_offset, item.header.file_size, target, advance)
+                return crc.result()
+            except EOFError as exc:
+                raise CorruptSourceError(f"{item.source}: {exc} (did it change while loading?)") from exc
+            finally:
+                os.close(src)
+                with suppress(BaseException):
+                    crc.result()
         finally:
             os.close(dst)
+
+    def verify(self, key: str) -> bool:
+        """Check an entry against the checksums recorded when it was put.
+
+        True if they match, False if none were recorded; raises CorruptEntryError if
+        the entry's bytes changed.
+        """
+        info = self.info(key)
+        if not info.checksum:
+            return False
+        expected = parse_checksums(info.checksum)
+        for name, crc in sorted(expected.items()):
+            path = self.layout.objects / info.version / f"{name}.npy"
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise KeyNotFoundError(f"entry {key!r} was replaced or evicted while verifying") from None
+            try:
+                actual = crc_of_range(fd, 0, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            if actual != crc:
+                raise CorruptEntryError(
+                    f"entry {key!r}: {name}.npy has checksum {actual:08x}, {crc:08x} was recorded "
+                    "when it was put; its bytes changed in memory. Evict it and put it again"
+                )
+        return True
 
     @contextmanager
     def _writer(self) -> Iterator[VersionWriter]:
@@ -1043,23 +1076,31 @@ def _plan_file(key: str, path: Path, st: os.stat_result | None = None) -> list[_
     return [_Planned(key, header, str(path), _fingerprint(st), str(path), 0)]
 
 
-def _inflate_member(item: _Planned, dst: int, target: Path, advance: Callable[[int], None]) -> None:
-    """Copy a compressed ``.npz`` member (zipfile checks its CRC while inflating)."""
+def _inflate_member(item: _Planned, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+    """Copy a compressed ``.npz`` member (zipfile checks its CRC while inflating);
+    returns the CRC-32 of what was written."""
     import zipfile
     import zlib
 
     from ._fs import write_all
 
     written = 0
+    crc = 0
     try:
         with zipfile.ZipFile(item.copy_from) as archive, archive.open(f"{item.member}.npy") as member:
             while chunk := member.read(16 << 20):
-                write_all(dst, chunk[: item.header.file_size - written], target)
-                written += len(chunk)
+                piece = chunk[: item.header.file_size - written]
+                write_all(dst, piece, target)
+                crc = zlib.crc32(piece, crc)
+                written += len(piece)
+                advance(len(piece))
+                if written >= item.header.file_size:
+                    break
     except (zipfile.BadZipFile, EOFError, KeyError, zlib.error) as exc:
         raise CorruptSourceError(f"{item.source}: {exc}") from exc
     if written < item.header.file_size:
         raise CorruptSourceError(f"{item.source}: truncated member ({written} bytes)")
+    return crc
 
 
 def _names(keys: list[str]) -> str:

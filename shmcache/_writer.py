@@ -12,6 +12,8 @@ import json
 import os
 import secrets
 import time
+import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -77,23 +79,29 @@ class VersionWriter:
             self.path(version, filename), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
         )
 
-    def write_array(self, version: str, filename: str, array: np.ndarray) -> None:
-        """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping)."""
+    def write_array(self, version: str, filename: str, array: np.ndarray) -> int:
+        """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping);
+        returns the CRC-32 of the file's bytes."""
         path = self.path(version, filename)
         fortran = bool(array.flags.f_contiguous and not array.flags.c_contiguous)
         fd = self.create_file(version, filename)
         try:
-            write_all(fd, build_header(array.dtype, array.shape, fortran), path)
+            header = build_header(array.dtype, array.shape, fortran)
+            write_all(fd, header, path)
+            crc = zlib.crc32(header)
             if array.size == 0 or array.dtype.itemsize == 0:
-                return
+                return crc
             flat = array.T if fortran else array
             if flat.ndim == 0 or flat.flags.c_contiguous:
-                write_all(fd, flat.reshape(-1).view(np.uint8), path)
-                return
-            rows = max(1, _ROWS_BYTES // max(1, flat[0].nbytes))
-            for start in range(0, flat.shape[0], rows):
-                chunk = np.ascontiguousarray(flat[start : start + rows])
-                write_all(fd, chunk.reshape(-1).view(np.uint8), path)
+                chunks: Iterable[np.ndarray] = [flat]
+            else:
+                rows = max(1, _ROWS_BYTES // max(1, flat[0].nbytes))
+                chunks = (np.ascontiguousarray(flat[i : i + rows]) for i in range(0, flat.shape[0], rows))
+            for chunk in chunks:
+                data = chunk.reshape(-1).view(np.uint8)
+                write_all(fd, data, path)
+                crc = zlib.crc32(data.data, crc)
+            return crc
         finally:
             os.close(fd)
 

@@ -150,3 +150,21 @@ def test_many_attached_entries_under_a_low_soft_descriptor_limit(store: shmcache
     done = subprocess.run([sys.executable, "-c", capped], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ShmCacheError") and "too many open files" in done.stdout
+
+
+def test_checksums_recorded_at_put_and_verified(store: shmcache.Store, tmp_path: Path) -> None:
+    store.put_array("a", np.arange(1000))
+    store.put_strings("s", ["x", "y"])
+    np.save(tmp_path / "f.npy", np.ones((100, 3)))
+    np.savez_compressed(tmp_path / "z.npz", m=np.arange(7))
+    store.put_file("f", tmp_path / "f.npy")
+    store.put_file("z", tmp_path / "z.npz")
+    for key in ("a", "s", "f", "z/m"):
+        assert (store.info(key).checksum or "").startswith("crc32:")
+        assert store.verify(key) is True
+    data = store.root / "objects" / store.info("f").version / "data.npy"
+    with open(data, "r+b") as fp:  # damage one payload byte behind the cache's back
+        fp.seek(200)
+        fp.write(b"\x7f")
+    with pytest.raises(shmcache.CorruptEntryError, match="checksum"):
+        store.verify("f")
