@@ -1,7 +1,48 @@
-"""Thin client of the shmcache daemon (HTTP control plane) and torch helpers.
+"""Thin client of the shmcache daemon (the HTTP control plane), installed as ``shmcache.client``.
 
-Installed as ``shmcache.client``; needs the ``client`` extra. Not implemented yet:
-reads never need it (``shmcache.open_array`` talks to the file system directly).
+```python
+from shmcache.client import Client
+with Client() as daemon:                       # <root>/daemon.sock of $SHMCACHE_ROOT / the default root
+    daemon.load("feats", "/data/features", pin=True, wait=True)
+    daemon.list("feats"); daemon.info("feats/a").mapped_by; daemon.evict("feats/a")
+```
+
+Reads never need it: ``shmcache.open_array`` & co. open the files directly. Needs httpx
+(a dependency of shmcache); never imports the daemon, FastAPI or torch.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from ._client import DEFAULT_TIMEOUT, ENV_SOCKET, ENV_TOKEN, Client
+from ._errors import (
+    ERROR_TYPES,
+    InvalidRequestError,
+    JobCancelledError,
+    JobConflictError,
+    JobFinishedError,
+    JobNotFoundError,
+    SourceNotAllowedError,
+    error_from_body,
+)
+from ._records import ACTIVE_STATES, EntryDetail, Health, Job, JobError, ServiceStats
+
+__all__ = [
+    "ACTIVE_STATES",
+    "DEFAULT_TIMEOUT",
+    "ENV_SOCKET",
+    "ENV_TOKEN",
+    "ERROR_TYPES",
+    "Client",
+    "EntryDetail",
+    "Health",
+    "InvalidRequestError",
+    "Job",
+    "JobCancelledError",
+    "JobConflictError",
+    "JobError",
+    "JobFinishedError",
+    "JobNotFoundError",
+    "ServiceStats",
+    "SourceNotAllowedError",
+    "error_from_body",
+]

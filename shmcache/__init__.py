@@ -46,6 +46,7 @@ from .errors import (
     LockTimeoutError,
     ShmCacheError,
     SourceNotFoundError,
+    UnauthorizedError,
     UnsupportedDataError,
 )
 
@@ -73,6 +74,7 @@ __all__ = [
     "SourceNotFoundError",
     "Store",
     "StoreStats",
+    "UnauthorizedError",
     "UnsupportedDataError",
     "__version__",
     "cache",

@@ -21,6 +21,7 @@ __all__ = [
     "LockTimeoutError",
     "ShmCacheError",
     "SourceNotFoundError",
+    "UnauthorizedError",
     "UnsupportedDataError",
 ]
 
@@ -79,3 +80,7 @@ class CorruptEntryError(ShmCacheError, ValueError):
 
 class CacheRootError(ShmCacheError, PermissionError):
     """The cache root is unusable: owned by another user, not a directory..."""
+
+
+class UnauthorizedError(ShmCacheError, PermissionError):
+    """The daemon refused the request: a TCP client sent no token or the wrong one."""

@@ -106,5 +106,5 @@ def test_demo_runs_end_to_end_in_a_subprocess(root: Path) -> None:
 def test_help_lists_every_command() -> None:
     code, out, _ = _run("--help")
     assert code == 0
-    for command in ("put", "ls", "info", "evict", "cleanup", "stats", "demo"):
+    for command in ("put", "ls", "info", "evict", "cleanup", "stats", "verify", "serve", "demo"):
         assert command in out

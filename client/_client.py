@@ -1,0 +1,270 @@
+"""The control client: the daemon's HTTP API as Python methods returning typed records.
+
+Opening data never goes through here: use ``shmcache.open_array`` & co., which read the
+file system directly. This client loads, evicts, lists and inspects through the daemon.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from shmcache import EntryInfo, default_root, validate_key
+from shmcache.errors import DaemonUnavailableError, ShmCacheError
+
+from ._errors import JobCancelledError, error_from_body
+from ._records import EntryDetail, Health, Job, ServiceStats, entry_from_json
+
+__all__ = ["DEFAULT_TIMEOUT", "ENV_SOCKET", "ENV_TOKEN", "Client"]
+
+ENV_SOCKET = "SHMCACHE_SOCKET"
+"""Where the daemon's Unix socket is, if not ``<root>/daemon.sock`` (as for ``shmcache serve``)."""
+ENV_TOKEN = "SHMCACHE_TOKEN"
+"""The bearer token sent over TCP when ``token`` is not given (as for ``shmcache serve``)."""
+DEFAULT_TIMEOUT = 30.0
+SOCKET_NAME = "daemon.sock"
+_POLL_MIN_S = 0.01
+_POLL_MAX_S = 0.25
+
+
+class Client:
+    """A connection to the ``shmcache serve`` daemon of a root.
+
+    By default it talks over the daemon's Unix socket: ``socket``, else
+    ``$SHMCACHE_SOCKET``, else ``<root>/daemon.sock`` (``root`` defaults to
+    ``$SHMCACHE_ROOT`` or ``/dev/shm/shmcache-<uid>``). With ``url``
+    (``http://host:port``) it talks TCP and sends ``token`` (default
+    ``$SHMCACHE_TOKEN``) as ``Authorization: Bearer``.
+
+    One keep-alive connection is reused across calls (and re-created in a forked
+    child). Use it as a context manager, or call :meth:`close`. Errors come back as the
+    exceptions the core raises (``KeyNotFoundError``, ``CacheFullError``...); a daemon
+    that does not answer is :class:`~shmcache.DaemonUnavailableError`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.root = Path(os.path.abspath(root if root is not None else default_root()))
+        self.url = url.rstrip("/") if url else None
+        self.timeout = timeout
+        if self.url is None:
+            configured = socket if socket is not None else os.environ.get(ENV_SOCKET) or None
+            self.socket_path: Path | None = (
+                Path(os.path.abspath(configured)) if configured else self.root / SOCKET_NAME
+            )
+            self._token = None
+        else:
+            self.socket_path = None
+            self._token = token if token is not None else os.environ.get(ENV_TOKEN) or None
+        self._http: httpx.Client | None = None
+        self._pid = -1
+
+    def __repr__(self) -> str:
+        where = self.url if self.url is not None else f"unix:{self.socket_path}"
+        return f"Client({where!r})"
+
+    # ------------------------------------------------------------------ connection
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection (a later call opens a new one)."""
+        http, self._http = self._http, None
+        if http is not None and self._pid == os.getpid():
+            http.close()
+
+    def _connection(self) -> httpx.Client:
+        if self._http is None or self._pid != os.getpid():  # never share a socket with a forked parent
+            headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+            if self.socket_path is not None:
+                transport = httpx.HTTPTransport(uds=str(self.socket_path))
+                self._http = httpx.Client(
+                    transport=transport, base_url="http://shmcache", timeout=self.timeout, headers=headers
+                )
+            else:
+                assert self.url is not None
+                self._http = httpx.Client(base_url=self.url, timeout=self.timeout, headers=headers)
+            self._pid = os.getpid()
+        return self._http
+
+    def _unavailable(self, exc: Exception) -> DaemonUnavailableError:
+        if self.socket_path is None:
+            return DaemonUnavailableError(
+                f"cannot reach the shmcache daemon at {self.url} ({exc or type(exc).__name__}): is "
+                "`shmcache serve --host H --port P` running there, and the address right?"
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            reason = f"no answer within {self.timeout:g} s"
+        elif not self.socket_path.exists():
+            reason = "no socket there"
+        else:
+            reason = str(exc) or type(exc).__name__
+        start = f"shmcache serve --root {self.root}"
+        if self.socket_path != self.root / SOCKET_NAME:
+            start += f" --socket {self.socket_path}"
+        return DaemonUnavailableError(
+            f"no shmcache daemon answers on {self.socket_path} ({reason}): start one with `{start}` "
+            "(or work without it: shmcache.Store, or the CLI without a daemon)"
+        )
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        try:
+            response = self._connection().request(method, path, json=json, params=params)
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        if response.status_code >= 400:
+            raise _error_of(response)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ShmCacheError(
+                f"the daemon answered {method} {path} with something that is not JSON "
+                f"(HTTP {response.status_code}): {response.text[:200]!r}"
+            ) from exc
+
+    # ------------------------------------------------------------------ the API
+
+    def health(self) -> Health:
+        """Whether the daemon answers, and its version, pid and root."""
+        return Health.from_json(self._request("GET", "/v1/health"))
+
+    def stats(self) -> ServiceStats:
+        """Capacity, use, budget and entry count, plus bytes held by readers and job counts."""
+        return ServiceStats.from_json(self._request("GET", "/v1/stats"))
+
+    def list(self, prefix: str | None = None) -> builtins.list[EntryInfo]:
+        """Entries that are ``prefix`` or lie under ``prefix/`` (all without it), sorted by key."""
+        params = {"prefix": prefix} if prefix else None
+        return [entry_from_json(item) for item in self._request("GET", "/v1/entries", params=params)]
+
+    def info(self, key: str) -> EntryDetail:
+        """One entry's metadata and the PIDs of live processes that map it."""
+        return EntryDetail.from_json(self._request("GET", _entry_path(key)))
+
+    def load(
+        self,
+        key: str,
+        source: str | os.PathLike[str],
+        pin: bool = False,
+        overwrite: bool = False,
+        wait: bool = False,
+        progress: Callable[[Job], None] | None = None,
+        timeout: float | None = None,
+    ) -> Job:
+        """Ask the daemon to load ``source`` (a ``.npy``; an ``.npz`` as ``key/<member>``;
+        a directory as ``key/<relative path>``) under ``key`` in the background.
+
+        ``source`` is a path on the daemon's machine; over the Unix socket a relative
+        path is made absolute here. Returns the job at once, or with ``wait=True`` once
+        it finished, calling ``progress(job)`` at every poll and raising the job's error
+        (``CacheFullError``..., :class:`JobCancelledError` when cancelled) if it did not
+        succeed. Interrupting the wait does not cancel the job: call :meth:`cancel`.
+        """
+        path = os.fspath(source)
+        if self.socket_path is not None:
+            path = os.path.abspath(path)
+        body = {"source": path, "pin": pin, "overwrite": overwrite}
+        job = Job.from_json(self._request("PUT", _entry_path(key), json=body))
+        if wait:
+            job = self.wait(job.id, progress=progress, timeout=timeout, first=job)
+        return job
+
+    def wait(
+        self,
+        job_id: str,
+        progress: Callable[[Job], None] | None = None,
+        timeout: float | None = None,
+        *,
+        first: Job | None = None,
+    ) -> Job:
+        """Poll a job until it is done and return it; raise its error if it failed or was
+        cancelled, ``TimeoutError`` after ``timeout`` seconds (the job goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = _POLL_MIN_S
+        job = first if first is not None else self.job(job_id)
+        while True:
+            if progress is not None:
+                progress(job)
+            if not job.active:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} is still {job.state} after {timeout:g} s")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+            job = self.job(job_id)
+        if job.state == "cancelled":
+            detail = job.error.detail if job.error else "cancelled"
+            raise JobCancelledError(f"load of {job.key!r} was cancelled ({detail}); nothing was published")
+        if job.error is not None:
+            raise error_from_body(job.error.type, job.error.detail)
+        return job
+
+    def job(self, job_id: str) -> Job:
+        """A load job's state and progress."""
+        return Job.from_json(self._request("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
+
+    def jobs(self) -> builtins.list[Job]:
+        """Queued and running jobs, and the last finished ones."""
+        return [Job.from_json(item) for item in self._request("GET", "/v1/jobs")]
+
+    def cancel(self, job_id: str) -> Job:
+        """Cancel a queued or running load (nothing partial is published); returns the job,
+        which may still be ``running`` for a moment while the copy stops."""
+        return Job.from_json(self._request("DELETE", f"/v1/jobs/{quote(job_id, safe='')}"))
+
+    def evict(self, key: str) -> int:
+        """Remove an entry; returns the bytes freed. Processes that map it keep their version."""
+        result: dict[str, Any] = self._request("DELETE", _entry_path(key))
+        return int(result["freed_bytes"])
+
+    def cleanup(self) -> int:
+        """Remove partial writes and orphans of dead writers; returns the bytes freed."""
+        result: dict[str, Any] = self._request("POST", "/v1/cleanup")
+        return int(result["freed_bytes"])
+
+
+def _entry_path(key: str) -> str:
+    # Validated here: a key like "a/../b" must not be normalised into another URL.
+    return "/v1/entries/" + quote(validate_key(key), safe="/")
+
+
+def _error_of(response: httpx.Response) -> ShmCacheError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return error_from_body(body["error"], str(body.get("detail", "")), response.status_code)
+    name = "UnauthorizedError" if response.status_code == 401 else None
+    return error_from_body(name, f"{response.reason_phrase}: {response.text[:200]}", response.status_code)

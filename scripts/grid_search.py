@@ -1,0 +1,353 @@
+#!/usr/bin/env python
+"""Grid search across GPUs over one shared copy of the dataset.
+
+Loads a synthetic classification dataset (float32 features, int64 labels) into the
+cache once, then runs N experiment processes at the same time, one per visible GPU
+(``CUDA_VISIBLE_DEVICES`` round-robin; without GPUs, N CPU processes, default 4). Each
+trains a small MLP with its own learning rate through a 4-worker DataLoader over
+``shmcache.torch.CachedDataset``: every experiment and every worker maps the same
+pages. While all of them are alive (after training, persistent workers still up) the
+PSS of every process is read from ``/proc/PID/smaps``; the total, and the part of it
+that is the cache's pages, are compared with 1x and N x the data's size.
+
+The dataset goes in through the daemon when one answers on ``<root>/daemon.sock``
+(``--root`` or ``$SHMCACHE_ROOT``; the entries are evicted at the end); otherwise into
+a temporary root under /dev/shm, in-process, removed at the end. Usage::
+
+    python scripts/grid_search.py [--quick] [--experiments N] [--rows R] [--dim D]
+                                  [--epochs E] [--workers W] [--root R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import shmcache
+from shmcache._diagnose import daemon_request, process_tree, read_memory
+
+MiB = 1 << 20
+CLASSES = 10
+LEARNING_RATES = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+HIDDEN = (256, 128)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What one experiment process is told."""
+
+    index: int
+    root: str
+    features: str
+    labels: str
+    lr: float
+    hidden: int
+    epochs: int
+    batch_size: int
+    workers: int
+    device: str
+
+
+# ---------------------------------------------------------------------- one experiment (child)
+
+
+def run_experiment(exp: Experiment) -> int:
+    """Train, report on stdout, keep the workers alive until told to exit on stdin."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from shmcache.torch import CachedDataset, as_tensor, collate
+
+    torch.set_num_threads(1)
+    torch.manual_seed(exp.index)
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+    started = time.perf_counter()
+    device = torch.device(exp.device)
+    dataset = CachedDataset(exp.features, exp.labels, root=exp.root)
+    loader = DataLoader(
+        dataset,
+        batch_size=exp.batch_size,
+        shuffle=True,
+        num_workers=exp.workers,
+        persistent_workers=exp.workers > 0,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(exp.index),
+        pin_memory=device.type == "cuda",
+    )
+    features = as_tensor(exp.features, root=exp.root)
+    model = nn.Sequential(nn.Linear(features.shape[1], exp.hidden), nn.ReLU(), nn.Linear(exp.hidden, CLASSES))
+    model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=exp.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    losses: list[float] = []
+    steps = 0
+    for _ in range(exp.epochs):
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            steps += 1
+    with torch.no_grad():
+        held_out = slice(0, min(8192, len(dataset)))
+        labels = as_tensor(exp.labels, root=exp.root)[held_out].to(device)
+        predicted = model(features[held_out].to(device)).argmax(1)
+        accuracy = float((predicted == labels).float().mean())
+    result = {
+        "index": exp.index, "lr": exp.lr, "hidden": exp.hidden, "device": exp.device,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "steps": steps, "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "accuracy": accuracy, "seconds": time.perf_counter() - started, "pid": os.getpid(),
+    }
+    print("TRAINED " + json.dumps(result), flush=True)
+    sys.stdin.readline()  # the parent measures memory now, then says go
+    del loader  # stops the persistent workers
+    return 0
+
+
+# ---------------------------------------------------------------------- the driver (parent)
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``."""
+    configured = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if configured is not None:
+        return [g.strip() for g in configured.split(",") if g.strip() and not g.strip().startswith("-")]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(listed.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+def make_dataset(rows: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Features and labels a small MLP can learn: the argmax of a fixed random projection."""
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((rows, dim), dtype=np.float32)
+    projection = rng.standard_normal((dim, CLASSES), dtype=np.float32)
+    labels = (features @ projection).argmax(axis=1).astype(np.int64)
+    return features, labels
+
+
+def daemon_answers(root: Path) -> bool:
+    try:
+        status, _ = daemon_request(root / "daemon.sock", "GET", "/v1/health", timeout=2.0)
+    except OSError:
+        return False
+    return status == 200
+
+
+def load_through_daemon(root: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Save each array as .npy and have the daemon load it (PUT, then poll its job)."""
+    source_dir = Path(tempfile.mkdtemp(prefix="grid-search-src-"))
+    try:
+        for key, array in arrays.items():
+            source = source_dir / (key.replace("/", "_") + ".npy")
+            np.save(source, array, allow_pickle=False)
+            status, job = daemon_request(
+                root / "daemon.sock", "PUT", f"/v1/entries/{key}", {"source": str(source), "overwrite": True}
+            )
+            if status != 202:
+                raise RuntimeError(f"daemon refused to load {key}: HTTP {status} {job}")
+            while job["state"] not in ("done", "failed", "cancelled"):
+                time.sleep(0.05)
+                _, job = daemon_request(root / "daemon.sock", "GET", f"/v1/jobs/{job['id']}")
+            if job["state"] != "done":
+                raise RuntimeError(f"daemon load of {key} {job['state']}: {job.get('error')}")
+    finally:
+        shutil.rmtree(source_dir, ignore_errors=True)
+
+
+@dataclass
+class Snapshot:
+    """Memory of every process of the grid at one moment."""
+
+    processes: int = 0
+    pss: int = 0
+    cache_pss: int = 0
+    uss: int = 0
+
+
+def measure(pids: Sequence[int], root: Path) -> Snapshot:
+    snap = Snapshot()
+    for top in pids:
+        for pid in process_tree(top):
+            memory = read_memory(pid, root)
+            if memory is None:
+                continue
+            snap.processes += 1
+            snap.pss += memory.pss
+            snap.cache_pss += memory.cache_pss
+            snap.uss += memory.uss
+    return snap
+
+
+def run_grid(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    gpus = visible_gpus()
+    n = args.experiments or (len(gpus) if gpus else 4)
+    rows = args.rows or (131_072 if args.quick else 1_048_576)
+    features, labels = make_dataset(rows, args.dim)
+    data_bytes = features.nbytes + labels.nbytes
+
+    configured = args.root or os.environ.get("SHMCACHE_ROOT")
+    daemon_root = Path(configured) if configured else shmcache.default_root()
+    prefix = f"grid-search-{os.getpid()}"
+    keys = {f"{prefix}/features": features, f"{prefix}/labels": labels}
+    temporary: Path | None = None
+    load_started = time.perf_counter()
+    if daemon_answers(daemon_root):
+        root = daemon_root
+        how = f"through the daemon on {root / 'daemon.sock'}"
+        load_through_daemon(root, keys)
+    else:
+        parent = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        temporary = root = Path(tempfile.mkdtemp(prefix="shmcache-grid-", dir=parent))
+        how = f"in-process into temporary root {root} (no daemon on {daemon_root / 'daemon.sock'})"
+        for key, array in keys.items():
+            shmcache.put_array(key, array, root=root)
+    load_s = time.perf_counter() - load_started
+    del features, labels, keys  # from here on, the only copy is the cache's
+
+    print(f"# grid_search{' (quick)' if args.quick else ''}: {n} experiments, "
+          f"{len(gpus) or 'no'} visible GPUs, {args.workers} DataLoader workers each, {os.cpu_count()} CPUs")
+    print(f"dataset: {rows:,} x {args.dim} float32 + labels = {data_bytes / MiB:,.1f} MiB, "
+          f"loaded once {how} in {load_s:.2f} s")
+
+    children: list[subprocess.Popen[str]] = []
+    results: dict[int, dict[str, Any]] = {}
+    trained = threading.Event()
+    peak = Snapshot()
+    try:
+        for i in range(n):
+            exp = Experiment(
+                index=i, root=str(root), features=f"{prefix}/features", labels=f"{prefix}/labels",
+                lr=LEARNING_RATES[i % len(LEARNING_RATES)], hidden=HIDDEN[(i // len(LEARNING_RATES)) % 2],
+                epochs=args.epochs, batch_size=args.batch_size, workers=args.workers,
+                device="cuda" if gpus else "cpu",
+            )
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)] if gpus else "")
+            children.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--run-experiment", json.dumps(asdict(exp))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            ))
+
+        def read(child: subprocess.Popen[str]) -> None:
+            assert child.stdout is not None
+            for line in child.stdout:
+                if line.startswith("TRAINED "):
+                    result = json.loads(line[len("TRAINED "):])
+                    results[result["index"]] = result
+                    if len(results) == n:
+                        trained.set()
+            if child.wait() != 0:  # died before reporting: stop waiting for the others
+                trained.set()
+
+        readers = [threading.Thread(target=read, args=(c,), daemon=True) for c in children]
+        for reader in readers:
+            reader.start()
+        pids = [c.pid for c in children]
+        while not trained.wait(0.5):  # sample while training
+            snap = measure(pids, root)
+            if snap.pss > peak.pss:
+                peak = snap
+        if len(results) != n:
+            failed = [c.pid for c in children if c.poll() not in (None, 0)]
+            print(f"experiment processes {failed} failed", file=sys.stderr)
+            return 1
+        snapshot = measure(pids, root)  # all trained, every worker still alive
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write("exit\n")
+            child.stdin.flush()
+        codes = [child.wait(timeout=60) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+        else:
+            for key in (f"{prefix}/features", f"{prefix}/labels"):
+                try:
+                    daemon_request(daemon_root / "daemon.sock", "DELETE", f"/v1/entries/{key}")
+                except OSError:
+                    pass
+
+    print()
+    print("| run | lr | hidden | device | steps | loss first -> last | accuracy | time |")
+    print("|---:|---:|---:|---|---:|---|---:|---:|")
+    for i in sorted(results):
+        r = results[i]
+        device = r["device"]
+        if device == "cuda":
+            device += f" (CUDA_VISIBLE_DEVICES={r['cuda_visible_devices']})"
+        print(f"| {i} | {r['lr']:g} | {r['hidden']} | {device} | {r['steps']} "
+              f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['accuracy']:.3f} "
+              f"| {r['seconds']:.1f} s |")
+    workers = snapshot.processes - n
+    baseline = snapshot.pss - snapshot.cache_pss + n * data_bytes
+    print()
+    print(f"memory with all {n} experiments + {workers} workers alive ({snapshot.processes} processes, "
+          f"PSS from /proc/PID/smaps):")
+    print("| measure | MiB | x data (1 copy) | x N copies |")
+    print("|---|---:|---:|---:|")
+    for label, value in (
+        ("data (one copy)", data_bytes),
+        (f"{n} private copies (one per experiment)", n * data_bytes),
+        ("PSS of the cache's pages, all processes", snapshot.cache_pss),
+        ("total PSS, all processes", snapshot.pss),
+        ("peak total PSS while training", peak.pss),
+        (f"same processes if each experiment held its own copy (total - cache + {n} copies)", baseline),
+    ):
+        print(f"| {label} | {value / MiB:,.1f} | {value / data_bytes:.2f}x "
+              f"| {value / (n * data_bytes):.2f}x |")
+    overhead = (snapshot.pss - snapshot.cache_pss) / max(1, snapshot.processes)
+    print(f"\nthe data costs {snapshot.cache_pss / data_bytes:.2f}x of one copy across {snapshot.processes} "
+          f"processes (target <= 1.1x; N copies would be {n}x); the rest of the total is each process's own "
+          f"interpreter, torch and batches: {overhead / MiB:,.1f} MiB per process on average")
+    print(f"total PSS {snapshot.pss / MiB:,.1f} MiB vs {baseline / MiB:,.1f} MiB with a copy per experiment: "
+          f"{snapshot.pss / baseline:.2f}x")
+    print(f"done in {time.perf_counter() - started:.1f} s; exit codes {codes}")
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small run (128 MiB of data, < 60 s on 2 cores)")
+    parser.add_argument("--experiments", "-n", type=int, help="default: one per visible GPU, else 4")
+    parser.add_argument("--rows", type=int, help="rows of data (default 1,048,576; --quick 131,072)")
+    parser.add_argument("--dim", type=int, default=256, help="features per row (float32)")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--workers", type=int, default=4, help="DataLoader workers per experiment")
+    parser.add_argument("--root", help="cache root whose daemon loads the data (default $SHMCACHE_ROOT)")
+    parser.add_argument("--run-experiment", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_experiment:
+        return run_experiment(Experiment(**json.loads(args.run_experiment)))
+    return run_grid(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""``shmcache doctor``, ``top`` and ``watch``: why is memory where it is, and is it growing.
+
+Registered on the main Typer app by :func:`register`; the logic lives in ``_diagnose``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+
+from ._root import ENV_ROOT
+from ._store import Store
+from ._units import human_bytes
+from .errors import ShmCacheError
+
+__all__ = ["register"]
+
+_RootOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--root",
+        envvar=ENV_ROOT,
+        help="Cache root (default: $SHMCACHE_ROOT or /dev/shm/shmcache-<uid>).",
+        show_default=False,
+    ),
+]
+_Snapshot = Callable[[], tuple[list[str], list[tuple[str, ...]], str]]
+_README_FIX = 'README, "Fixing DataLoader memory growth": keep big Python lists/dicts in shmcache.share(...)'
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``doctor``, ``top`` and ``watch`` to ``app``."""
+    app.command()(doctor)
+    app.command()(top)
+    app.command(context_settings={"allow_interspersed_args": False})(watch)
+
+
+def doctor(
+    root: _RootOption = None,
+    socket_path: Annotated[
+        Path | None,
+        typer.Option("--socket", envvar="SHMCACHE_SOCKET", show_default=False,
+                     help="The daemon's Unix socket (default <root>/daemon.sock)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Check the machine for what breaks shared-memory caches, and say how to fix it.
+
+    /dev/shm size and free space (Docker's 64 MB default), a cgroup memory limit below the
+    cache, root ownership and mode, the daemon, the multiprocessing start method,
+    `ulimit -n`, vm.overcommit. Exit code 1 if any check fails.
+    """
+    from ._diagnose import run_checks
+
+    checks = run_checks(Store(root).root, socket_path)
+    failed = any(c.status == "fail" for c in checks)
+    if as_json:
+        report = {"ok": not failed, "checks": [asdict(c) for c in checks]}
+        typer.echo(json.dumps(report, indent=1, default=str))
+    else:
+        labels = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
+        width = max(len(c.name) for c in checks)
+        for check in checks:
+            typer.echo(f"{labels[check.status]}  {check.name.ljust(width)}  {check.summary}")
+            if check.fix:
+                typer.echo(f"      {' ' * width}  fix: {check.fix}")
+        counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail")}
+        typer.echo(f"{counts['ok']} ok, {counts['warn']} warnings, {counts['fail']} failed")
+    if failed:
+        raise typer.Exit(1)
+
+
+def top(
+    root: _RootOption = None,
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
+) -> None:
+    """Processes that map cache entries: pid, entries, RSS, PSS, USS, cache PSS, command.
+
+    Sorted by PSS. PSS divides each shared page among the processes that map it, so
+    summing PSS counts the cache once however many processes read it; CACHE is the part
+    of PSS that is the cache's pages. Refreshes until Ctrl+C unless --once.
+    """
+    from ._diagnose import mapping_processes
+
+    store = Store(root)
+
+    def snapshot() -> tuple[list[str], list[tuple[str, ...]], str]:
+        rows, held = mapping_processes(store)
+        header = ["PID", "ENTRIES", "RSS", "PSS", "USS", "CACHE", "COMMAND"]
+        table: list[tuple[str, ...]] = [
+            (str(r.pid), _entries_cell(r.entries), human_bytes(r.memory.rss), human_bytes(r.memory.pss),
+             human_bytes(r.memory.uss), human_bytes(r.memory.cache_pss), r.command)
+            for r in rows
+        ]
+        total = sum(r.memory.pss for r in rows)
+        cache = sum(r.memory.cache_pss for r in rows)
+        footer = (
+            f"{len(rows)} processes map entries of {store.root}: total PSS {human_bytes(total)}, "
+            f"of which cache pages {human_bytes(cache)}"
+        )
+        if held:
+            footer += f"; evicted entries still held: {human_bytes(held)}"
+        return header, table, footer
+
+    try:
+        if once or not sys.stdout.isatty():
+            while True:
+                header, table, footer = snapshot()
+                _print_table(header, table)
+                typer.echo(footer)
+                if once:
+                    return
+                time.sleep(interval)
+                typer.echo("")
+        _live_top(snapshot, interval)
+    except ShmCacheError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        return
+
+
+def _live_top(snapshot: _Snapshot, interval: float) -> None:
+    from rich.live import Live
+    from rich.table import Table
+
+    def render() -> Table:
+        header, rows, footer = snapshot()
+        table = Table(*header, caption=footer, caption_justify="left")
+        for row in rows:
+            table.add_row(*row)
+        return table
+
+    with Live(render(), auto_refresh=False, screen=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(render(), refresh=True)
+
+
+def watch(
+    command: Annotated[list[str], typer.Argument(help="The command to run, after --.", show_default=False)],
+    interval: Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between samples.")] = 1.0,
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the CSV and the PNG (created if needed).")
+    ] = Path("shmcache-watch"),
+    root: _RootOption = None,
+) -> None:
+    """Run COMMAND and sample the memory of its whole process tree (DataLoader workers too).
+
+    Writes a CSV (time_s, pid, ppid, cmd, rss, pss, uss, own, cache_pss; bytes) while it runs and a
+    PNG of USS/PSS per process at the end, then prints a verdict per process: flat, or
+    growing at N MiB/min (judged on `own`, private anonymous memory, after a 3 s warm-up:
+    growing means >= 2 MiB/min and >= 8 MiB in total). The exit code is COMMAND's; Ctrl+C
+    reaches COMMAND. Example: shmcache watch -- python train.py
+    """
+    from ._diagnose import GROWTH_MIN_BYTES, SLOPE_MIN_BYTES_PER_MIN, WARMUP_S, WatchRecorder
+
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    csv_path = out / f"watch-{stamp}-{os.getpid()}.csv"
+    png_path = csv_path.with_suffix(".png")
+    try:
+        child = subprocess.Popen(command)
+    except OSError as exc:
+        typer.echo(f"error: cannot run {command[0]!r}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(127 if isinstance(exc, FileNotFoundError) else 126) from None
+    started = time.monotonic()
+    recorder = WatchRecorder(csv_path, started, Store(root).root)
+    previous = _forward_signals(child)
+    try:
+        while True:
+            recorder.sample(child.pid, time.monotonic())
+            try:
+                child.wait(timeout=interval)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        recorder.close()
+    code = child.returncode if child.returncode >= 0 else 128 - child.returncode
+    elapsed = time.monotonic() - started
+
+    def say(text: str) -> None:
+        typer.echo(f"shmcache watch: {text}", err=True)
+
+    say(f"{' '.join(command)} exited with {code} after {elapsed:.1f} s; "
+        f"{len(recorder.series)} processes sampled every {interval:g} s")
+    growing = 0
+    for series, verdict in sorted(recorder.verdicts(), key=lambda sv: sv[0].pid):
+        role = "main" if series.pid == child.pid else f"child of {series.ppid}"
+        peak = max(m.uss for m in series.memories)
+        say(f"pid {series.pid} ({role}, peak USS {human_bytes(peak)}): {verdict.describe()}")
+        growing += verdict.state in ("growing", "stepped")
+    if growing:
+        say(f"{growing} growing or grown: private memory that rises while a DataLoader iterates is usually "
+            f"copy-on-write of Python objects in the Dataset. Fix: {_README_FIX}")
+    say(f"csv: {csv_path}")
+    if recorder.plot(png_path, " ".join(command)):
+        say(f"plot: {png_path}")
+    else:
+        say("plot skipped: matplotlib is not installed (pip install matplotlib)")
+    say(f"(thresholds: growing = slope >= {SLOPE_MIN_BYTES_PER_MIN >> 20} MiB/min and >= "
+        f"{GROWTH_MIN_BYTES >> 20} MiB after a {WARMUP_S:g} s warm-up, on private anonymous memory)")
+    raise typer.Exit(code)
+
+
+def _forward_signals(child: subprocess.Popen[bytes]) -> dict[int, Any]:
+    """SIGINT/SIGTERM to watch go to the child (which decides how to stop); a Ctrl+C typed
+    in the terminal already reached it (same foreground process group), so it is not sent
+    twice."""
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and _terminal_delivers_to_us():
+            return
+        try:
+            child.send_signal(signum)
+        except OSError:
+            pass
+
+    previous: dict[int, Any] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, forward)
+    return previous
+
+
+def _terminal_delivers_to_us() -> bool:
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _entries_cell(keys: list[str]) -> str:
+    shown = ", ".join(keys[:3])
+    return f"{len(keys)}: {shown}" + (", …" if len(keys) > 3 else "")
+
+
+def _print_table(header: list[str], rows: list[tuple[str, ...]]) -> None:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    for line in (tuple(header), *rows):
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False)).rstrip())

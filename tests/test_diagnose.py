@@ -1,0 +1,273 @@
+"""``shmcache doctor``, ``top`` and ``watch``: real processes, real /proc, a real daemon."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from service_helpers import running_daemon
+from typer.testing import CliRunner
+
+import shmcache
+from shmcache._diagnose import GROWTH_MIN_BYTES, judge
+from shmcache.cli import app
+
+runner = CliRunner()
+MiB = 1 << 20
+CLI = [sys.executable, "-c", "from shmcache.cli import main; main()"]
+
+
+def _doctor(*args: str) -> tuple[int, dict[str, dict[str, object]]]:
+    result = runner.invoke(app, ["doctor", "--json", *args])
+    report = json.loads(result.stdout)
+    assert report["ok"] == (result.exit_code == 0)
+    return result.exit_code, {c["name"]: c for c in report["checks"]}
+
+
+# ---------------------------------------------------------------------- doctor
+
+
+def test_doctor_reports_every_check(root: Path) -> None:
+    shmcache.put_array("x", np.arange(10), root=root)
+    code, checks = _doctor("--root", str(root))
+    expected = {"shm", "cgroup", "root", "daemon", "start_method", "open_files", "overcommit", "held"}
+    assert expected <= set(checks)
+    assert all(c["status"] in ("ok", "warn", "fail") for c in checks.values())
+    assert code == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
+    assert checks["root"]["status"] == "ok" and checks["root"]["details"]["mode"] == "0o700"  # type: ignore[index]
+    assert "no daemon" in str(checks["daemon"]["summary"])
+    human = runner.invoke(app, ["doctor", "--root", str(root)])
+    assert re.search(r"^(ok|WARN|FAIL)\s+shm\s", human.stdout, re.MULTILINE)
+    assert "failed" in human.stdout.splitlines()[-1]
+
+
+def test_doctor_fails_on_a_root_that_is_not_yours(root: Path, tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        root.mkdir(mode=0o700)
+        os.chown(root, 65534, 65534)
+        expected = "belongs to uid 65534"
+    else:  # cannot give a directory away: a planted symlink fails the same check
+        (tmp_path / "elsewhere").mkdir()
+        root.symlink_to(tmp_path / "elsewhere")
+        expected = "symlink"
+    code, checks = _doctor("--root", str(root))
+    assert code == 1
+    assert checks["root"]["status"] == "fail" and expected in str(checks["root"]["summary"])
+    assert checks["root"]["fix"]
+    human = runner.invoke(app, ["doctor", "--root", str(root)])
+    assert human.exit_code == 1 and "FAIL" in human.stdout and "fix:" in human.stdout
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True
+    ) if shutil.which("mount") else None
+    if done is None or done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_doctor_fails_on_a_docker_sized_tmpfs(tiny_tmpfs: Path) -> None:
+    code, checks = _doctor("--root", str(tiny_tmpfs / "cache"))
+    assert code == 1
+    shm = checks["shm"]
+    assert shm["status"] == "fail" and "64 MB" in str(shm["summary"]) and "--shm-size" in str(shm["fix"])
+
+
+def test_doctor_reaches_a_running_daemon(root: Path) -> None:
+    with running_daemon(root) as daemon:
+        _, checks = _doctor("--root", str(root))
+        assert checks["daemon"]["status"] == "ok"
+        assert f"daemon pid {daemon.pid}" in str(checks["daemon"]["summary"])
+    _, checks = _doctor("--root", str(root))  # stopped: the socket is gone, reported as optional
+    assert checks["daemon"]["status"] == "ok" and "no daemon" in str(checks["daemon"]["summary"])
+
+
+# ---------------------------------------------------------------------- top
+
+
+def test_top_once_shows_a_process_that_maps_an_entry(root: Path) -> None:
+    shmcache.put_array("feats/a", np.ones((256, 1024), dtype=np.float32), root=root)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, shmcache
+            a = shmcache.open_array("feats/a", root={str(root)!r})
+            print(float(a.sum()), flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert reader.stdout is not None and float(reader.stdout.readline()) == 256 * 1024
+        result = runner.invoke(app, ["top", "--once", "--root", str(root)])
+        assert result.exit_code == 0, result.output
+        line = next(row for row in result.stdout.splitlines() if row.startswith(f"{reader.pid} "))
+        assert "1: feats/a" in line and "MiB" in line
+        assert "1 processes map entries" in result.stdout
+    finally:
+        reader.communicate("")
+    result = runner.invoke(app, ["top", "--once", "--root", str(root)])
+    assert result.exit_code == 0 and str(reader.pid) not in result.stdout
+
+
+# ---------------------------------------------------------------------- watch
+
+# A training-like script: the main process forks 2 workers that run for ~7 s. "leak"
+# workers grow a Python list by 1 MiB every 0.125 s (~480 MiB/min); "shmcache" workers
+# read rows of a cached 32 MiB array over and over (their private memory stays flat).
+WORKLOAD = textwrap.dedent("""
+    import multiprocessing as mp, sys, time
+    import numpy as np, shmcache
+
+    def work(mode, root):
+        hoard = []
+        array = shmcache.open_array("data", root=root) if mode == "shmcache" else None
+        end = time.monotonic() + 7
+        i = 0
+        while time.monotonic() < end:
+            if mode == "leak":
+                hoard.append("x" * (1 << 20))
+            else:
+                hoard = [float(array[j].sum()) for j in range(i % 8192, 8192, 97)]
+                i += 13
+            time.sleep(0.125)
+
+    if __name__ == "__main__":
+        mode, root = sys.argv[1], sys.argv[2]
+        if mode == "shmcache":
+            shmcache.put_array("data", np.ones((8192, 1024), dtype=np.float32), root=root)
+        workers = [mp.get_context("fork").Process(target=work, args=(mode, root)) for _ in range(2)]
+        for w in workers:
+            w.start()
+        print("workers", *[w.pid for w in workers], flush=True)
+        for w in workers:
+            w.join()
+        sys.exit(3)
+""")
+
+
+def _watch(tmp_path: Path, root: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], list[int], Path]:
+    script = tmp_path / "train.py"
+    script.write_text(WORKLOAD)
+    out = tmp_path / f"watch-{mode}"
+    done = subprocess.run(
+        [*CLI, "watch", "--interval", "0.25", "--out", str(out), "--root", str(root), "--",
+         sys.executable, str(script), mode, str(root)],
+        capture_output=True, text=True, timeout=120,
+    )
+    workers = [int(pid) for pid in done.stdout.split("workers", 1)[1].split()]
+    return done, workers, out
+
+
+def _verdicts(stderr: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^shmcache watch: pid (\d+) \(.*?\): (.*)$", stderr, re.M)}
+
+
+def test_watch_flags_workers_that_grow_a_python_list(tmp_path: Path, root: Path) -> None:
+    done, workers, out = _watch(tmp_path, root, "leak")
+    assert done.returncode == 3, done.stderr  # the command's exit code passes through
+    verdicts = _verdicts(done.stderr)
+    for pid in workers:
+        assert verdicts[pid].startswith("growing at "), done.stderr
+    assert "shmcache.share" in done.stderr and "Fixing DataLoader memory growth" in done.stderr
+    [csv_path] = out.glob("*.csv")
+    with open(csv_path) as fp:
+        rows = list(csv.DictReader(fp))
+    assert set(rows[0]) == {"time_s", "pid", "ppid", "cmd", "rss", "pss", "uss", "own", "cache_pss"}
+    for pid in workers:
+        uss = [int(r["uss"]) for r in rows if int(r["pid"]) == pid]
+        assert len(uss) >= 8 and max(uss) - min(uss) > 2 * GROWTH_MIN_BYTES
+    assert {int(r["ppid"]) for r in rows if int(r["pid"]) in workers} == {done_pid(rows, workers)}
+    png = csv_path.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def done_pid(rows: list[dict[str, str]], workers: list[int]) -> int:
+    """The watched command's own pid: the process that is no one's worker."""
+    return next(int(r["pid"]) for r in rows if int(r["pid"]) not in workers)
+
+
+def test_watch_finds_workers_reading_through_shmcache_flat(tmp_path: Path, root: Path) -> None:
+    done, workers, out = _watch(tmp_path, root, "shmcache")
+    assert done.returncode == 3, done.stderr
+    verdicts = _verdicts(done.stderr)
+    assert len(verdicts) == 3
+    for pid in workers:
+        assert verdicts[pid].startswith("flat"), done.stderr
+    [csv_path] = out.glob("*.csv")
+    with open(csv_path) as fp:
+        cache = [int(r["cache_pss"]) for r in csv.DictReader(fp) if int(r["pid"]) in workers]
+    assert max(cache) > 0  # the workers' reads of the entry show up as cache pages
+    assert "growing" not in done.stderr.split("(thresholds")[0]
+
+
+def test_watch_forwards_sigint_and_returns_the_commands_code(tmp_path: Path) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text(textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(42))
+        print("ready", flush=True)
+        time.sleep(60)
+        sys.exit(1)
+    """))
+    watcher = subprocess.Popen(
+        [*CLI, "watch", "--interval", "0.2", "--out", str(tmp_path / "w"), "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )
+    assert watcher.stdout is not None and watcher.stdout.readline().strip() == "ready"
+    watcher.send_signal(signal.SIGINT)
+    _, stderr = watcher.communicate(timeout=30)
+    assert watcher.returncode == 42, stderr
+    assert "exited with 42" in stderr
+
+
+def test_watch_of_a_missing_command_fails_cleanly(tmp_path: Path) -> None:
+    missing = f"no-such-command-{uuid.uuid4().hex[:6]}"
+    result = runner.invoke(app, ["watch", "--out", str(tmp_path), "--", missing])
+    assert result.exit_code == 127 and "cannot run" in result.stderr
+
+
+# ---------------------------------------------------------------------- the verdict itself
+
+
+def test_judge_separates_growth_from_noise() -> None:
+    times = [i * 0.5 for i in range(40)]  # 20 s
+    rng = np.random.default_rng(0)
+    noisy_flat = [100 * MiB + float(rng.normal(0, 2 * MiB)) for _ in times]
+    sawtooth = [100 * MiB + (i % 5) * 3 * MiB for i in range(len(times))]
+    leak = [100 * MiB + t * MiB for t in times]  # 60 MiB/min
+    spike = list(noisy_flat)
+    spike[-1] += 500 * MiB  # one outlier at the end must not tilt the fit
+    assert judge(1, times, noisy_flat).state == "flat"
+    assert judge(1, times, sawtooth).state == "flat"
+    assert judge(1, times, spike).state == "flat"
+    verdict = judge(1, times, leak)
+    assert verdict.state == "growing" and 55 * MiB < verdict.slope < 65 * MiB
+    assert "growing at 60.0 MiB/min" in verdict.describe()
+    assert judge(1, times[:3], leak[:3]).state == "short"
+    step = [10 * MiB + min(t, 2.0) * 100 * MiB for t in times]  # +200 MiB in 2 s, then flat
+    assert judge(1, times, step).state == "flat"  # a parent building its Dataset
+    stepped = judge(2, times, step, forked=True)  # a forked worker that copied 200 MiB
+    assert stepped.state == "stepped" and "+200.0 MiB" in stepped.describe()
+    started = time.monotonic()
+    judge(1, [i * 0.1 for i in range(5000)], [float(i) for i in range(5000)])
+    assert time.monotonic() - started < 5  # thinned before the quadratic fit
