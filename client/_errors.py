@@ -1,15 +1,23 @@
 """Turning the daemon's error bodies back into the exceptions the core raises.
 
 The daemon answers every error with ``{"error": <exception class name>, "detail": msg}``.
-Names of core errors (:mod:`shmcache.errors`) come back as those very classes; the
-daemon's own errors (jobs, ``--allow-source``, malformed requests) as the classes below,
-which derive from the same bases; anything else as :class:`~shmcache.ShmCacheError`.
+Every name in :mod:`shmcache.errors` (core and control-plane errors alike: the daemon
+raises those very classes) comes back as that class; anything else as
+:class:`~shmcache.ShmCacheError`. The job and source errors are re-exported here.
 """
 
 from __future__ import annotations
 
 from shmcache import errors
-from shmcache.errors import InvalidSourceError, ShmCacheError
+from shmcache.errors import (
+    InvalidRequestError,
+    JobCancelledError,
+    JobConflictError,
+    JobFinishedError,
+    JobNotFoundError,
+    ShmCacheError,
+    SourceNotAllowedError,
+)
 
 __all__ = [
     "ERROR_TYPES",
@@ -23,46 +31,10 @@ __all__ = [
 ]
 
 
-class JobNotFoundError(ShmCacheError, LookupError):
-    """No load job with that id (the daemon keeps the last 1000 finished jobs)."""
-
-
-class JobConflictError(ShmCacheError):
-    """Another load of the same key, from a different source, is queued or running."""
-
-
-class JobFinishedError(ShmCacheError):
-    """The job already finished; there is nothing to cancel."""
-
-
-class JobCancelledError(ShmCacheError):
-    """The load was cancelled (on request, or because the daemon stopped); nothing was published."""
-
-
-class SourceNotAllowedError(InvalidSourceError, PermissionError):
-    """The source is outside the directories the daemon was told to load from (``--allow-source``)."""
-
-
-class InvalidRequestError(ShmCacheError, ValueError):
-    """The daemon could not parse the request (a client bug, or a daemon of another version)."""
-
-
-_LOCAL: tuple[type[ShmCacheError], ...] = (
-    InvalidRequestError,
-    JobCancelledError,
-    JobConflictError,
-    JobFinishedError,
-    JobNotFoundError,
-    SourceNotAllowedError,
-)
-
 ERROR_TYPES: dict[str, type[ShmCacheError]] = {
-    **{
-        name: cls
-        for name in errors.__all__
-        if isinstance(cls := getattr(errors, name), type) and issubclass(cls, ShmCacheError)
-    },
-    **{cls.__name__: cls for cls in _LOCAL},
+    name: cls
+    for name in errors.__all__
+    if isinstance(cls := getattr(errors, name), type) and issubclass(cls, ShmCacheError)
 }
 """Exception class name (as the daemon sends it) -> the class the client raises."""
 

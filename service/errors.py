@@ -13,10 +13,15 @@ from shmcache.errors import (
     CorruptEntryError,
     InvalidKeyError,
     InvalidSourceError,
+    JobCancelledError,
+    JobConflictError,
+    JobFinishedError,
+    JobNotFoundError,
     KeyExistsError,
     KeyNotFoundError,
     LockTimeoutError,
     ShmCacheError,
+    SourceNotAllowedError,
     UnsupportedDataError,
 )
 
@@ -29,26 +34,6 @@ __all__ = [
     "SourceNotAllowedError",
     "status_of",
 ]
-
-
-class SourceNotAllowedError(InvalidSourceError, PermissionError):
-    """The source path (after resolving symlinks and ``..``) is outside ``--allow-source``."""
-
-
-class JobNotFoundError(ShmCacheError, LookupError):
-    """No load job with that id (finished jobs are kept for a while, then forgotten)."""
-
-
-class JobConflictError(ShmCacheError):
-    """Another load of the same key, from a different source, is queued or running."""
-
-
-class JobFinishedError(ShmCacheError):
-    """The job already finished; there is nothing to cancel."""
-
-
-class JobCancelledError(ShmCacheError):
-    """The load was cancelled (``DELETE /v1/jobs/{id}`` or daemon shutdown)."""
 
 
 class DaemonRunningError(ShmCacheError, RuntimeError):

@@ -15,11 +15,17 @@ __all__ = [
     "CorruptSourceError",
     "DaemonUnavailableError",
     "InvalidKeyError",
+    "InvalidRequestError",
     "InvalidSourceError",
+    "JobCancelledError",
+    "JobConflictError",
+    "JobFinishedError",
+    "JobNotFoundError",
     "KeyExistsError",
     "KeyNotFoundError",
     "LockTimeoutError",
     "ShmCacheError",
+    "SourceNotAllowedError",
     "SourceNotFoundError",
     "UnauthorizedError",
     "UnsupportedDataError",
@@ -84,3 +90,30 @@ class CacheRootError(ShmCacheError, PermissionError):
 
 class UnauthorizedError(ShmCacheError, PermissionError):
     """The daemon refused the request: a TCP client sent no token or the wrong one."""
+
+
+# Errors of the control plane (daemon and client share these very classes).
+
+
+class SourceNotAllowedError(InvalidSourceError, PermissionError):
+    """The source (after resolving symlinks and ``..``) is outside the daemon's ``--allow-source``."""
+
+
+class JobNotFoundError(ShmCacheError, LookupError):
+    """No load job with that id (the daemon keeps the last 1000 finished jobs)."""
+
+
+class JobConflictError(ShmCacheError):
+    """Another load of the same key, from a different source, is queued or running."""
+
+
+class JobFinishedError(ShmCacheError):
+    """The job already finished; there is nothing to cancel."""
+
+
+class JobCancelledError(ShmCacheError):
+    """The load was cancelled (on request, or because the daemon stopped); nothing was published."""
+
+
+class InvalidRequestError(ShmCacheError, ValueError):
+    """The daemon could not parse the request (a client bug, or a daemon of another version)."""
