@@ -35,13 +35,23 @@ def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Ten
     return torch.from_numpy(private_view(array))
 
 
-class GatheredBatch(list[Any]):
-    """What ``CachedDataset.__getitems__`` returns: the samples of one batch, plus
-    ``columns``, the whole batch already gathered (one fancy index per array)."""
+class GatheredBatch(Sequence[Any]):
+    """What ``CachedDataset.__getitems__`` returns: ``columns``, the whole batch already
+    gathered (one fancy index per array), viewed as a sequence of samples that are only
+    made if something (e.g. torch's ``default_collate``) asks for them."""
 
-    def __init__(self, samples: list[Any], columns: Any) -> None:
-        super().__init__(samples)
-        self.columns = columns
+    def __init__(self, dataset: CachedDataset, gathered: list[torch.Tensor]) -> None:
+        self._dataset = dataset
+        self._gathered = gathered
+        self.columns = dataset._pack(gathered)
+
+    def __len__(self) -> int:
+        return len(self._gathered[0])
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self._dataset._pack([column[index] for column in self._gathered])
 
 
 def collate(batch: Any) -> Any:
@@ -99,9 +109,7 @@ class CachedDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
         positions = torch.as_tensor(indices, dtype=torch.long)
-        gathered = [column.index_select(0, positions) for column in self._columns()]
-        samples = [self._pack([g[i] for g in gathered]) for i in range(len(positions))]
-        return GatheredBatch(samples, self._pack(gathered))
+        return GatheredBatch(self, [column.index_select(0, positions) for column in self._columns()])
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_names": self._names, "_keys": self._keys, "_root": self._root, "_length": self._length}
