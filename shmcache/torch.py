@@ -37,13 +37,26 @@ def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Ten
 
 class GatheredBatch(Sequence[Any]):
     """What ``CachedDataset.__getitems__`` returns: ``columns``, the whole batch already
-    gathered (one fancy index per array), viewed as a sequence of samples that are only
-    made if something (e.g. torch's ``default_collate``) asks for them."""
+    gathered (one fancy index per array), and the same batch as a sequence of samples
+    (for torch's ``default_collate``; ``CachedDataset`` makes them only on demand)."""
+
+    def __init__(self, samples: Sequence[Any], columns: Any) -> None:
+        self._samples = samples
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._samples[index]
+
+
+class _RowsOf(Sequence[Any]):
+    """Sample ``i`` of gathered columns, made when asked for."""
 
     def __init__(self, dataset: CachedDataset, gathered: list[torch.Tensor]) -> None:
         self._dataset = dataset
         self._gathered = gathered
-        self.columns = dataset._pack(gathered)
 
     def __len__(self) -> int:
         return len(self._gathered[0])
@@ -109,7 +122,8 @@ class CachedDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
         positions = torch.as_tensor(indices, dtype=torch.long)
-        return GatheredBatch(self, [column.index_select(0, positions) for column in self._columns()])
+        gathered = [column.index_select(0, positions) for column in self._columns()]
+        return GatheredBatch(_RowsOf(self, gathered), self._pack(gathered))
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_names": self._names, "_keys": self._keys, "_root": self._root, "_length": self._length}
