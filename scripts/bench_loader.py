@@ -111,8 +111,22 @@ class InProcessBatched(Dataset[Any]):
     def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
         positions = torch.as_tensor(indices, dtype=torch.long)
         gathered = [column.index_select(0, positions) for column in self._tensors]
-        samples = [tuple(g[i] for g in gathered) for i in range(len(positions))]
-        return GatheredBatch(samples, tuple(gathered))
+        return GatheredBatch(_LazyRows(gathered), tuple(gathered))  # as CachedDataset does
+
+
+class _LazyRows(Sequence[Any]):
+    """Samples of a gathered batch, made only if default_collate asks for them."""
+
+    def __init__(self, gathered: list[torch.Tensor]) -> None:
+        self._gathered = gathered
+
+    def __len__(self) -> int:
+        return len(self._gathered[0])
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return tuple(g[index] for g in self._gathered)
 
 
 def make_datasets(store: shmcache.Store, root: str, config: Config) -> dict[str, tuple[Dataset[Any], Any]]:
