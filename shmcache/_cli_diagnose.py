@@ -20,22 +20,13 @@ from typing import Annotated, Any
 
 import typer
 
-from ._root import ENV_ROOT
+from ._cli_options import RootOption
 from ._store import Store
 from ._units import human_bytes
 from .errors import ShmCacheError
 
 __all__ = ["register"]
 
-_RootOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--root",
-        envvar=ENV_ROOT,
-        help="Cache root (default: $SHMCACHE_ROOT or /dev/shm/shmcache-<uid>).",
-        show_default=False,
-    ),
-]
 _Snapshot = Callable[[], tuple[list[str], list[tuple[str, ...]], str]]
 _README_FIX = 'README, "Fixing DataLoader memory growth": keep big Python lists/dicts in shmcache.share(...)'
 
@@ -48,7 +39,7 @@ def register(app: typer.Typer) -> None:
 
 
 def doctor(
-    root: _RootOption = None,
+    root: RootOption = None,
     socket_path: Annotated[
         Path | None,
         typer.Option("--socket", envvar="SHMCACHE_SOCKET", show_default=False,
@@ -83,7 +74,7 @@ def doctor(
 
 
 def top(
-    root: _RootOption = None,
+    root: RootOption = None,
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
 ) -> None:
@@ -156,7 +147,7 @@ def watch(
     out: Annotated[
         Path, typer.Option("--out", help="Directory for the CSV and the PNG (created if needed).")
     ] = Path("shmcache-watch"),
-    root: _RootOption = None,
+    root: RootOption = None,
 ) -> None:
     """Run COMMAND and sample the memory of its whole process tree (DataLoader workers too).
 

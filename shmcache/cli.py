@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ._cli_options import RootOption
 from ._keys import validate_key
-from ._root import ENV_ROOT, default_root
+from ._root import default_root
 from ._store import Store, StoreStats
 from ._units import human_bytes
 from .errors import (
@@ -48,15 +49,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-RootOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--root",
-        envvar=ENV_ROOT,
-        help="Cache root (default: $SHMCACHE_ROOT or /dev/shm/shmcache-<uid>).",
-        show_default=False,
-    ),
-]
 
 _state: dict[str, bool] = {"debug": False}
 _ENV_SOCKET = "SHMCACHE_SOCKET"
