@@ -14,26 +14,18 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from shmcache import EntryInfo, Store
+from shmcache import EntryInfo, Store, StoreStats
+from shmcache._fs import free_bytes, total_bytes
 
 from .jobs import Job, JobManager
 from .metrics import ServiceMetrics
 from .schemas import Entry
 from .settings import Settings
 
-__all__ = ["EntryView", "ReaderScan", "Service", "SpaceView", "entry_json", "entry_model"]
+__all__ = ["EntryView", "ReaderScan", "Service", "entry_json", "entry_model"]
 
 _ENTRIES_MAX_AGE_S = 30.0
 _SCAN_MAX_AGE_S = 2.0
-
-
-@dataclass(frozen=True)
-class SpaceView:
-    capacity: int
-    used: int
-    free: int
-    budget: int | None
-    entries: int
 
 
 @dataclass(frozen=True)
@@ -191,13 +183,14 @@ class Service:
     def forget_entries(self) -> None:
         self._view = None
 
-    def space(self) -> SpaceView:
+    def space(self) -> StoreStats:
+        """``Store.stats()`` from the cached entry view (no re-read of every entry)."""
         view = self.entry_view()
-        st = os.statvfs(self.store.root)
-        return SpaceView(
-            capacity=st.f_blocks * st.f_frsize,
+        return StoreStats(
+            root=str(self.store.root),
+            capacity=total_bytes(self.store.root),
             used=view.used,
-            free=st.f_bavail * st.f_frsize,
+            free=free_bytes(self.store.root),
             budget=self.store.max_bytes,
             entries=len(view.entries),
         )
