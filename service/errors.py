@@ -11,6 +11,7 @@ from shmcache.errors import (
     CacheFullError,
     CacheRootError,
     CorruptEntryError,
+    DaemonRunningError,
     InvalidKeyError,
     InvalidSourceError,
     JobCancelledError,
@@ -20,7 +21,6 @@ from shmcache.errors import (
     KeyExistsError,
     KeyNotFoundError,
     LockTimeoutError,
-    ShmCacheError,
     SourceNotAllowedError,
     UnsupportedDataError,
 )
@@ -34,10 +34,6 @@ __all__ = [
     "SourceNotAllowedError",
     "status_of",
 ]
-
-
-class DaemonRunningError(ShmCacheError, RuntimeError):
-    """Another daemon already serves this root."""
 
 
 # Most specific first: the first matching class decides the status.

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from shmcache import EntryInfo, Store, StoreStats
-from shmcache._fs import free_bytes, total_bytes
+from shmcache._disk.fs import free_bytes, total_bytes
 
 from .jobs import Job, JobManager
 from .metrics import ServiceMetrics

@@ -28,16 +28,17 @@ from ._api import (
     share,
     stats,
 )
-from ._containers import SharedMapping, SharedRagged, SharedRecords, SharedStrings
-from ._group import SharedGroup
-from ._keys import MAX_KEY_LENGTH, validate_key
-from ._root import default_root
-from ._store import EntryInfo, Store, StoreStats
+from ._containers.group import SharedGroup
+from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._disk.keys import MAX_KEY_LENGTH, validate_key
+from ._disk.layout import default_root
+from ._store import EntryInfo, PlannedEntry, Store, StoreStats
 from .errors import (
     CacheFullError,
     CacheRootError,
     CorruptEntryError,
     CorruptSourceError,
+    DaemonRunningError,
     DaemonUnavailableError,
     InvalidKeyError,
     InvalidRequestError,
@@ -52,6 +53,7 @@ from .errors import (
     ShmCacheError,
     SourceNotAllowedError,
     SourceNotFoundError,
+    TooManyOpenFilesError,
     UnauthorizedError,
     UnsupportedDataError,
 )
@@ -64,6 +66,7 @@ __all__ = [
     "CacheRootError",
     "CorruptEntryError",
     "CorruptSourceError",
+    "DaemonRunningError",
     "DaemonUnavailableError",
     "EntryInfo",
     "InvalidKeyError",
@@ -76,6 +79,7 @@ __all__ = [
     "KeyExistsError",
     "KeyNotFoundError",
     "LockTimeoutError",
+    "PlannedEntry",
     "SharedGroup",
     "SharedMapping",
     "SharedRagged",
@@ -86,6 +90,7 @@ __all__ = [
     "SourceNotFoundError",
     "Store",
     "StoreStats",
+    "TooManyOpenFilesError",
     "UnauthorizedError",
     "UnsupportedDataError",
     "__version__",

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ._containers import SharedMapping, SharedRagged, SharedRecords, SharedStrings
-from ._group import SharedGroup
-from ._root import ENV_ROOT
+from ._containers.group import SharedGroup
+from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._disk.layout import ENV_ROOT
 from ._store import EntryInfo, Store, StoreStats
 
 Root = str | os.PathLike[str] | None

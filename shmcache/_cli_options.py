@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ._root import ENV_ROOT
+from ._disk.layout import ENV_ROOT
 
 __all__ = ["RootOption"]
 

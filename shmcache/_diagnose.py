@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ._fs import free_bytes, total_bytes
-from ._root import Layout
+from ._disk.fs import free_bytes, total_bytes
+from ._disk.layout import Layout
 from ._store import Store
 from ._units import human_bytes
 

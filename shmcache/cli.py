@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ._cli_options import RootOption
-from ._keys import validate_key
-from ._root import default_root
+from ._disk.keys import validate_key
+from ._disk.layout import default_root
 from ._store import Store, StoreStats
 from ._units import human_bytes
 from .errors import (

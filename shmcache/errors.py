@@ -3,7 +3,34 @@
 Every error derives from :class:`ShmCacheError` and also from the built-in that an
 existing ``except`` clause would expect (``KeyError``, ``ValueError``, ``OSError``...).
 Each is constructible from its message alone, so PyTorch can re-raise a DataLoader
-worker's exception in the main process as ``type(exc)(message)``.
+worker's exception in the main process as ``type(exc)(message)``, and the HTTP client
+can turn a daemon's ``{"error": <class name>, "detail": <message>}`` back into the class.
+
+The tree (built-in bases in brackets)::
+
+    ShmCacheError
+    ├── KeyNotFoundError            [KeyError]          no entry under the key
+    ├── KeyExistsError              [FileExistsError]   put without overwrite
+    ├── InvalidKeyError             [ValueError]        not a valid key
+    ├── UnsupportedDataError        [TypeError]         object dtypes, wrong entry kind...
+    ├── CacheFullError              [OSError]           tmpfs or budget has no room
+    ├── TooManyOpenFilesError       [OSError]           the descriptor limit is exhausted
+    ├── LockTimeoutError            [TimeoutError]      another process holds a lock too long
+    ├── CorruptEntryError           [ValueError]        a published entry was damaged
+    ├── CacheRootError              [PermissionError]   the root is unusable or not ours
+    ├── InvalidSourceError                              a source cannot be loaded
+    │   ├── SourceNotFoundError     [FileNotFoundError]
+    │   ├── CorruptSourceError      [ValueError]
+    │   └── SourceNotAllowedError   [PermissionError]   outside the daemon's --allow-source
+    │   (control plane: raised by the daemon, re-raised by shmcache.client)
+    ├── DaemonUnavailableError      [ConnectionError]   no daemon answers
+    ├── DaemonRunningError          [RuntimeError]      another daemon serves the root
+    ├── UnauthorizedError           [PermissionError]   missing or wrong TCP token
+    ├── InvalidRequestError         [ValueError]        the daemon could not parse a request
+    ├── JobNotFoundError            [LookupError]
+    ├── JobConflictError                                the key is being loaded from elsewhere
+    ├── JobFinishedError                                nothing left to cancel
+    └── JobCancelledError                               a load was cancelled; nothing published
 """
 
 from __future__ import annotations
@@ -13,6 +40,7 @@ __all__ = [
     "CacheRootError",
     "CorruptEntryError",
     "CorruptSourceError",
+    "DaemonRunningError",
     "DaemonUnavailableError",
     "InvalidKeyError",
     "InvalidRequestError",
@@ -27,6 +55,7 @@ __all__ = [
     "ShmCacheError",
     "SourceNotAllowedError",
     "SourceNotFoundError",
+    "TooManyOpenFilesError",
     "UnauthorizedError",
     "UnsupportedDataError",
 ]
@@ -60,12 +89,20 @@ class CacheFullError(ShmCacheError, OSError):
     """The tmpfs or the cache's byte budget has no room for the write."""
 
 
+class TooManyOpenFilesError(ShmCacheError, OSError):
+    """The process ran out of file descriptors while attaching an entry."""
+
+
 class LockTimeoutError(ShmCacheError, TimeoutError):
     """Waiting for another process's lock took longer than the timeout."""
 
 
 class DaemonUnavailableError(ShmCacheError, ConnectionError):
     """The shmcache daemon is not reachable."""
+
+
+class DaemonRunningError(ShmCacheError, RuntimeError):
+    """Another daemon already serves this root."""
 
 
 class InvalidSourceError(ShmCacheError):

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from ._api import get_store
-from ._attach import private_view
+from ._disk.attach import private_view
 
 __all__ = ["CachedDataset", "GatheredBatch", "as_tensor", "collate"]
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 import shmcache
-from shmcache._attach import MappedFile
+from shmcache._disk.attach import MappedFile
 
 __all__ = ["SharedRowsDataset", "WorkerView", "describe_array"]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shmcache
-from shmcache import _root
+from shmcache._disk import layout as _root
 
 
 def test_default_root_is_per_user_in_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,12 +12,16 @@ import json
 import operator
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from ._attach import MappedFile, mapped_base
-from ._codecs import utf8
+from .._disk.attach import MappedFile, attach_array, mapped_base
+from .._disk.layout import Layout
+from .._disk.meta import read_meta
+from ..errors import KeyNotFoundError, UnsupportedDataError
+from .encode import utf8
 
 __all__ = [
     "EntryRef",
@@ -26,6 +30,8 @@ __all__ = [
     "SharedRecords",
     "SharedStrings",
     "container_for",
+    "open_version",
+    "wrong_kind",
 ]
 
 
@@ -38,10 +44,33 @@ class EntryRef(NamedTuple):
     kind: str
 
 
-def _reattach(root: str, key: str, version: str, kind: str) -> Any:
-    from ._api import get_store  # the handle must not import the store at module load
+def open_version(root: str, key: str, version: str, kind: str, meta: Mapping[str, Any] | None = None) -> Any:
+    """Attach one published version of a container entry (also what unpickling calls).
 
-    return get_store(root).open_version(key, version, kind)
+    ``meta`` is the version's ``meta.json`` when the caller has read it already.
+    """
+    layout = Layout(Path(root))
+    if meta is None:
+        meta = read_meta(layout, version)
+    if not meta:
+        raise KeyNotFoundError(
+            f"entry {key!r} (version {version}) in {root} was replaced or evicted; open the key again"
+        )
+    if meta.get("kind", "array") != kind:
+        raise wrong_kind(key, str(meta.get("kind", "unknown")), kind)
+    try:
+        files = {name: attach_array(root, version, f"{name}.npy", key) for name in meta["files"]}
+    except FileNotFoundError:
+        raise KeyNotFoundError(f"entry {key!r} (version {version}) was evicted while being opened") from None
+    return container_for(EntryRef(root, key, version, kind), files, meta)
+
+
+def wrong_kind(key: str, kind: str, wanted: str) -> UnsupportedDataError:
+    """The error for opening an entry as a kind it is not."""
+    opener = "open_array" if kind == "array" else f"open_{kind}"
+    return UnsupportedDataError(
+        f"entry {key!r} holds {kind}, not {wanted}; open it with shmcache.{opener} (or shmcache.open)"
+    )
 
 
 def _position(index: Any, length: int) -> int:
@@ -73,7 +102,7 @@ class _Shared:
         return self._ref.key
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _reattach, tuple(self._ref)
+        return open_version, tuple(self._ref)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._ref.key!r} ({len(self)} items) in {self._ref.root}>"  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 import numpy.lib.format as npy_format
 
-from .errors import CorruptEntryError, CorruptSourceError, InvalidSourceError, UnsupportedDataError
+from ..errors import CorruptEntryError, CorruptSourceError, InvalidSourceError, UnsupportedDataError
 
 __all__ = [
     "NpyHeader",

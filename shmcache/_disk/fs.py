@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import CacheFullError
+from ..errors import CacheFullError
 
 Buffer = Any  # anything with the buffer protocol (bytes, memoryview, ndarray)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ._npy import check_storable_dtype
-from .errors import UnsupportedDataError
+from .._disk.npy import check_storable_dtype
+from ..errors import UnsupportedDataError
 
 __all__ = [
     "Encoded",

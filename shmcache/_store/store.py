@@ -34,19 +34,26 @@ import numpy as np
 from filelock import FileLock
 from filelock import Timeout as FileLockTimeout
 
-from ._attach import attach_array
-from ._checksum import BackgroundCrc, crc_of_range, format_checksums, parse_checksums
-from ._codecs import content_digest, encode_any, encode_mapping, encode_ragged, encode_records, encode_strings
-from ._containers import EntryRef, SharedMapping, SharedRagged, SharedRecords, SharedStrings, container_for
-from ._fs import FileLockProbe, copy_range, free_bytes, remove_tree, total_bytes
-from ._group import SharedGroup
-from ._keys import decode_key, encode_key, key_in_prefix, validate_key
-from ._npy import NpyHeader, check_storable_dtype, iter_npz_members, read_source_header
-from ._procmaps import MappingScan, mapped_versions, scan_mappings
-from ._root import Layout, default_root, prepare_root
-from ._units import human_bytes
-from ._writer import META_FILE, STAGING_SUFFIX, VersionWriter, writer_of
-from .errors import (
+from .._containers.encode import (
+    content_digest,
+    encode_any,
+    encode_mapping,
+    encode_ragged,
+    encode_records,
+    encode_strings,
+)
+from .._containers.group import SharedGroup
+from .._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings, open_version
+from .._disk.attach import attach_array
+from .._disk.checksum import BackgroundCrc, crc_of_range, format_checksums, parse_checksums
+from .._disk.fs import FileLockProbe, copy_range, free_bytes, remove_tree, total_bytes
+from .._disk.keys import key_in_prefix, validate_key
+from .._disk.layout import ARRAY_FILE, META_FILE, Layout, decode_key, default_root, encode_key, prepare_root
+from .._disk.npy import NpyHeader, check_storable_dtype, iter_npz_members, read_source_header
+from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
+from .._disk.writer import STAGING_SUFFIX, VersionWriter, writer_of
+from .._units import human_bytes
+from ..errors import (
     CacheFullError,
     CacheRootError,
     CorruptEntryError,
@@ -59,12 +66,12 @@ from .errors import (
     SourceNotFoundError,
     UnsupportedDataError,
 )
+from .records import EntryInfo, PlannedEntry, StoreStats
 
-__all__ = ["ARRAY_FILE", "EntryInfo", "PlannedEntry", "Store", "StoreStats"]
+__all__ = ["Store"]
 
 logger = logging.getLogger(__name__)
 
-ARRAY_FILE = "data.npy"
 META_FORMAT = 1
 _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
@@ -81,56 +88,6 @@ def _forget_attachments(root: str) -> None:
             store._attached.clear()
             store._handles.clear()
     gc.collect()  # cycles could keep a dropped array (and its mapping) alive
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """What ``Store.list`` reports about one entry."""
-
-    key: str
-    kind: str
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    nbytes: int
-    """Bytes of data (what ``array.nbytes`` says)."""
-    size: int
-    """Bytes the entry occupies in the cache (data plus headers and metadata)."""
-    created: float
-    pinned: bool
-    source: str | None
-    version: str
-    last_used: float
-    source_fingerprint: dict[str, int] | None = None
-    checksum: str | None = None
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Space and entry counts of a cache root."""
-
-    root: str
-    capacity: int
-    """Size of the file system holding the root (the tmpfs)."""
-    used: int
-    """Bytes held by published entries."""
-    free: int
-    """Bytes still free on that file system."""
-    budget: int | None
-    """The store's ``max_bytes``, or None for no budget."""
-    entries: int
-
-
-@dataclass(frozen=True)
-class PlannedEntry:
-    """One entry ``put_file`` would publish (see ``Store.plan_file``)."""
-
-    key: str
-    source: str
-    """The file, or ``archive.npz[member.npy]``."""
-    file: str
-    """The file on disk the bytes come from."""
-    size: int
-    """Bytes the entry's data file will take."""
 
 
 @dataclass
@@ -303,24 +260,8 @@ class Store:
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
 
     def open_version(self, key: str, version: str, kind: str) -> Any:
-        """Attach one version of an entry (also what unpickling a container calls)."""
-        meta = self._read_meta(version)
-        if not meta:
-            raise KeyNotFoundError(
-                f"entry {key!r} (version {version}) in {self._root_str} was replaced or evicted; "
-                "open the key again"
-            )
-        if meta.get("kind", "array") != kind:
-            raise self._wrong_kind(key, version, kind)
-        try:
-            files = {
-                name: attach_array(self._root_str, version, f"{name}.npy", key) for name in meta["files"]
-            }
-        except FileNotFoundError:
-            raise KeyNotFoundError(
-                f"entry {key!r} (version {version}) was evicted while being opened"
-            ) from None
-        return container_for(EntryRef(self._root_str, key, version, kind), files, meta)
+        """Attach one version of a container entry."""
+        return open_version(self._root_str, key, version, kind)
 
     def _read_generation(self) -> int:
         if self._generation is None:
@@ -1082,7 +1023,7 @@ def _inflate_member(item: _Planned, dst: int, target: Path, advance: Callable[[i
     import zipfile
     import zlib
 
-    from ._fs import write_all
+    from .._disk.fs import write_all
 
     written = 0
     crc = 0

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ._npy import header_length, parse_header_bytes
-from .errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
+from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
+from .npy import header_length, parse_header_bytes
 
 __all__ = [
     "MappedFile",

@@ -1,4 +1,4 @@
-"""Key validation and the key <-> file name mapping.
+"""Key validation: what a key may be (its file name is in ``layout``).
 
 Keys are ``/``-joined segments of ``[A-Za-z0-9._-]``; they name entries across every
 process, so anything ambiguous (``..``, empty segments, absolute paths) is refused.
@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidKeyError
+from ..errors import InvalidKeyError
 
-__all__ = ["MAX_KEY_LENGTH", "decode_key", "encode_key", "key_in_prefix", "validate_key"]
+__all__ = ["MAX_KEY_LENGTH", "key_in_prefix", "validate_key"]
 
 MAX_KEY_LENGTH = 200
 """Longest key accepted; its file name (plus a ``.lock`` suffix) fits NAME_MAX."""
 
 _SEGMENT = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9._-]+"  # a segment that is not "." or ".."
 _KEY_RE = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT})*")
-_SEPARATOR_ON_DISK = "~"  # not a key character, so the mapping is one-to-one
 
 
 def validate_key(key: object) -> str:
@@ -34,16 +33,6 @@ def validate_key(key: object) -> str:
             "by '/', with no empty, '.' or '..' segment and no leading '/'"
         )
     return key
-
-
-def encode_key(key: str) -> str:
-    """File name of a (valid) key inside the flat ``entries/`` directory."""
-    return key.replace("/", _SEPARATOR_ON_DISK)
-
-
-def decode_key(name: str) -> str:
-    """Inverse of :func:`encode_key`."""
-    return name.replace(_SEPARATOR_ON_DISK, "/")
 
 
 def key_in_prefix(key: str, prefix: str | None) -> bool:

@@ -20,13 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from ._fs import remove_tree, write_all
-from ._npy import build_header
-from ._root import Layout
+from .fs import remove_tree, write_all
+from .layout import META_FILE, Layout
+from .npy import build_header
 
-__all__ = ["META_FILE", "STAGING_SUFFIX", "VersionWriter", "writer_of"]
+__all__ = ["STAGING_SUFFIX", "VersionWriter", "writer_of"]
 
-META_FILE = "meta.json"
 STAGING_SUFFIX = ".lock.new"
 _ROWS_BYTES = 16 << 20  # chunk size when a non-contiguous array must be copied to write
 

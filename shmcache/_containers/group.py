@@ -8,37 +8,40 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ._keys import decode_key, encode_key
-from .errors import InvalidKeyError, KeyNotFoundError
+from .._disk.layout import Layout, decode_key, encode_key
+from ..errors import InvalidKeyError, KeyNotFoundError
 
-if TYPE_CHECKING:
-    from ._store import Store
-
-__all__ = ["SharedGroup"]
+__all__ = ["EntryOpener", "SharedGroup"]
 
 
-def _reopen_group(root: str, prefix: str) -> SharedGroup:
-    from ._api import get_store
+class EntryOpener(Protocol):
+    """What a group needs from the store it reads (a ``Store``; it pickles by root)."""
 
-    return get_store(root).open_group(prefix)
+    @property
+    def layout(self) -> Layout: ...
+
+    def open(self, key: str) -> Any: ...
+
+    def exists(self, key: str) -> bool: ...
 
 
 class SharedGroup(Mapping[str, Any]):
     """Entries under ``prefix``, by name relative to it (``"x"`` for ``"prefix/x"``).
 
-    Values are arrays (or the container of their kind). Pickles as ``(root, prefix)``.
+    Values are arrays (or the container of their kind). Pickles as its store (a root)
+    and the prefix.
     """
 
     __slots__ = ("_prefix", "_store")
 
-    def __init__(self, store: Store, prefix: str) -> None:
+    def __init__(self, store: EntryOpener, prefix: str) -> None:
         self._store = store
         self._prefix = prefix
 
     def _names(self) -> list[str]:
-        start = encode_key(self._prefix) + "~"
+        start = encode_key(self._prefix + "/")
         try:
             listed = os.listdir(self._store.layout.entries)
         except FileNotFoundError:
@@ -66,7 +69,7 @@ class SharedGroup(Mapping[str, Any]):
             return False
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _reopen_group, (str(self._store.root), self._prefix)
+        return SharedGroup, (self._store, self._prefix)
 
     def __repr__(self) -> str:
-        return f"<SharedGroup {self._prefix!r} in {self._store.root}>"
+        return f"<SharedGroup {self._prefix!r} in {self._store.layout.root}>"

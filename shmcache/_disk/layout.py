@@ -1,0 +1,247 @@
+"""The on-disk contract in one place: every path, file name, environment name and the key
+encoding of a cache root. Change the format here and nowhere else.
+
+::
+
+    <root>/generation            change counters, one 8-byte slot each (see below)
+    <root>/entries/<key>         symlink -> ../objects/<version>   ("/" in keys is "~")
+    <root>/objects/<version>/    <name>.npy files + meta.json, immutable once published
+    <root>/tmp/                  partial writes and the lock of each live writer
+    <root>/locks/                per-key and space locks
+    <root>/daemon.sock           the daemon's control socket (mode 0600)
+    <root>/daemon.pid            the daemon's pid file (flocked while it runs)
+
+The generation file holds ``GENERATION_SLOTS`` little-endian uint64 counters. Slot 0
+changes on every publish or evict in the root (what the daemon's entry-list cache
+watches); slot ``generation_slot(key)`` changes when that key (or another key hashed to
+the same slot) is published or evicted, so a publish sends only that key's warm opens
+back to the slow path.
+
+``default_root`` is the one place that reads ``SHMCACHE_ROOT``; everything else takes an
+explicit root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import tempfile
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CacheRootError
+
+__all__ = [
+    "ARRAY_FILE",
+    "ENV_CONFIG",
+    "ENV_PREFIX",
+    "ENV_ROOT",
+    "ENV_SOCKET",
+    "ENV_TOKEN",
+    "GENERATION_BYTES",
+    "GENERATION_SLOTS",
+    "META_FILE",
+    "PID_NAME",
+    "SHM_DIR",
+    "SOCKET_NAME",
+    "Layout",
+    "decode_key",
+    "default_root",
+    "encode_key",
+    "generation_slot",
+    "prepare_root",
+    "read_version",
+    "version_of_target",
+]
+
+ENV_PREFIX = "SHMCACHE_"
+ENV_ROOT = f"{ENV_PREFIX}ROOT"
+ENV_SOCKET = f"{ENV_PREFIX}SOCKET"
+ENV_TOKEN = f"{ENV_PREFIX}TOKEN"
+ENV_CONFIG = f"{ENV_PREFIX}CONFIG"
+SHM_DIR = "/dev/shm"
+
+SOCKET_NAME = "daemon.sock"
+PID_NAME = "daemon.pid"
+META_FILE = "meta.json"
+ARRAY_FILE = "data.npy"
+"""The one file of an array entry (containers have one ``<name>.npy`` per part)."""
+
+GENERATION_SLOTS = 1024
+GENERATION_BYTES = 8 * GENERATION_SLOTS
+_SEPARATOR_ON_DISK = "~"  # not a key character, so the mapping is one-to-one
+_OBJECTS_TARGET = "../objects/"
+
+logger = logging.getLogger(__name__)
+
+
+def default_root() -> Path:
+    """``$SHMCACHE_ROOT``, else ``/dev/shm/shmcache-<uid>`` (a temp dir if no ``/dev/shm``)."""
+    configured = os.environ.get(ENV_ROOT)
+    if configured:
+        return Path(configured)
+    name = f"shmcache-{os.getuid()}"
+    if os.path.isdir(SHM_DIR):
+        return Path(SHM_DIR) / name
+    fallback = Path(tempfile.gettempdir()) / name
+    warnings.warn(
+        f"{SHM_DIR} does not exist; caching in {fallback} instead, which may be on disk "
+        f"rather than in memory. Set {ENV_ROOT} to a tmpfs directory to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return fallback
+
+
+def encode_key(key: str) -> str:
+    """File name of a (valid) key inside the flat ``entries/`` directory."""
+    return key.replace("/", _SEPARATOR_ON_DISK)
+
+
+def decode_key(name: str) -> str:
+    """Inverse of :func:`encode_key`."""
+    return name.replace(_SEPARATOR_ON_DISK, "/")
+
+
+def generation_slot(key: str) -> int:
+    """The generation slot (1..SLOTS-1) of a key: stable across processes (CRC-32, not
+    ``hash()``, which is salted per process)."""
+    return 1 + zlib.crc32(key.encode("utf-8", "surrogatepass")) % (GENERATION_SLOTS - 1)
+
+
+def version_of_target(target: str) -> str:
+    """The version an entry link's target names (``../objects/<version>``)."""
+    return target.rpartition("/")[2]
+
+
+def read_version(link: str | os.PathLike[str]) -> str | None:
+    """The version an entry link points at, or None if there is no such link."""
+    try:
+        return os.readlink(link).rpartition("/")[2]
+    except (OSError, ValueError):  # missing, or a name no key could have (NUL, too long)
+        return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths inside one cache root."""
+
+    root: Path
+
+    @property
+    def entries(self) -> Path:
+        return self.root / "entries"
+
+    @property
+    def objects(self) -> Path:
+        return self.root / "objects"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def locks(self) -> Path:
+        return self.root / "locks"
+
+    @property
+    def generation(self) -> Path:
+        return self.root / "generation"
+
+    @property
+    def socket(self) -> Path:
+        """Where ``shmcache serve`` listens by default."""
+        return self.root / SOCKET_NAME
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / PID_NAME
+
+    def directories(self) -> tuple[Path, ...]:
+        return (self.root, self.entries, self.objects, self.tmp, self.locks)
+
+    def entry_link(self, key: str) -> str:
+        """The symlink of a (valid) key (a ``str``: it is on the open hot path)."""
+        return f"{self.root}/entries/{encode_key(key)}"
+
+    def link_target(self, version: str) -> str:
+        """What an entry link to ``version`` contains (relative, so the root can move)."""
+        return f"{_OBJECTS_TARGET}{version}"
+
+    def version_dir(self, version: str) -> Path:
+        return self.objects / version
+
+    def object_file(self, version: str, filename: str) -> str:
+        """A published file of a version (a ``str``: it is on the attach hot path)."""
+        return f"{self.root}/objects/{version}/{filename}"
+
+    def key_lock(self, key: str) -> Path:
+        return self.locks / f"{encode_key(key)}.lock"
+
+    @property
+    def space_lock(self) -> Path:
+        return self.locks / "space.lock"
+
+
+def _mkdir_private(path: Path) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise CacheRootError(f"cannot create cache directory {path}: {exc.strerror}") from exc
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise CacheRootError(f"cannot use cache directory {path}: {exc.strerror}") from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise CacheRootError(
+            f"{path} is a symlink; shmcache does not follow symlinks in its root (someone "
+            f"could plant one in /dev/shm): use the real path {os.path.realpath(path)}"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheRootError(f"{path} exists but is not a directory; remove it or pick another root")
+    if st.st_uid != os.geteuid():  # e.g. planted in world-writable /dev/shm; root included
+        raise CacheRootError(
+            f"cache directory {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
+            "pick another root with root= or SHMCACHE_ROOT"
+        )
+
+
+def prepare_root(root: Path) -> Layout:
+    """Create the root and its sub-directories (mode 0700) if needed; return the layout."""
+    layout = Layout(root)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheRootError(f"cannot create the parent of cache root {root}: {exc.strerror}") from exc
+    for directory in layout.directories():
+        _mkdir_private(directory)
+    _prepare_generation(layout)
+    return layout
+
+
+def _prepare_generation(layout: Layout) -> None:
+    """Create the generation file whole (never seen short), or grow one written by an
+    older version (8 bytes: slot 0 only) to the full table."""
+    try:
+        size = os.stat(layout.generation).st_size
+    except FileNotFoundError:
+        staging = layout.root / f".generation.{os.getpid()}.{os.urandom(4).hex()}"
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.pwrite(fd, os.urandom(GENERATION_BYTES), 0)
+        finally:
+            os.close(fd)
+        try:
+            os.link(staging, layout.generation)  # fails if another process won the race
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(staging)
+        return
+    if size < GENERATION_BYTES:
+        os.truncate(layout.generation, GENERATION_BYTES)  # new slots start at 0

@@ -1,0 +1,82 @@
+"""What the store reports: immutable records of entries, space and planned loads.
+
+They are plain dataclasses so that the HTTP client can return the very same types
+(``shmcache.client`` builds them from the daemon's JSON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["EntryInfo", "PlannedEntry", "StoreStats", "entry_info"]
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What ``Store.list`` reports about one entry."""
+
+    key: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    nbytes: int
+    """Bytes of data (what ``array.nbytes`` says)."""
+    size: int
+    """Bytes the entry occupies in the cache (data plus headers and metadata)."""
+    created: float
+    pinned: bool
+    source: str | None
+    version: str
+    last_used: float
+    source_fingerprint: dict[str, int] | None = None
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Space and entry counts of a cache root."""
+
+    root: str
+    capacity: int
+    """Size of the file system holding the root (the tmpfs)."""
+    used: int
+    """Bytes held by published entries."""
+    free: int
+    """Bytes still free on that file system."""
+    budget: int | None
+    """The store's ``max_bytes``, or None for no budget."""
+    entries: int
+
+
+@dataclass(frozen=True)
+class PlannedEntry:
+    """One entry ``put_file`` would publish (see ``Store.plan_file``)."""
+
+    key: str
+    source: str
+    """The file, or ``archive.npz[member.npy]``."""
+    file: str
+    """The file on disk the bytes come from."""
+    size: int
+    """Bytes the entry's data file will take."""
+
+
+def entry_info(meta: dict[str, Any], last_used: float) -> EntryInfo:
+    """The record of a version from its ``meta.json``."""
+    shape = meta.get("shape")
+    return EntryInfo(
+        key=meta["key"],
+        kind=meta.get("kind", "array"),
+        dtype=meta.get("dtype"),
+        shape=tuple(shape) if shape is not None else None,
+        nbytes=int(meta.get("nbytes", 0)),
+        size=int(meta.get("size", 0)),
+        created=float(meta.get("created", 0.0)),
+        pinned=bool(meta.get("pinned", False)),
+        source=meta.get("source"),
+        version=meta["version"],
+        last_used=last_used,
+        source_fingerprint=meta.get("source_fingerprint"),
+        checksum=meta.get("checksum"),
+    )
