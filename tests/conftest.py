@@ -1,26 +1,36 @@
-"""Shared fixtures: every test gets its own cache root on the real tmpfs."""
+"""Shared fixtures: every test gets its own cache root on the real tmpfs; the daemon tests of a
+module share one real ``shmcache serve`` and one directory of sources.
+
+- ``root``: a fresh root path (not created), also ``$SHMCACHE_ROOT``; removed afterwards.
+- ``store``: a :class:`shmcache.Store` on ``root``.
+- ``data_dir`` (module): a fresh, created directory for source files on the tmpfs; removed afterwards.
+- ``daemon_args`` / ``daemon_env`` (module): the ``shmcache serve`` flags and extra environment of
+  ``daemon``; a test module overrides them to run its daemon differently. Defaults:
+  ``--allow-source <data_dir> --max-load-rate 64MiB``, no extra environment.
+- ``daemon`` (module): a :class:`service_helpers.Daemon` serving a fresh root (``.root``) on its
+  Unix socket, started with ``daemon_args`` without the caller's ``SHMCACHE_*`` variables; stopped
+  (SIGTERM) and its root removed afterwards. Put sources in ``data_dir``; name keys with
+  ``service_helpers.unique`` since the daemon is shared by the module's tests.
+"""
 
 from __future__ import annotations
 
-import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from service_helpers import LOAD_RATE, Daemon, fresh_root, running_daemon, scratch_dir, temporary_root
 
 import shmcache
-
-SHM = Path("/dev/shm")
+from shmcache._disk.layout import ENV_ROOT
 
 
 @pytest.fixture
 def root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fresh cache root on /dev/shm (the real tmpfs), also set as SHMCACHE_ROOT."""
-    base = SHM if SHM.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    path = base / f"shmcache-test-{uuid.uuid4().hex[:12]}"
-    monkeypatch.setenv("SHMCACHE_ROOT", str(path))
+    path = fresh_root()
+    monkeypatch.setenv(ENV_ROOT, str(path))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -28,3 +38,29 @@ def root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 @pytest.fixture
 def store(root: Path) -> shmcache.Store:
     return shmcache.Store(root)
+
+
+@pytest.fixture(scope="module")
+def data_dir() -> Iterator[Path]:
+    """A directory of sources on the tmpfs (fast), shared by the module's tests."""
+    with scratch_dir("data") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def daemon_args(data_dir: Path) -> tuple[str, ...]:
+    """Flags of the module's ``daemon``: sources from ``data_dir`` only, loads slow enough to catch."""
+    return ("--allow-source", str(data_dir), "--max-load-rate", str(LOAD_RATE))
+
+
+@pytest.fixture(scope="module")
+def daemon_env() -> dict[str, str]:
+    """Environment variables the module's ``daemon`` gets on top of the caller's (minus ``SHMCACHE_*``)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def daemon(daemon_args: tuple[str, ...], daemon_env: dict[str, str]) -> Iterator[Daemon]:
+    """A real ``shmcache serve`` on a fresh root's Unix socket, shared by the module's tests."""
+    with temporary_root() as path, running_daemon(path, *daemon_args, env=daemon_env) as running:
+        yield running

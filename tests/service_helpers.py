@@ -1,4 +1,9 @@
-"""Helpers for the daemon tests: run a real ``shmcache serve`` and talk to it over its socket."""
+"""Helpers for the daemon tests: scratch directories on the tmpfs, a real ``shmcache serve``
+subprocess, talking to it over its socket, big sparse sources.
+
+The one place that picks the scratch base (``/dev/shm``, else ``$TMPDIR``): the fixtures of
+``conftest.py`` and every helper build on :func:`fresh_root` / :func:`scratch_dir`.
+"""
 
 from __future__ import annotations
 
@@ -14,29 +19,83 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import numpy as np
 
-SHM = Path("/dev/shm")
+from shmcache._disk.layout import ENV_PREFIX, SHM_DIR, SOCKET_NAME
+
+if TYPE_CHECKING:  # httpx comes with the service extra; import it only where a test talks HTTP
+    import httpx
+
+__all__ = [
+    "LOAD_RATE",
+    "Daemon",
+    "daemon_env",
+    "disk_usage",
+    "fresh_root",
+    "load",
+    "running_daemon",
+    "scratch_base",
+    "scratch_dir",
+    "serve_command",
+    "temporary_root",
+    "unique",
+    "wait_for",
+    "wait_job",
+    "write_big_npy",
+]
+
+LOAD_RATE = 64 << 20
+"""Bytes/s per load of the shared daemon: a 1 GiB sparse source takes ~16 s, so it can be caught running."""
+
 _SHMCACHE = Path(sys.executable).with_name("shmcache")
 _READY = re.compile(r"listening on (\S+)(?: and (http://\S+))?")
 _NPY_HEADER_SIZE = 128
 
 
+def scratch_base() -> Path:
+    """Where test roots and sources go: the real tmpfs when there is one (fast, like the cache)."""
+    shm = Path(SHM_DIR)
+    return shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
 def fresh_root() -> Path:
-    base = SHM if SHM.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"shmcache-test-{uuid.uuid4().hex[:12]}"
+    """A new, not yet created, path for a cache root."""
+    return scratch_base() / f"shmcache-test-{uuid.uuid4().hex[:12]}"
 
 
 @contextmanager
 def temporary_root() -> Iterator[Path]:
+    """A fresh root path (not created), removed afterwards with whatever was put there."""
     root = fresh_root()
     try:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def scratch_dir(kind: str = "data") -> Iterator[Path]:
+    """A fresh, created directory on the scratch base (e.g. for source files), removed afterwards."""
+    path = scratch_base() / f"shmcache-test-{kind}-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def unique(name: str) -> str:
+    """``name`` with a random suffix: tests sharing a daemon or a data directory do not collide."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def daemon_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without any ``SHMCACHE_*`` setting, plus ``env``."""
+    merged = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    merged.update(env or {})
+    return merged
 
 
 def serve_command(root: Path, *args: str) -> list[str]:
@@ -54,21 +113,20 @@ def serve_command(root: Path, *args: str) -> list[str]:
 
 
 class Daemon:
-    """A ``shmcache serve`` subprocess; its stderr is collected in ``log``."""
+    """A ``shmcache serve`` subprocess without inherited ``SHMCACHE_*`` settings (``env`` adds
+    some); its stderr is collected in ``log``, its TCP address (if any) in ``tcp_url``."""
 
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.root = root
         self.args = args
         self.log = ""
         self.tcp_url: str | None = None
-        merged = {k: v for k, v in os.environ.items() if not k.startswith("SHMCACHE_")}
-        merged.update(env or {})
         self.process = subprocess.Popen(
             serve_command(root, *args),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env=merged,
+            env=daemon_env(env),
         )
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_log, daemon=True)
@@ -90,7 +148,7 @@ class Daemon:
 
     @property
     def socket_path(self) -> Path:
-        return self.root / "daemon.sock"
+        return self.root / SOCKET_NAME
 
     def wait_ready(self, timeout: float = 30.0) -> Daemon:
         if not self._ready.wait(timeout) or self.process.poll() is not None:
@@ -104,6 +162,9 @@ class Daemon:
         return code
 
     def client(self, timeout: float = 30.0) -> httpx.Client:
+        """A raw HTTP client on the daemon's Unix socket."""
+        import httpx
+
         return httpx.Client(
             transport=httpx.HTTPTransport(uds=str(self.socket_path)),
             base_url="http://shmcache",
