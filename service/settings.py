@@ -1,9 +1,14 @@
-"""The daemon's settings, read once at the edge: CLI flags > environment > config file > defaults.
+"""The daemon's settings, declared once: each field of :class:`Settings` is one setting.
 
-Environment variables carry the ``SHMCACHE_`` prefix (``SHMCACHE_ROOT``,
-``SHMCACHE_MAX_BYTES``...). The config file is TOML (``--config`` or
-``SHMCACHE_CONFIG``); relative paths in it are relative to the file. Nothing else in
-the service reads ``os.environ``.
+A field's name is its config-file key; ``SHMCACHE_<NAME>`` its environment variable;
+``--<name-with-dashes>`` its ``shmcache serve`` flag (generated from the fields); its type,
+default, description and constraints are declared on the field and nowhere else.
+
+Precedence, as pydantic-settings sources: flags > environment > config file > defaults.
+The config file is TOML (``--config`` or ``SHMCACHE_CONFIG``); relative paths in it are
+relative to the file. One budget wins whole: a layer that sets ``max_bytes`` or
+``max_fraction`` replaces both of the layers below. Errors say which setting, where it came
+from (flag, variable or file) and why. Nothing else in the service reads ``os.environ``.
 """
 
 from __future__ import annotations
@@ -12,12 +17,23 @@ import ipaddress
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from shmcache import default_root
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from shmcache._disk.layout import ENV_PREFIX, SOCKET_NAME, Layout, default_root
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,38 +44,26 @@ __all__ = [
     "DEFAULT_LOAD_WORKERS",
     "ENV_PREFIX",
     "DatasetSpec",
+    "Given",
     "Settings",
     "SettingsError",
+    "env_name",
+    "flag_name",
+    "given",
     "is_loopback",
     "load_settings",
     "parse_size",
+    "takes_text",
 ]
 
-ENV_PREFIX = "SHMCACHE_"
 DEFAULT_LOAD_WORKERS = 2
-SOCKET_NAME = "daemon.sock"
-PID_NAME = "daemon.pid"
-_LOG_LEVELS = ("debug", "info", "warning", "error")
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*", re.IGNORECASE)
-_CONFIG_KEYS = {
-    "root",
-    "socket",
-    "max_bytes",
-    "max_fraction",
-    "host",
-    "port",
-    "token",
-    "allow_source",
-    "cleanup_on_exit",
-    "load_workers",
-    "max_load_rate",
-    "log_level",
-    "datasets",
-}
+_BUDGET = ("max_bytes", "max_fraction")
+_MIN_TOKEN = 16
 
 
 class SettingsError(ValueError):
-    """A setting is missing, malformed or unsafe; the message says which and why."""
+    """A setting is missing, malformed or unsafe; the message says which, from where, and why."""
 
 
 @dataclass(frozen=True)
@@ -71,39 +75,243 @@ class DatasetSpec:
     pin: bool = False
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything ``shmcache serve`` needs; build it with :func:`load_settings`."""
+# ---------------------------------------------------------------------- markers on fields
 
-    root: Path
-    socket: Path | None = None
-    """Where the Unix socket goes (default ``<root>/daemon.sock``)."""
-    max_bytes: int | None = None
-    """Budget in bytes (mutually exclusive with ``max_fraction``)."""
-    max_fraction: float | None = None
-    """Budget as a fraction of the root's file system, resolved at start."""
-    host: str | None = None
-    """TCP host; None serves on the Unix socket ``<root>/daemon.sock`` only."""
-    port: int | None = None
-    token: str | None = None
-    """Bearer token every request must carry (required for non-loopback TCP)."""
-    allow_source: tuple[Path, ...] = ()
-    """Directories the API may load from (resolved); empty = anything the daemon can read."""
-    cleanup_on_exit: bool = False
-    load_workers: int = DEFAULT_LOAD_WORKERS
-    max_load_rate: int | None = None
-    """Bytes per second per load (None: as fast as the kernel copies)."""
-    log_level: str = "info"
-    datasets: tuple[DatasetSpec, ...] = ()
-    config_file: Path | None = None
+
+@dataclass(frozen=True)
+class Given:
+    """Where a setting may be given, when not everywhere (flag, environment, config file)."""
+
+    flag: bool = True
+    env: bool = True
+    file: bool = True
+
+
+_EVERYWHERE = Given()
+
+
+class _TakesText:
+    """Marks a setting whose flag takes text that its validator parses (``8GiB``)."""
+
+
+def _marker(field: FieldInfo, kind: type[Any]) -> Any:
+    return next((m for m in field.metadata if isinstance(m, kind)), None)
+
+
+def given(field: FieldInfo) -> Given:
+    """Where ``field`` may be given."""
+    found: Given | None = _marker(field, Given)
+    return found or _EVERYWHERE
+
+
+def takes_text(field: FieldInfo) -> bool:
+    """Whether the flag of ``field`` takes text (parsed by the field's validator)."""
+    return _marker(field, _TakesText) is not None
+
+
+def flag_name(name: str) -> str:
+    """The ``shmcache serve`` flag of setting ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """The environment variable of setting ``name``."""
+    return ENV_PREFIX + name.upper()
+
+
+# ---------------------------------------------------------------------- value parsers
+
+
+def _size(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a size such as 8GiB or 500M, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.fullmatch(value)
+        if match:
+            number, unit = float(match.group(1)), match.group(2).upper()
+            return int(number * 1024 ** " KMGTP".index(unit or " "))
+    raise ValueError(f"must be a size such as 8GiB, 500M or 1073741824, got {value!r}")
+
+
+def parse_size(value: object, what: str = "size") -> int:
+    """``"8GiB"``, ``"500M"``, ``"1.5G"`` or an integer -> bytes (K/M/G/T/P are powers of 1024)."""
+    try:
+        return _size(value)
+    except ValueError as exc:
+        raise SettingsError(f"{what} {exc}") from None
+
+
+def _optional_size(value: object) -> int | None:
+    return None if value is None else _size(value)
+
+
+def _absolute(path: Path | None) -> Path | None:
+    return None if path is None else Path(os.path.abspath(path))
+
+
+def _directory(path: Path) -> Path:
+    real = Path(os.path.realpath(path))
+    if not real.is_dir():
+        raise ValueError(f"names {real}, which is not a directory")
+    return real
+
+
+def _one_or_many(value: object) -> object:
+    return [value] if isinstance(value, (str, os.PathLike)) else value
+
+
+def _lower(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _long_enough(token: str | None) -> str | None:
+    if token is not None and len(token) < _MIN_TOKEN:
+        raise ValueError(f"is too short: use at least {_MIN_TOKEN} random characters")
+    return token
+
+
+def _dataset_tables(value: object) -> object:
+    """``[[datasets]]`` as TOML gives it: an array of tables with key, source and maybe pin."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("must be an array of tables ([[datasets]])")
+    for i, table in enumerate(value):
+        if isinstance(table, DatasetSpec):
+            continue
+        if not isinstance(table, dict) or not {"key", "source"} <= set(table):
+            raise ValueError(f"[{i}] needs key = ... and source = ...")
+        extra = sorted(set(table) - {"key", "source", "pin"})
+        if extra:
+            raise ValueError(f"[{i}] has unknown field(s) {', '.join(extra)}")
+    return value
+
+
+def _resolve_sources(specs: tuple[DatasetSpec, ...]) -> tuple[DatasetSpec, ...]:
+    return tuple(replace(spec, source=Path(os.path.realpath(spec.source))) for spec in specs)
+
+
+Size = Annotated[int | None, BeforeValidator(_optional_size), _TakesText()]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+# ---------------------------------------------------------------------- the table
+
+
+class Settings(BaseSettings):
+    """Everything ``shmcache serve`` needs; :func:`load_settings` reads it from flags,
+    environment and config file (``Settings(**values)`` also reads ``os.environ``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="forbid", frozen=True
+    )
+
+    root: Annotated[Path, AfterValidator(_absolute)] = Field(
+        default_factory=default_root,
+        validate_default=True,
+        description="Cache root (default /dev/shm/shmcache-<uid>).",
+    )
+    socket: Annotated[Path | None, AfterValidator(_absolute)] = Field(
+        None, description=f"Unix socket path (default <root>/{SOCKET_NAME})."
+    )
+    max_bytes: Size = Field(
+        None,
+        ge=0,
+        description="Budget, e.g. 32GiB: loads evict least-recently-used unpinned, unmapped entries "
+        "to stay within it.",
+    )
+    max_fraction: float | None = Field(
+        None, gt=0, le=1, description="Budget as a fraction of the root's file system, e.g. 0.5."
+    )
+    config: Annotated[Path | None, AfterValidator(_absolute), Given(file=False)] = Field(
+        None, description="TOML config file (root, max_bytes, allow_source, datasets to preload, ...)."
+    )
+    host: str | None = Field(
+        None,
+        description="Also listen on TCP at this address (needs --port and --allow-source; a "
+        "non-loopback address needs --token).",
+    )
+    port: int | None = Field(None, ge=0, le=65535, description="TCP port (0 picks a free one).")
+    token: Annotated[str | None, AfterValidator(_long_enough)] = Field(
+        None,
+        description="Bearer token TCP clients must send (16 characters or more); prefer the "
+        "environment variable: a flag is visible in ps.",
+    )
+    allow_source: Annotated[
+        tuple[Annotated[Path, AfterValidator(_directory)], ...], BeforeValidator(_one_or_many)
+    ] = Field(
+        (),
+        description="Directory the API may load from (repeatable; symlinks and .. are resolved "
+        "first). Default: anything the daemon can read.",
+    )
+    cleanup_on_exit: bool = Field(False, description="Evict every entry when stopping.")
+    load_workers: int = Field(DEFAULT_LOAD_WORKERS, ge=1, description="Loads that run at once.")
+    max_load_rate: Size = Field(
+        None,
+        gt=0,
+        description="Bytes per second per load, e.g. 500MiB, to leave memory bandwidth to "
+        "training (default: unlimited).",
+    )
+    log_level: Annotated[LogLevel, BeforeValidator(_lower)] = Field(
+        "info", description="debug, info, warning or error."
+    )
+    datasets: Annotated[
+        tuple[DatasetSpec, ...],
+        BeforeValidator(_dataset_tables),
+        AfterValidator(_resolve_sources),
+        Given(flag=False, env=False),
+    ] = Field((), description="Entries to load at start-up: [[datasets]] key, source, pin.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (the keyword arguments) > environment > config file > defaults."""
+        return init_settings, _Environment(settings_cls, _ENVIRON.get()), _ConfigFile(settings_cls)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        """Refuse unsafe or contradictory combinations."""
+        host, port, token, allow = (flag_name(n) for n in ("host", "port", "token", "allow_source"))
+        if self.max_bytes is not None and self.max_fraction is not None:
+            raise ValueError("set max_bytes or max_fraction, not both")
+        if self.port is not None and self.host is None:
+            raise ValueError(f"{port} needs {host} (TCP is opt-in; the default is the Unix socket)")
+        if self.host is not None:
+            if self.port is None:
+                raise ValueError(f"{host} needs {port} (0 picks a free port)")
+            if not is_loopback(self.host) and not self.token:
+                raise ValueError(
+                    f"refusing to listen on non-loopback host {self.host!r} without a token: anyone "
+                    f"who can reach it could load and evict data. Pass {token} (or {env_name('token')}) "
+                    "and clients send 'Authorization: Bearer <token>'"
+                )
+            if not self.allow_source:
+                raise ValueError(
+                    f"TCP needs at least one {allow} DIR: over TCP the daemon cannot tell who asks, "
+                    "so it only loads from directories you allow"
+                )
+        return self
+
+    @property
+    def config_file(self) -> Path | None:
+        """The config file read, if any (same as ``config``)."""
+        return self.config
 
     @property
     def socket_path(self) -> Path:
-        return self.socket if self.socket is not None else self.root / SOCKET_NAME
+        return self.socket if self.socket is not None else Layout(self.root).socket
 
     @property
     def pid_path(self) -> Path:
-        return self.root / PID_NAME
+        return Layout(self.root).pid_file
 
     @property
     def uses_tcp(self) -> bool:
@@ -115,39 +323,212 @@ class Settings:
             return int(capacity * self.max_fraction)
         return self.max_bytes
 
-    def validate(self) -> Settings:
-        """Refuse unsafe or contradictory settings; returns self."""
-        if self.max_bytes is not None and self.max_bytes < 0:
-            raise SettingsError(f"max_bytes must be >= 0, got {self.max_bytes}")
-        if self.max_fraction is not None and not 0 < self.max_fraction <= 1:
-            raise SettingsError(f"max_fraction must be in (0, 1], got {self.max_fraction}")
-        if self.load_workers < 1:
-            raise SettingsError(f"load_workers must be >= 1, got {self.load_workers}")
-        if self.max_load_rate is not None and self.max_load_rate <= 0:
-            raise SettingsError(f"max_load_rate must be > 0, got {self.max_load_rate}")
-        if self.log_level not in _LOG_LEVELS:
-            raise SettingsError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
-        if self.port is not None and self.host is None:
-            raise SettingsError("--port needs --host (TCP is opt-in; the default is the Unix socket)")
-        if self.host is not None:
-            if self.port is None:
-                raise SettingsError("--host needs --port (0 picks a free port)")
-            if not 0 <= self.port <= 65535:
-                raise SettingsError(f"port must be in 0..65535, got {self.port}")
-            if not is_loopback(self.host) and not self.token:
-                raise SettingsError(
-                    f"refusing to listen on non-loopback host {self.host!r} without a token: anyone who "
-                    "can reach it could load and evict data. Pass --token (or SHMCACHE_TOKEN) and "
-                    "clients send 'Authorization: Bearer <token>'"
-                )
-            if not self.allow_source:
-                raise SettingsError(
-                    "TCP needs at least one --allow-source DIR: over TCP the daemon cannot tell who "
-                    "asks, so it only loads from directories you allow"
-                )
-        if self.token is not None and len(self.token) < 16:
-            raise SettingsError("the token is too short: use at least 16 random characters")
-        return self
+
+# ---------------------------------------------------------------------- sources
+
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("shmcache_settings_environ", default=None)
+"""The environment :func:`load_settings` was given (None: ``os.environ``)."""
+
+
+def _one_budget(values: dict[str, Any], spell: Callable[[str], str], state: Mapping[str, Any]) -> None:
+    """Refuse both budgets in one layer; drop this layer's budget when a higher one set one."""
+    if all(name in values for name in _BUDGET):
+        first, second = (spell(name) for name in _BUDGET)
+        raise SettingsError(f"set {first} or {second}, not both")
+    if any(name in state for name in _BUDGET):
+        for name in _BUDGET:
+            values.pop(name, None)
+
+
+class _Environment(EnvSettingsSource):
+    """``SHMCACHE_<NAME>`` variables; list settings are ``os.pathsep``-separated."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str] | None) -> None:
+        super().__init__(settings_cls)
+        if environ is not None:
+            self.env_vars = {name.lower(): value for name, value in environ.items() if value}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        if not given(field).env:
+            return None, field_name, False
+        return super().get_field_value(field, field_name)
+
+    def prepare_field_value(
+        self, field_name: str, field: FieldInfo, value: Any, value_is_complex: bool
+    ) -> Any:
+        if isinstance(value, str) and get_origin(field.annotation) is tuple:
+            return [item for item in value.split(os.pathsep) if item]
+        return super().prepare_field_value(field_name, field, value, value_is_complex)
+
+    def __call__(self) -> dict[str, Any]:
+        values = super().__call__()
+        _one_budget(values, env_name, self.current_state)
+        return values
+
+
+class _ConfigFile(PydanticBaseSettingsSource):
+    """The TOML file that a flag or the environment named (``config``)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        named = self.current_state.get("config")
+        if named is None:
+            return {}
+        path = Path(os.path.abspath(named))
+        data = _read_toml(path)
+        fields = self.settings_cls.model_fields
+        known = sorted(name for name, field in fields.items() if given(field).file)
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise SettingsError(
+                f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            )
+        try:
+            _one_budget(data, str, self.current_state)
+        except SettingsError as exc:
+            raise SettingsError(f"config file {path}: {exc}") from None
+        base = path.parent
+        for name, value in data.items():
+            data[name] = _relative_to(base, fields[name].annotation, value)
+        return data
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fp:
+            return tomllib.load(fp)
+    except FileNotFoundError:
+        raise SettingsError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc}") from exc
+
+
+def _mentions(annotation: Any, kind: type[Any]) -> bool:
+    return annotation is kind or any(_mentions(arg, kind) for arg in get_args(annotation))
+
+
+def _relative_to(base: Path, annotation: Any, value: Any) -> Any:
+    """A config file's paths (strings where the field holds paths) made relative to its directory."""
+    if isinstance(value, list):
+        return [_relative_to(base, annotation, item) for item in value]
+    if isinstance(value, dict) and _mentions(annotation, DatasetSpec):
+        source = value.get("source")
+        return {**value, "source": str(base / source)} if isinstance(source, str) else value
+    if isinstance(value, str) and _mentions(annotation, Path):
+        return str(base / value)
+    return value
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def load_settings(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> Settings:
+    """Merge defaults < config file < environment < flags, then validate.
+
+    ``cli`` maps :class:`Settings` field names to flag values (None, an empty list or a
+    false on/off flag = not given). ``env`` defaults to ``os.environ``; the config file is
+    ``config_file``, else ``cli["config"]``, else ``$SHMCACHE_CONFIG``, else none.
+    """
+    flags = {name: value for name, value in (cli or {}).items() if not _unset(value)}
+    if config_file is not None:
+        flags["config"] = config_file
+    _one_budget(flags, flag_name, {})
+    with _environment(env):
+        try:
+            return Settings(**flags)
+        except ValidationError as exc:
+            environ = os.environ if env is None else env
+            raise SettingsError(_explain(exc, flags, environ)) from None
+
+
+def _unset(flag: object) -> bool:
+    """An absent flag: None, no repetition of a repeatable one, an on/off flag left off."""
+    return flag is None or flag is False or (isinstance(flag, (list, tuple)) and not flag)
+
+
+@contextmanager
+def _environment(env: Mapping[str, str] | None) -> Iterator[None]:
+    token = _ENVIRON.set(env)
+    try:
+        yield
+    finally:
+        _ENVIRON.reset(token)
+
+
+def _explain(exc: ValidationError, flags: Mapping[str, Any], environ: Mapping[str, str]) -> str:
+    """One clause per problem: the setting as the user gave it, and what is wrong with it."""
+    config = flags.get("config") or environ.get(env_name("config"))
+    clauses = []
+    for error in exc.errors():
+        loc, kind, ctx = error["loc"], error["type"], error.get("ctx") or {}
+        if kind == "value_error":  # our validators' messages (a secret is never echoed)
+            reason = str(ctx.get("error", error["msg"]))
+        elif kind in _BOUND_ERRORS and loc:
+            reason = f"must be {_bounds(Settings.model_fields[str(loc[0])])}, got {error['input']!r}"
+        else:
+            reason = f"{_REASONS.get(kind, error['msg']).format(**ctx)}, got {error['input']!r}"
+        if not loc:  # a rule across settings: its message names them
+            clauses.append(reason)
+            continue
+        where = _spelling(str(loc[0]), flags, environ, config)
+        where += "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc[1:])
+        clauses.append(f"{where}{'' if reason.startswith('[') else ' '}{reason}")
+    return "; ".join(clauses)
+
+
+def _spelling(name: str, flags: Mapping[str, Any], environ: Mapping[str, str], config: object) -> str:
+    """The setting ``name`` as given: its flag, its variable, or its key in the config file."""
+    field = Settings.model_fields.get(name)
+    if name in flags or field is None:
+        return flag_name(name)
+    if given(field).env and environ.get(env_name(name)):
+        return env_name(name)
+    if config:
+        return f"config file {os.path.abspath(str(config))}: {name}"
+    return name
+
+
+def _bounds(field: FieldInfo) -> str:
+    """A field's numeric constraints in words: ``>= 1``, ``in 0..65535``, ``in (0, 1]``."""
+    limits: dict[str, Any] = {}
+    for item in field.metadata:
+        for kind in ("ge", "gt", "le", "lt"):
+            if getattr(item, kind, None) is not None:
+                limits[kind] = getattr(item, kind)
+    low = ("[", limits["ge"]) if "ge" in limits else ("(", limits["gt"]) if "gt" in limits else None
+    high = ("]", limits["le"]) if "le" in limits else (")", limits["lt"]) if "lt" in limits else None
+    if low and high:
+        if low[0] == "[" and high[0] == "]" and isinstance(low[1], int) and isinstance(high[1], int):
+            return f"in {low[1]}..{high[1]}"
+        return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {high[1]}"
+    return "in range"
+
+
+_BOUND_ERRORS = {"greater_than_equal", "greater_than", "less_than_equal", "less_than"}
+_REASONS = {
+    "int_parsing": "must be an integer",
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "string_type": "must be text",
+    "path_type": "must be a path",
+    "literal_error": "must be one of {expected}",
+    "tuple_type": "must be a list",
+    "extra_forbidden": "is not a setting",
+}
 
 
 def is_loopback(host: str) -> bool:
@@ -158,228 +539,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: assume it is reachable from outside
-
-
-def parse_size(value: object, what: str = "size") -> int:
-    """``"8GiB"``, ``"500M"``, ``"1.5G"`` or an integer -> bytes (K/M/G/T/P are powers of 1024)."""
-    if isinstance(value, bool):
-        raise SettingsError(f"{what} must be a size such as 8GiB or 500M, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE_RE.fullmatch(value)
-        if match:
-            number, unit = float(match.group(1)), match.group(2).upper()
-            return int(number * 1024 ** " KMGTP".index(unit or " "))
-    raise SettingsError(f"{what} must be a size such as 8GiB, 500M or 1073741824, got {value!r}")
-
-
-def _parse_bool(value: object, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-        return value.lower() in ("1", "true", "yes", "on")
-    raise SettingsError(f"{what} must be true or false, got {value!r}")
-
-
-def _parse_int(value: object, what: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    raise SettingsError(f"{what} must be an integer, got {value!r}")
-
-
-def _parse_float(value: object, what: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    raise SettingsError(f"{what} must be a number, got {value!r}")
-
-
-def _resolve_dirs(values: Sequence[object], base: Path, what: str) -> tuple[Path, ...]:
-    dirs = []
-    for value in values:
-        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-            raise SettingsError(f"{what} entries must be directory paths, got {value!r}")
-        path = Path(os.path.realpath(base / os.fspath(value)))
-        if not path.is_dir():
-            raise SettingsError(f"{what} {path} is not a directory")
-        dirs.append(path)
-    return tuple(dirs)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    """The config file's settings, normalized to the field names of :class:`Settings`."""
-    try:
-        with open(path, "rb") as fp:
-            data = tomllib.load(fp)
-    except FileNotFoundError:
-        raise SettingsError(f"config file {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SettingsError(f"cannot read config file {path}: {exc}") from exc
-    unknown = sorted(set(data) - _CONFIG_KEYS)
-    if unknown:
-        raise SettingsError(
-            f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(_CONFIG_KEYS))}"
-        )
-    base = path.parent
-    where = f"config file {path}:"
-    out: dict[str, Any] = {}
-    if "root" in data:
-        out["root"] = base / str(data["root"])
-    if "socket" in data:
-        out["socket"] = Path(os.path.abspath(base / str(data["socket"])))
-    if "max_bytes" in data:
-        out["max_bytes"] = parse_size(data["max_bytes"], f"{where} max_bytes")
-    if "max_fraction" in data:
-        out["max_fraction"] = _parse_float(data["max_fraction"], f"{where} max_fraction")
-    if "max_bytes" in out and "max_fraction" in out:
-        raise SettingsError(f"{where} set max_bytes or max_fraction, not both")
-    if "host" in data:
-        out["host"] = str(data["host"])
-    if "port" in data:
-        out["port"] = _parse_int(data["port"], f"{where} port")
-    if "token" in data:
-        out["token"] = str(data["token"])
-    if "allow_source" in data:
-        allowed = data["allow_source"]
-        if isinstance(allowed, str):
-            allowed = [allowed]
-        if not isinstance(allowed, list):
-            raise SettingsError(f"{where} allow_source must be a list of directories")
-        out["allow_source"] = _resolve_dirs(allowed, base, f"{where} allow_source")
-    if "cleanup_on_exit" in data:
-        out["cleanup_on_exit"] = _parse_bool(data["cleanup_on_exit"], f"{where} cleanup_on_exit")
-    if "load_workers" in data:
-        out["load_workers"] = _parse_int(data["load_workers"], f"{where} load_workers")
-    if "max_load_rate" in data:
-        out["max_load_rate"] = parse_size(data["max_load_rate"], f"{where} max_load_rate")
-    if "log_level" in data:
-        out["log_level"] = str(data["log_level"]).lower()
-    if "datasets" in data:
-        out["datasets"] = _read_datasets(data["datasets"], base, where)
-    return out
-
-
-def _read_datasets(tables: object, base: Path, where: str) -> tuple[DatasetSpec, ...]:
-    if not isinstance(tables, list):
-        raise SettingsError(f"{where} datasets must be an array of tables ([[datasets]])")
-    specs = []
-    for i, table in enumerate(tables):
-        if not isinstance(table, dict) or not {"key", "source"} <= set(table):
-            raise SettingsError(f"{where} datasets[{i}] needs key = ... and source = ...")
-        extra = sorted(set(table) - {"key", "source", "pin"})
-        if extra:
-            raise SettingsError(f"{where} datasets[{i}]: unknown field(s) {', '.join(extra)}")
-        source = Path(os.path.realpath(base / str(table["source"])))
-        pin = _parse_bool(table.get("pin", False), f"{where} datasets[{i}].pin")
-        specs.append(DatasetSpec(str(table["key"]), source, pin))
-    return tuple(specs)
-
-
-def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
-    def get(name: str) -> str | None:
-        value = env.get(ENV_PREFIX + name)
-        return value if value else None
-
-    out: dict[str, Any] = {}
-    if (value := get("ROOT")) is not None:
-        out["root"] = Path(value)
-    if (value := get("SOCKET")) is not None:
-        out["socket"] = Path(os.path.abspath(value))
-    if (value := get("MAX_BYTES")) is not None:
-        out["max_bytes"] = parse_size(value, f"{ENV_PREFIX}MAX_BYTES")
-    if (value := get("MAX_FRACTION")) is not None:
-        out["max_fraction"] = _parse_float(value, f"{ENV_PREFIX}MAX_FRACTION")
-    if "max_bytes" in out and "max_fraction" in out:
-        raise SettingsError(f"set {ENV_PREFIX}MAX_BYTES or {ENV_PREFIX}MAX_FRACTION, not both")
-    if (value := get("HOST")) is not None:
-        out["host"] = value
-    if (value := get("PORT")) is not None:
-        out["port"] = _parse_int(value, f"{ENV_PREFIX}PORT")
-    if (value := get("TOKEN")) is not None:
-        out["token"] = value
-    if (value := get("ALLOW_SOURCE")) is not None:
-        dirs = [d for d in value.split(os.pathsep) if d]
-        out["allow_source"] = _resolve_dirs(dirs, Path.cwd(), f"{ENV_PREFIX}ALLOW_SOURCE")
-    if (value := get("CLEANUP_ON_EXIT")) is not None:
-        out["cleanup_on_exit"] = _parse_bool(value, f"{ENV_PREFIX}CLEANUP_ON_EXIT")
-    if (value := get("LOAD_WORKERS")) is not None:
-        out["load_workers"] = _parse_int(value, f"{ENV_PREFIX}LOAD_WORKERS")
-    if (value := get("MAX_LOAD_RATE")) is not None:
-        out["max_load_rate"] = parse_size(value, f"{ENV_PREFIX}MAX_LOAD_RATE")
-    if (value := get("LOG_LEVEL")) is not None:
-        out["log_level"] = value.lower()
-    return out
-
-
-def _read_cli(cli: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in cli.items():
-        if value is None or (name == "allow_source" and not value):
-            continue
-        if name in ("max_bytes", "max_load_rate"):
-            out[name] = parse_size(value, f"--{name.replace('_', '-')}")
-        elif name == "max_fraction":
-            out[name] = _parse_float(value, "--max-fraction")
-        elif name == "allow_source":
-            out[name] = _resolve_dirs(list(value), Path.cwd(), "--allow-source")
-        elif name == "root":
-            out[name] = Path(value)
-        elif name == "socket":
-            out[name] = Path(os.path.abspath(value))
-        elif name == "log_level":
-            out[name] = str(value).lower()
-        elif name == "cleanup_on_exit":
-            if value:  # a flag can only turn it on
-                out[name] = True
-        else:
-            out[name] = value
-    if "max_bytes" in out and "max_fraction" in out:
-        raise SettingsError("pass --max-bytes or --max-fraction, not both")
-    return out
-
-
-def load_settings(
-    cli: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None,
-    config_file: str | os.PathLike[str] | None = None,
-) -> Settings:
-    """Merge defaults < config file < environment < CLI flags, then validate.
-
-    ``cli`` maps :class:`Settings` field names to flag values (None = not given).
-    ``env`` defaults to ``os.environ``; the config file is ``config_file``, else
-    ``$SHMCACHE_CONFIG``, else none.
-    """
-    env = os.environ if env is None else env
-    if config_file is None and env.get(ENV_PREFIX + "CONFIG"):
-        config_file = env[ENV_PREFIX + "CONFIG"]
-    merged: dict[str, Any] = {}
-    layers = [
-        _read_config(Path(os.path.abspath(config_file))) if config_file is not None else {},
-        _read_env(env),
-        _read_cli(cli or {}),
-    ]
-    for layer in layers:
-        if "max_bytes" in layer or "max_fraction" in layer:  # one budget: the highest layer's
-            merged.pop("max_bytes", None)
-            merged.pop("max_fraction", None)
-        merged.update(layer)
-    root = merged.pop("root", None)
-    root = Path(os.path.abspath(root if root is not None else default_root()))
-    settings = Settings(
-        root=root,
-        config_file=Path(os.path.abspath(config_file)) if config_file is not None else None,
-    )
-    return replace(settings, **merged).validate()

@@ -1,125 +1,177 @@
-"""``shmcache serve``: run the daemon (the service extra is imported only when it runs)."""
+"""``shmcache serve``: run the daemon, with one flag per field of its settings model.
+
+The flags are generated from :class:`shmcache.service.settings.Settings` (the one
+declaration of every daemon setting) when ``serve`` runs, not when the CLI starts:
+importing pydantic-settings costs about 0.2 s, which no other command should pay, and
+without the service extra the other commands still work and ``serve`` says what to install.
+"""
 
 from __future__ import annotations
 
+import inspect
+import os
+import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import typer
 
+from .._disk.layout import SOCKET_NAME
 from ..errors import ShmCacheError
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
 
 __all__ = ["register"]
 
+_HELP = f"""Run the daemon: the HTTP control API of the cache, on <root>/{SOCKET_NAME} (mode 0600).
+
+Only processes of the daemon's user (or root) may use the socket. TCP (--host/--port)
+is opt-in and needs --allow-source; a non-loopback address also needs a token.
+
+Settings: flags > SHMCACHE_* environment > config file > defaults. Stops on SIGTERM or
+SIGINT: running loads are cancelled (nothing partial is published), the socket and
+pid file are removed. Needs the service extra: pip install 'shmcache\\[service]'.
+"""
+_EXTRA = "pip install 'shmcache[service]'"
+
 
 def register(app: typer.Typer) -> None:
-    """Add the ``serve`` command to ``app``."""
-    app.command()(serve)
+    """Add ``serve`` to ``app``; its arguments are parsed by the generated command."""
+    app.command(
+        "serve",
+        help=_HELP,
+        add_help_option=False,  # --help goes to the generated command, which knows the flags
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    )(_serve)
 
 
-def serve(
-    root: Annotated[
-        Path | None,
-        typer.Option("--root", help="Cache root (env: SHMCACHE_ROOT; default /dev/shm/shmcache-<uid>).",
-                     show_default=False),
-    ] = None,
-    socket_path: Annotated[
-        Path | None,
-        typer.Option("--socket", help="Unix socket path (env: SHMCACHE_SOCKET; default <root>/daemon.sock).",
-                     show_default=False),
-    ] = None,
-    max_bytes: Annotated[
-        str | None,
-        typer.Option("--max-bytes", help="Budget, e.g. 32GiB: loads evict least-recently-used unpinned, "
-                     "unmapped entries to stay within it (env: SHMCACHE_MAX_BYTES).", show_default=False),
-    ] = None,
-    max_fraction: Annotated[
-        float | None,
-        typer.Option("--max-fraction", help="Budget as a fraction of the root's file system, e.g. 0.5 "
-                     "(env: SHMCACHE_MAX_FRACTION).", show_default=False),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option("--config", show_default=False,
-                     help="TOML config file: root, max_bytes, allow_source, datasets to preload... "
-                     "(env: SHMCACHE_CONFIG)."),
-    ] = None,
-    host: Annotated[
-        str | None,
-        typer.Option("--host", help="Also listen on TCP at this address (needs --port and --allow-source; "
-                     "a non-loopback address needs --token) (env: SHMCACHE_HOST).", show_default=False),
-    ] = None,
-    port: Annotated[
-        int | None,
-        typer.Option("--port", help="TCP port (0 picks a free one) (env: SHMCACHE_PORT).",
-                     show_default=False),
-    ] = None,
-    token: Annotated[
-        str | None,
-        typer.Option("--token", help="Bearer token TCP clients must send; prefer SHMCACHE_TOKEN (a flag is "
-                     "visible in ps).", show_default=False),
-    ] = None,
-    allow_source: Annotated[
-        list[Path] | None,
-        typer.Option("--allow-source", help="Directory the API may load from (repeatable; symlinks and .. "
-                     "are resolved first) (env: SHMCACHE_ALLOW_SOURCE, ':'-separated).",
-                     show_default=False),
-    ] = None,
-    cleanup_on_exit: Annotated[
-        bool,
-        typer.Option("--cleanup-on-exit",
-                     help="Evict every entry when stopping (env: SHMCACHE_CLEANUP_ON_EXIT)."),
-    ] = False,
-    load_workers: Annotated[
-        int | None,
-        typer.Option("--load-workers", show_default=False,
-                     help="Loads that run at once (default 2) (env: SHMCACHE_LOAD_WORKERS)."),
-    ] = None,
-    max_load_rate: Annotated[
-        str | None,
-        typer.Option("--max-load-rate", help="Bytes per second per load, e.g. 500MiB, to leave memory "
-                     "bandwidth to training (default: unlimited) (env: SHMCACHE_MAX_LOAD_RATE).",
-                     show_default=False),
-    ] = None,
-    log_level: Annotated[
-        str | None,
-        typer.Option("--log-level", help="debug, info (default), warning or error (env: SHMCACHE_LOG_LEVEL).",
-                     show_default=False),
-    ] = None,
-) -> None:
-    """Run the daemon: the HTTP control API of the cache, on <root>/daemon.sock (mode 0600).
+def _serve(ctx: typer.Context) -> None:
+    fail, _ = _cli_helpers()
+    try:
+        from ..service import settings
+    except ImportError as exc:
+        raise fail(_missing_extra(exc)) from None
+    command = typer.main.get_command(_generated_app(settings.Settings.model_fields))
+    command.main(list(ctx.args), prog_name=ctx.command_path, standalone_mode=True)
 
-    Only processes of the daemon's user (or root) may use the socket. TCP (--host/--port)
-    is opt-in and needs --allow-source; a non-loopback address also needs a token.
 
-    Settings: flags > SHMCACHE_* environment > config file > defaults. Stops on SIGTERM or
-    SIGINT: running loads are cancelled (nothing partial is published), the socket and
-    pid file are removed. Needs the service extra: pip install 'shmcache\\[service]'.
-    """
-    from ..cli import _fail, _state  # temporary: the shared CLI helpers move to _cli/app.py
+def _generated_app(fields: dict[str, FieldInfo]) -> typer.Typer:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command("serve", help=_HELP)(_with_flags(_run, fields))
+    return app
 
-    try:  # lazily: the rest of the CLI never loads FastAPI or uvicorn
+
+def _run(**values: Any) -> None:
+    """Load the settings (flags given in ``values``) and run the daemon until it stops."""
+    fail, debug_enabled = _cli_helpers()
+    try:  # FastAPI and uvicorn only now
         from ..service import SettingsError, load_settings
         from ..service import serve as run_daemon
     except ImportError as exc:
-        raise _fail(ShmCacheError(
-            f"shmcache serve needs the service extra ({exc.name} is missing): pip install 'shmcache[service]'"
-        )) from None
-    cli_values = {
-        "root": root, "socket": socket_path, "max_bytes": max_bytes, "max_fraction": max_fraction,
-        "host": host, "port": port, "token": token, "allow_source": allow_source,
-        "cleanup_on_exit": cleanup_on_exit, "load_workers": load_workers, "max_load_rate": max_load_rate,
-        "log_level": log_level,
-    }
+        raise fail(_missing_extra(exc)) from None
     try:
-        settings = load_settings(cli_values, config_file=config)
+        settings = load_settings(values)
     except SettingsError as exc:
-        if _state["debug"]:
+        if debug_enabled():
             raise
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     try:
         status = run_daemon(settings)
     except (ShmCacheError, OSError) as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     raise typer.Exit(status)
+
+
+def _missing_extra(exc: ImportError) -> ShmCacheError:
+    return ShmCacheError(f"shmcache serve needs the service extra ({exc.name} is missing): {_EXTRA}")
+
+
+def _cli_helpers() -> tuple[Callable[[BaseException], typer.Exit], Callable[[], bool]]:
+    """The CLI's ``fail`` and ``debug_enabled`` (imported late: the app imports this module)."""
+    try:
+        from .app import debug_enabled, fail  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # until the shared helpers live in _cli/app.py
+        from ..cli import _fail as fail
+        from ..cli import _state
+
+        def debug_enabled() -> bool:
+            return _state["debug"]
+
+    return fail, debug_enabled
+
+
+# ---------------------------------------------------------------------- flags from the fields
+
+
+def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Callable[..., None]:
+    """``run`` with a keyword parameter per setting that has a flag, as typer reads them."""
+    from ..service.settings import given
+
+    parameters = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=False if _flag_type(field) is bool else None,
+            annotation=Annotated[
+                _flag_type(field), typer.Option(_flag(name), help=_flag_help(name, field), show_default=False)
+            ],
+        )
+        for name, field in fields.items()
+        if given(field).flag
+    ]
+
+    def command(**values: Any) -> None:
+        run(**values)
+
+    command.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
+    command.__doc__ = _HELP
+    return command
+
+
+def _flag(name: str) -> str:
+    from ..service.settings import flag_name
+
+    flag: str = flag_name(name)
+    return flag
+
+
+def _flag_type(field: FieldInfo) -> Any:
+    """The type typer parses the flag as; the settings model validates the value after."""
+    from ..service.settings import takes_text
+
+    kind = _without_none(field.annotation)
+    if takes_text(field) or get_origin(kind) is Literal:
+        return str | None
+    if kind is bool:
+        return bool
+    if get_origin(kind) is tuple:  # a repeatable flag
+        item = get_args(kind)[0]
+        return list[get_args(item)[0] if get_origin(item) is Annotated else item] | None  # type: ignore[misc]
+    return kind | None
+
+
+def _without_none(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, types.UnionType):
+        rest = [arg for arg in get_args(annotation) if arg is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return annotation
+
+
+def _flag_help(name: str, field: FieldInfo) -> str:
+    """The field's description, its default and its environment variable."""
+    from ..service.settings import env_name, given
+
+    notes = []
+    default = field.default
+    if default not in (None, False, ()) and field.default_factory is None and not isinstance(default, Path):
+        notes.append(f"default {default}")
+    if given(field).env:
+        listed = get_origin(_without_none(field.annotation)) is tuple
+        notes.append(f"env: {env_name(name)}" + (f", '{os.pathsep}'-separated" if listed else ""))
+    text = (field.description or name).rstrip(".")
+    return f"{text} ({'; '.join(notes)})." if notes else f"{text}."
