@@ -2,30 +2,25 @@
 
 Entries and stats reuse the core's records (:class:`shmcache.EntryInfo`,
 :class:`shmcache.StoreStats`), so code written against a local ``Store`` accepts the
-client's answers too. Unknown fields a newer daemon may send are ignored.
+client's answers too; jobs are the records the daemon itself renders
+(:class:`shmcache._control.Job`, re-exported here). Unknown fields a newer daemon may
+send are ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from shmcache import EntryInfo, StoreStats
+from shmcache._control import ACTIVE_STATES, Job, JobError, known_fields
 
-__all__ = ["ACTIVE_STATES", "EntryDetail", "Health", "Job", "JobError", "ServiceStats"]
-
-ACTIVE_STATES = ("queued", "running")
-"""Job states that are not final."""
-
-
-def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in data.items() if k in names}
+__all__ = ["ACTIVE_STATES", "EntryDetail", "Health", "Job", "JobError", "ServiceStats", "entry_from_json"]
 
 
 def entry_from_json(data: dict[str, Any]) -> EntryInfo:
     """An :class:`~shmcache.EntryInfo` from one element of ``GET /v1/entries``."""
-    values = _known(EntryInfo, data)
+    values = known_fields(EntryInfo, data)
     if values.get("shape") is not None:
         values["shape"] = tuple(values["shape"])
     return EntryInfo(**values)
@@ -39,7 +34,7 @@ class EntryDetail(EntryInfo):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EntryDetail:
-        values = _known(cls, data)
+        values = known_fields(cls, data)
         if values.get("shape") is not None:
             values["shape"] = tuple(values["shape"])
         values["mapped_by"] = tuple(values.get("mapped_by") or ())
@@ -57,7 +52,7 @@ class ServiceStats(StoreStats):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServiceStats:
-        return cls(**_known(cls, data))
+        return cls(**known_fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -72,48 +67,4 @@ class Health:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Health:
-        return cls(**_known(cls, data))
-
-
-@dataclass(frozen=True)
-class JobError:
-    """Why a job failed: the exception's class name and its message."""
-
-    type: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class Job:
-    """A background load (``PUT /v1/entries/{key}``, ``GET /v1/jobs/{id}``) at one moment."""
-
-    id: str
-    key: str
-    source: str
-    pin: bool
-    overwrite: bool
-    state: str
-    """``queued``, ``running``, ``done``, ``failed`` or ``cancelled``."""
-    bytes_done: int
-    bytes_total: int | None
-    """Known once the load has started."""
-    keys: tuple[str, ...]
-    """Keys published (when done)."""
-    error: JobError | None
-    cancel_requested: bool
-    created: float
-    started: float | None
-    finished: float | None
-
-    @property
-    def active(self) -> bool:
-        """Queued or running: the state will still change."""
-        return self.state in ACTIVE_STATES
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Job:
-        values = _known(cls, data)
-        values["keys"] = tuple(values.get("keys") or ())
-        error = values.get("error")
-        values["error"] = JobError(**_known(JobError, error)) if error else None
-        return cls(**values)
+        return cls(**known_fields(cls, data))

@@ -3,6 +3,9 @@
 A second request for a key whose load is queued or running gets the same job back.
 Cancelling sets a flag that the load's progress callback checks after every chunk; it
 raises, the store discards the partial write, and nothing is published.
+
+A :class:`LoadJob` is the mutable, running side of a job; what the API answers and the
+client parses is its :meth:`~LoadJob.snapshot`, the shared record :class:`shmcache._control.Job`.
 """
 
 from __future__ import annotations
@@ -18,33 +21,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shmcache import Store
+from shmcache._control import ACTIVE_STATES, JOB_STATES, Job, JobError, JobState
 from shmcache.errors import ShmCacheError
 
 from .errors import JobCancelledError, JobConflictError, JobFinishedError, JobNotFoundError
 
-__all__ = ["ACTIVE_STATES", "Job", "JobManager"]
+__all__ = ["JobManager", "LoadJob"]
 
 logger = logging.getLogger(__name__)
 
-ACTIVE_STATES = ("queued", "running")
 _KEEP_FINISHED = 1000
 
 
 @dataclass
-class Job:
-    """One load of ``source`` under ``key``; fields are read by the API as they change."""
+class LoadJob:
+    """One load of ``source`` under ``key`` as it runs; the API reads :meth:`snapshot`."""
 
     key: str
     source: Path
     pin: bool
     overwrite: bool
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    state: str = "queued"
+    state: JobState = "queued"
     bytes_done: int = 0
     bytes_total: int | None = None
     keys: list[str] = field(default_factory=list)
-    error_type: str | None = None
-    error_detail: str | None = None
+    error: JobError | None = None
     created: float = field(default_factory=time.time)
     started: float | None = None
     finished: float | None = None
@@ -59,6 +61,25 @@ class Job:
     def cancel_requested(self) -> bool:
         return self.cancel_event.is_set()
 
+    def snapshot(self) -> Job:
+        """The job as it is now, as the shared immutable record."""
+        return Job(
+            id=self.id,
+            key=self.key,
+            source=str(self.source),
+            pin=self.pin,
+            overwrite=self.overwrite,
+            state=self.state,
+            bytes_done=self.bytes_done,
+            bytes_total=self.bytes_total,
+            keys=tuple(self.keys),
+            error=self.error,
+            cancel_requested=self.cancel_requested,
+            created=self.created,
+            started=self.started,
+            finished=self.finished,
+        )
+
 
 class JobManager:
     """Runs loads on ``workers`` threads; keeps the last 1000 finished jobs for status queries."""
@@ -69,21 +90,21 @@ class JobManager:
         *,
         workers: int,
         max_load_rate: int | None = None,
-        on_finish: Callable[[Job], None] | None = None,
+        on_finish: Callable[[LoadJob], None] | None = None,
     ) -> None:
         self.store = store
         self.workers = workers
         self.max_load_rate = max_load_rate
         self._on_finish = on_finish
         self._lock = threading.Lock()
-        self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._active_by_key: dict[str, Job] = {}
+        self._jobs: OrderedDict[str, LoadJob] = OrderedDict()
+        self._active_by_key: dict[str, LoadJob] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ queries
 
-    def get(self, job_id: str) -> Job:
+    def get(self, job_id: str) -> LoadJob:
         job = self._jobs.get(job_id)
         if job is None:
             raise JobNotFoundError(
@@ -92,15 +113,15 @@ class JobManager:
             )
         return job
 
-    def active_for(self, key: str) -> Job | None:
+    def active_for(self, key: str) -> LoadJob | None:
         return self._active_by_key.get(key)
 
-    def list(self) -> list[Job]:
+    def list(self) -> list[LoadJob]:
         with self._lock:
             return list(self._jobs.values())
 
     def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(("queued", "running", "done", "failed", "cancelled"), 0)
+        counts: dict[str, int] = dict.fromkeys(JOB_STATES, 0)
         with self._lock:
             for job in self._jobs.values():
                 counts[job.state] += 1
@@ -110,7 +131,7 @@ class JobManager:
 
     def submit(
         self, key: str, source: Path, *, pin: bool = False, overwrite: bool = False
-    ) -> tuple[Job, bool]:
+    ) -> tuple[LoadJob, bool]:
         """Queue a load; returns ``(job, created)``. A queued or running load of the same
         key and source is returned instead of starting another one."""
         with self._lock:
@@ -124,7 +145,7 @@ class JobManager:
                         f"wait for it, or cancel it (DELETE /v1/jobs/{current.id}) first"
                     )
                 return current, False
-            job = Job(key=key, source=source, pin=pin, overwrite=overwrite)
+            job = LoadJob(key=key, source=source, pin=pin, overwrite=overwrite)
             self._jobs[job.id] = job
             self._active_by_key[key] = job
             self._prune()
@@ -134,7 +155,7 @@ class JobManager:
         logger.debug("job %s queued: %s from %s", job.id, key, source)
         return job, True
 
-    def cancel(self, job_id: str, wait: float = 2.0) -> Job:
+    def cancel(self, job_id: str, wait: float = 2.0) -> LoadJob:
         """Ask a job to stop; wait up to ``wait`` seconds for it to do so."""
         job = self.get(job_id)
         with self._lock:
@@ -164,7 +185,7 @@ class JobManager:
 
     # ------------------------------------------------------------------ worker side
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: LoadJob) -> None:
         with self._lock:
             if job.state != "queued":  # cancelled while queued
                 return
@@ -202,7 +223,7 @@ class JobManager:
                 elapsed,
             )
 
-    def _progress_of(self, job: Job, start: float) -> Callable[[int, int], None]:
+    def _progress_of(self, job: LoadJob, start: float) -> Callable[[int, int], None]:
         rate = self.max_load_rate
 
         def progress(done: int, total: int) -> None:
@@ -219,13 +240,15 @@ class JobManager:
     def _cancel_reason(self) -> str:
         return "the daemon is shutting down" if self._closed else "cancelled on request"
 
-    def _finish_locked(self, job: Job, state: str, error_type: str | None, detail: str | None) -> None:
+    def _finish_locked(
+        self, job: LoadJob, state: JobState, error_type: str | None, detail: str | None
+    ) -> None:
         with self._lock:
             self._finish(job, state, error_type, detail)
 
-    def _finish(self, job: Job, state: str, error_type: str | None, detail: str | None) -> None:
+    def _finish(self, job: LoadJob, state: JobState, error_type: str | None, detail: str | None) -> None:
         job.state = state
-        job.error_type, job.error_detail = error_type, detail
+        job.error = JobError(error_type, detail or "") if error_type is not None else None
         job.finished = time.time()
         if self._active_by_key.get(job.key) is job:
             del self._active_by_key[job.key]

@@ -1,16 +1,18 @@
-"""Prometheus metrics of one daemon, in a registry of its own (apps in one process never clash)."""
+"""Prometheus metrics of one daemon, in a registry of its own (apps in one process never clash).
+
+The gauges are read when scraped, through functions the service passes in: this module
+knows nothing of the service's state.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from .state import Service
+from shmcache import StoreStats
 
 __all__ = ["ServiceMetrics"]
 
@@ -20,11 +22,18 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 class _CacheCollector(Collector):
     """Gauges read from the store when scraped: entries, bytes, jobs by state."""
 
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    def __init__(
+        self,
+        space: Callable[[], StoreStats],
+        held_by_readers: Callable[[], int],
+        job_counts: Callable[[], Mapping[str, int]],
+    ) -> None:
+        self.space = space
+        self.held_by_readers = held_by_readers
+        self.job_counts = job_counts
 
     def collect(self) -> Iterator[Metric]:
-        space = self.service.space()
+        space = self.space()
         yield GaugeMetricFamily("shmcache_entries", "Published entries.", value=space.entries)
         yield GaugeMetricFamily("shmcache_used_bytes", "Bytes held by published entries.", value=space.used)
         yield GaugeMetricFamily(
@@ -36,20 +45,26 @@ class _CacheCollector(Collector):
         yield GaugeMetricFamily(
             "shmcache_held_by_readers_bytes",
             "Bytes of evicted or replaced entries still mapped by live processes.",
-            value=self.service.readers.deleted_bytes(),
+            value=self.held_by_readers(),
         )
         jobs = GaugeMetricFamily(
             "shmcache_jobs", "Load jobs known to the daemon, by state.", labels=["state"]
         )
-        for state, count in self.service.jobs.counts().items():
+        for state, count in self.job_counts().items():
             jobs.add_metric([state], count)
         yield jobs
 
 
 class ServiceMetrics:
-    """Counters the service updates plus the scrape-time gauges of :class:`_CacheCollector`."""
+    """Counters the service updates plus gauges read at scrape time: ``space()`` (the
+    store's stats), ``held_by_readers()`` (bytes) and ``job_counts()`` (jobs by state)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(
+        self,
+        space: Callable[[], StoreStats],
+        held_by_readers: Callable[[], int],
+        job_counts: Callable[[], Mapping[str, int]],
+    ) -> None:
         self.registry = CollectorRegistry()
         self.loads = Counter(
             "shmcache_loads", "Load jobs finished, by outcome.", ["outcome"], registry=self.registry
@@ -78,4 +93,4 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_CacheCollector(service))
+        self.registry.register(_CacheCollector(space, held_by_readers, job_counts))

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shmcache import __version__, validate_key
+from shmcache._control import Job
 
-from .jobs import Job as JobRecord
 from .schemas import (
     CleanupResult,
     Entry,
@@ -24,8 +24,6 @@ from .schemas import (
     ErrorBody,
     Evicted,
     Health,
-    Job,
-    JobError,
     LoadRequest,
     Stats,
 )
@@ -49,26 +47,6 @@ def get_service(request: Request) -> Service:
 
 ServiceDep = Annotated[Service, Depends(get_service)]
 KeyPath = Annotated[str, "a key: segments of [A-Za-z0-9._-] joined by '/'"]
-
-
-def _job(job: JobRecord) -> Job:
-    error = JobError(type=job.error_type, detail=job.error_detail or "") if job.error_type else None
-    return Job(
-        id=job.id,
-        key=job.key,
-        source=str(job.source),
-        pin=job.pin,
-        overwrite=job.overwrite,
-        state=job.state,  # type: ignore[arg-type]
-        bytes_done=job.bytes_done,
-        bytes_total=job.bytes_total,
-        keys=list(job.keys),
-        error=error,
-        cancel_requested=job.cancel_requested,
-        created=job.created,
-        started=job.started,
-        finished=job.finished,
-    )
 
 
 async def _entry_view(service: Service) -> EntryView:
@@ -150,7 +128,7 @@ def load_entry(key: KeyPath, body: LoadRequest, service: ServiceDep, response: R
         check_loadable(service.store, key, source, body.overwrite, service.settings.allow_source)
     job, _ = service.jobs.submit(key, source, pin=body.pin, overwrite=body.overwrite)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return _job(job)
+    return job.snapshot()
 
 
 @v1.delete(
@@ -182,14 +160,14 @@ def cleanup(service: ServiceDep) -> CleanupResult:
 
 @v1.get("/jobs", response_model=list[Job], summary="Recent load jobs (queued, running, last 1000 finished)")
 async def list_jobs(service: ServiceDep) -> list[Job]:
-    return [_job(job) for job in service.jobs.list()]
+    return [job.snapshot() for job in service.jobs.list()]
 
 
 @v1.get(
     "/jobs/{job_id}", response_model=Job, responses=_errors(404), summary="A load job's state and progress"
 )
 async def get_job(job_id: str, service: ServiceDep) -> Job:
-    return _job(service.jobs.get(job_id))
+    return service.jobs.get(job_id).snapshot()
 
 
 @v1.delete(
@@ -202,7 +180,7 @@ def cancel_job(job_id: str, service: ServiceDep, response: Response) -> Job:
     job = service.jobs.cancel(job_id)
     if job.active:  # asked to stop, not stopped yet
         response.status_code = 202
-    return _job(job)
+    return job.snapshot()
 
 
 @metrics_router.get(

@@ -1,4 +1,7 @@
-"""Request and response bodies of the HTTP API (pydantic models; they make the OpenAPI schema)."""
+"""Request and response bodies of the HTTP API (pydantic models; they make the OpenAPI schema).
+
+Jobs are answered as :class:`shmcache._control.Job`, the record the client parses back.
+"""
 
 from __future__ import annotations
 
@@ -13,15 +16,9 @@ __all__ = [
     "ErrorBody",
     "Evicted",
     "Health",
-    "Job",
-    "JobError",
-    "JobState",
     "LoadRequest",
     "Stats",
 ]
-
-JobState = Literal["queued", "running", "done", "failed", "cancelled"]
-
 
 class ErrorBody(BaseModel):
     """Every error response: the exception's type and a message that says what to do."""
@@ -81,28 +78,6 @@ class LoadRequest(BaseModel):
     source: str = Field(min_length=1, description="Absolute path on the daemon's machine.")
     pin: bool = Field(default=False, description="Never evict it to stay within the budget.")
     overwrite: bool = Field(default=False, description="Replace existing entries.")
-
-
-class JobError(BaseModel):
-    type: str
-    detail: str
-
-
-class Job(BaseModel):
-    id: str
-    key: str
-    source: str
-    pin: bool
-    overwrite: bool
-    state: JobState
-    bytes_done: int
-    bytes_total: int | None = Field(description="Known once the sources are validated.")
-    keys: list[str] = Field(description="Keys published (when done).")
-    error: JobError | None
-    cancel_requested: bool
-    created: float
-    started: float | None
-    finished: float | None
 
 
 class Evicted(BaseModel):

@@ -2,22 +2,24 @@
 
 Listing reads every entry's ``meta.json``; ``/v1/stats`` also needs a ``/proc/*/maps``
 scan. Control requests must stay in the millisecond range however many entries there
-are, so both are cached: the entry list until ``<root>/generation`` changes (every
-publish and evict, by any process, changes it; ``last_used``, which changes without it,
-is refreshed in the background every 30 s), the mapping scan for at most 2 s.
+are, so both are cached: the entry list until slot 0 of the root's generation table
+changes (every publish and evict, by any process, changes it; ``last_used``, which
+changes without it, is refreshed in the background every 30 s), the mapping scan for at
+most 2 s.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
 
 from shmcache import EntryInfo, Store, StoreStats
 from shmcache._disk.fs import free_bytes, total_bytes
+from shmcache._disk.generations import map_generations
+from shmcache._disk.layout import Layout
 
-from .jobs import Job, JobManager
+from .jobs import JobManager, LoadJob
 from .metrics import ServiceMetrics
 from .schemas import Entry
 from .settings import Settings
@@ -114,7 +116,11 @@ class Service:
             store = Store(settings.root, max_bytes=budget, lock_timeout=5.0)
         self.store = store
         self.load_store = Store(store.root, max_bytes=store.max_bytes, lock_timeout=60.0)
-        self.metrics = ServiceMetrics(self)
+        self.metrics = ServiceMetrics(
+            space=self.space,
+            held_by_readers=lambda: self.readers.deleted_bytes(),
+            job_counts=lambda: self.jobs.counts(),
+        )
         self.jobs = JobManager(
             self.load_store,
             workers=settings.load_workers,
@@ -123,24 +129,25 @@ class Service:
         )
         self.readers = ReaderScan(store)
         self.started = time.time()
-        self._generation_fd: int | None = None
+        self._generations: memoryview | None = None
         self._view: EntryView | None = None
         self._lock = threading.Lock()
         self._refreshing = False
 
-    def _job_finished(self, job: Job) -> None:
+    def _job_finished(self, job: LoadJob) -> None:
         self.metrics.loads.labels(outcome=job.state).inc()
         if job.state == "done":
             self.metrics.loaded_bytes.inc(job.bytes_done)
 
     def generation(self) -> int:
-        """The root's change counter (8 bytes rewritten on every publish and evict)."""
-        if self._generation_fd is None:
-            try:
-                self._generation_fd = os.open(self.store.root / "generation", os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
+        """The root's change counter: slot 0 of the generation table, rewritten on every
+        publish and evict (-1 while the root has no table)."""
+        if self._generations is None:
+            mapped = map_generations(Layout(self.store.root))
+            if mapped is None:
                 return -1
-        return int.from_bytes(os.pread(self._generation_fd, 8, 0), "little")
+            self._generations = mapped[0]
+        return int(self._generations[0])
 
     def entry_view(self) -> EntryView:
         """All entries, current as of the root's generation (``last_used`` at most 30 s old).
@@ -196,6 +203,4 @@ class Service:
         )
 
     def close(self) -> None:
-        if self._generation_fd is not None:
-            os.close(self._generation_fd)
-            self._generation_fd = None
+        self._generations = None  # unmapped when the last reader lets go of it
