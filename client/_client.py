@@ -1,36 +1,39 @@
 """The control client: the daemon's HTTP API as Python methods returning typed records.
 
 Opening data never goes through here: use ``shmcache.open_array`` & co., which read the
-file system directly. This client loads, evicts, lists and inspects through the daemon.
+file system directly. This client loads, evicts, lists and inspects through the daemon,
+and satisfies :class:`shmcache._control.CacheControl` like a local ``Store`` does.
 """
 
 from __future__ import annotations
 
 import builtins
+import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
 
 from shmcache import EntryInfo, default_root, validate_key
+from shmcache._disk.layout import ENV_SOCKET, ENV_TOKEN, Layout
 from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
 from ._errors import JobCancelledError, error_from_body
 from ._records import EntryDetail, Health, Job, ServiceStats, entry_from_json
 
+if TYPE_CHECKING:
+    from shmcache._control import CacheControl
+
 __all__ = ["DEFAULT_TIMEOUT", "ENV_SOCKET", "ENV_TOKEN", "Client"]
 
-ENV_SOCKET = "SHMCACHE_SOCKET"
-"""Where the daemon's Unix socket is, if not ``<root>/daemon.sock`` (as for ``shmcache serve``)."""
-ENV_TOKEN = "SHMCACHE_TOKEN"
-"""The bearer token sent over TCP when ``token`` is not given (as for ``shmcache serve``)."""
+logger = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT = 30.0
-SOCKET_NAME = "daemon.sock"
 _POLL_MIN_S = 0.01
 _POLL_MAX_S = 0.25
 
@@ -59,13 +62,13 @@ class Client:
         *,
         socket: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.root = Path(os.path.abspath(root if root is not None else default_root()))
+        self._root = Path(os.path.abspath(root if root is not None else default_root()))
         self.url = url.rstrip("/") if url else None
         self.timeout = timeout
         if self.url is None:
             configured = socket if socket is not None else os.environ.get(ENV_SOCKET) or None
             self.socket_path: Path | None = (
-                Path(os.path.abspath(configured)) if configured else self.root / SOCKET_NAME
+                Path(os.path.abspath(configured)) if configured else Layout(self._root).socket
             )
             self._token = None
         else:
@@ -73,6 +76,11 @@ class Client:
             self._token = token if token is not None else os.environ.get(ENV_TOKEN) or None
         self._http: httpx.Client | None = None
         self._pid = -1
+
+    @property
+    def root(self) -> Path:
+        """The cache root this client's daemon serves (as given; the daemon says in :meth:`health`)."""
+        return self._root
 
     def __repr__(self) -> str:
         where = self.url if self.url is not None else f"unix:{self.socket_path}"
@@ -124,7 +132,7 @@ class Client:
         else:
             reason = str(exc) or type(exc).__name__
         start = f"shmcache serve --root {self.root}"
-        if self.socket_path != self.root / SOCKET_NAME:
+        if self.socket_path != Layout(self.root).socket:
             start += f" --socket {self.socket_path}"
         return DaemonUnavailableError(
             f"no shmcache daemon answers on {self.socket_path} ({reason}): start one with `{start}` "
@@ -210,6 +218,16 @@ class Client:
     ) -> Job:
         """Poll a job until it is done and return it; raise its error if it failed or was
         cancelled, ``TimeoutError`` after ``timeout`` seconds (the job goes on)."""
+        return _outcome(self._follow(job_id, progress, timeout, first))
+
+    def _follow(
+        self,
+        job_id: str,
+        progress: Callable[[Job], None] | None,
+        timeout: float | None,
+        first: Job | None,
+    ) -> Job:
+        """Poll a job, calling ``progress`` at every poll, until it is no longer active."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = _POLL_MIN_S
         job = first if first is not None else self.job(job_id)
@@ -217,18 +235,12 @@ class Client:
             if progress is not None:
                 progress(job)
             if not job.active:
-                break
+                return job
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} is still {job.state} after {timeout:g} s")
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
             job = self.job(job_id)
-        if job.state == "cancelled":
-            detail = job.error.detail if job.error else "cancelled"
-            raise JobCancelledError(f"load of {job.key!r} was cancelled ({detail}); nothing was published")
-        if job.error is not None:
-            raise error_from_body(job.error.type, job.error.detail)
-        return job
 
     def job(self, job_id: str) -> Job:
         """A load job's state and progress."""
@@ -252,6 +264,64 @@ class Client:
         """Remove partial writes and orphans of dead writers; returns the bytes freed."""
         result: dict[str, Any] = self._request("POST", "/v1/cleanup")
         return int(result["freed_bytes"])
+
+    # ------------------------------------------------------------------ the control protocol
+
+    def mapped_by(self, key: str) -> builtins.list[int]:
+        """PIDs of live processes that map the current version of ``key``."""
+        return list(self.info(key).mapped_by)
+
+    def put_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        pin: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> builtins.list[str]:
+        """Load ``path`` through the daemon and wait: :meth:`Store.put_file <shmcache.Store.put_file>`
+        with the daemon's budget. Returns the keys published.
+
+        ``progress(done, total)`` is called as the copy advances. A failed load raises its
+        error (``CacheFullError``...); if ``progress`` raises or the wait is interrupted
+        (``KeyboardInterrupt``), the load is cancelled (nothing is published) and the
+        exception goes on.
+        """
+
+        def report(job: Job) -> None:
+            if progress is not None and job.bytes_total is not None:
+                progress(job.bytes_done, job.bytes_total)
+
+        job = self.load(key, path, pin=pin, overwrite=overwrite)
+        try:
+            done = self._follow(job.id, report, None, job)
+        except BaseException:
+            self._cancel_quietly(job.id)
+            raise
+        return list(_outcome(done).keys)
+
+    def _cancel_quietly(self, job_id: str) -> None:
+        try:
+            self.cancel(job_id)
+        except ShmCacheError as exc:  # finished meanwhile, or the daemon is gone
+            logger.debug("cancelling job %s: %s", job_id, exc)
+
+
+if TYPE_CHECKING:
+
+    def _is_a_cache_control(client: Client) -> CacheControl:
+        return client  # mypy checks that Client satisfies the protocol
+
+
+def _outcome(job: Job) -> Job:
+    """A finished job, or the exception it finished with."""
+    if job.state == "cancelled":
+        detail = job.error.detail if job.error else "cancelled"
+        raise JobCancelledError(f"load of {job.key!r} was cancelled ({detail}); nothing was published")
+    if job.error is not None:
+        raise error_from_body(job.error.type, job.error.detail)
+    return job
 
 
 def _entry_path(key: str) -> str:

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from cli_helpers import data_directory, save, stale_socket, unique
-from service_helpers import Daemon, fresh_root, running_daemon, temporary_root, write_big_npy
+from cli_helpers import save, stale_socket
+from service_helpers import Daemon, fresh_root, running_daemon, temporary_root, unique, write_big_npy
+from shmcache.client import ACTIVE_STATES as CLIENT_ACTIVE_STATES
 from shmcache.client import (
     ERROR_TYPES,
     Client,
@@ -23,6 +24,7 @@ from shmcache.client import (
     Health,
     Job,
     JobCancelledError,
+    JobError,
     JobFinishedError,
     JobNotFoundError,
     ServiceStats,
@@ -32,26 +34,15 @@ from shmcache.client import (
 from shmcache.client._client import _error_of
 
 import shmcache
-from shmcache import errors
+from shmcache import _control, errors
+from shmcache._control import ACTIVE_STATES, CacheControl
+from shmcache._disk.layout import ENV_ROOT, ENV_SOCKET, ENV_TOKEN, Layout
 
 pytest.importorskip("fastapi")
 
-RATE = 64 << 20  # bytes/s per load: a 1 GiB sparse source takes ~16 s, so it can be caught running
+# The module's `daemon` (conftest) loads from `data_dir` at 64 MiB/s: a 1 GiB sparse source
+# takes ~16 s, so it can be caught running.
 TOKEN = "s3cret-token-for-tests"
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    with data_directory() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def daemon(data_dir: Path) -> Iterator[Daemon]:
-    with temporary_root() as root, running_daemon(
-        root, "--allow-source", str(data_dir), "--max-load-rate", str(RATE)
-    ) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +53,7 @@ def tcp_daemon(data_dir: Path) -> Iterator[Daemon]:
         "--allow-source", str(data_dir),
         "--host", "127.0.0.1", "--port", "0",
         "--max-bytes", "1MiB",
-        env={"SHMCACHE_TOKEN": TOKEN},
+        env={ENV_TOKEN: TOKEN},
     ) as running:
         yield running
 
@@ -196,6 +187,66 @@ def test_cancel_a_running_load(client: Client, daemon: Daemon, data_dir: Path) -
         client.cancel(job.id)
 
 
+def test_the_client_is_a_cache_control(client: Client, daemon: Daemon, data_dir: Path) -> None:
+    """The control protocol, as a local Store offers it: put_file waits and returns the keys."""
+    assert isinstance(client, CacheControl) and client.root == daemon.root
+    key = unique("proto")
+    array = np.arange(1 << 16, dtype=np.int64)
+    seen: list[tuple[int, int]] = []
+    source = save(data_dir / f"{key}.npy", array)
+    keys = client.put_file(key, source, pin=True, progress=lambda done, total: seen.append((done, total)))
+    assert keys == [key] and seen and seen[-1] == (source.stat().st_size,) * 2  # bytes copied, header too
+    assert all(done <= total for done, total in seen)
+    opened = shmcache.open_array(key, root=daemon.root)
+    np.testing.assert_array_equal(opened, array)
+    assert os.getpid() in client.mapped_by(key)
+    assert client.info(key).pinned
+    with pytest.raises(shmcache.KeyExistsError):
+        client.put_file(key, data_dir / f"{key}.npy")
+    save(data_dir / f"{key}.npy", array[:10])
+    assert client.put_file(key, data_dir / f"{key}.npy", overwrite=True) == [key]
+    assert client.info(key).shape == (10,)
+    folder = data_dir / f"{key}-dir"
+    folder.mkdir()
+    save(folder / "x.npy", np.zeros(3))
+    save(folder / "y.npy", np.ones(3))
+    assert sorted(client.put_file(f"{key}/d", folder)) == [f"{key}/d/x", f"{key}/d/y"]
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])
+def test_put_file_cancels_the_load_when_interrupted(
+    client: Client, daemon: Daemon, data_dir: Path, interruption: type[BaseException]
+) -> None:
+    key = unique("interrupted")
+    source = write_big_npy(data_dir / f"{key}.npy", 1 << 30)
+
+    def progress(done: int, total: int) -> None:
+        raise interruption("stop")
+
+    with pytest.raises(interruption):
+        client.put_file(key, source, progress=progress)
+    [job] = [j for j in client.jobs() if j.key == key]
+    assert job.cancel_requested
+    with pytest.raises(JobCancelledError):
+        client.wait(job.id)
+    assert not shmcache.Store(daemon.root).exists(key)
+
+
+def test_put_file_raises_the_error_the_job_ended_with(client: Client, daemon: Daemon, data_dir: Path) -> None:
+    key = unique("cancelled")
+    source = write_big_npy(data_dir / f"{key}.npy", 1 << 30)
+    with Client(daemon.root) as other:
+
+        def cancel_when_running(done: int, total: int) -> None:
+            active = [j for j in other.jobs() if j.key == key and j.state in ACTIVE_STATES]
+            if active and not active[0].cancel_requested:  # once: the next polls see it stopping
+                other.cancel(active[0].id)
+
+        with pytest.raises(JobCancelledError, match="nothing was published"):
+            client.put_file(key, source, progress=cancel_when_running)
+    assert not shmcache.Store(daemon.root).exists(key)
+
+
 def test_budget_exceeded_is_cache_full_over_tcp_with_a_token(tcp_daemon: Daemon, data_dir: Path) -> None:
     assert tcp_daemon.tcp_url is not None
     key = unique("huge")
@@ -213,13 +264,13 @@ def test_tcp_token_is_required_and_read_from_the_environment(
     tcp_daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert tcp_daemon.tcp_url is not None
-    monkeypatch.delenv("SHMCACHE_TOKEN", raising=False)
+    monkeypatch.delenv(ENV_TOKEN, raising=False)
     with Client(url=tcp_daemon.tcp_url) as client, pytest.raises(shmcache.UnauthorizedError) as caught:
         client.stats()
     assert isinstance(caught.value, PermissionError) and "token" in str(caught.value)
     with Client(url=tcp_daemon.tcp_url, token="wrong") as client, pytest.raises(shmcache.UnauthorizedError):
         client.health()
-    monkeypatch.setenv("SHMCACHE_TOKEN", TOKEN)
+    monkeypatch.setenv(ENV_TOKEN, TOKEN)
     with Client(url=tcp_daemon.tcp_url) as client:
         assert client.stats().budget == 1 << 20
 
@@ -235,7 +286,7 @@ def test_no_daemon_is_daemon_unavailable_saying_how_to_start_one() -> None:
 
 def test_stale_socket_is_daemon_unavailable(tmp_path: Path) -> None:
     with temporary_root() as root:
-        stale_socket(root / "daemon.sock")
+        stale_socket(Layout(root).socket)
         with Client(root) as client, pytest.raises(shmcache.DaemonUnavailableError) as caught:
             client.list()
         assert "shmcache serve --root" in str(caught.value)
@@ -250,13 +301,13 @@ def test_unreachable_tcp_daemon() -> None:
 
 
 def test_socket_comes_from_shmcache_socket(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHMCACHE_SOCKET", str(daemon.socket_path))
+    monkeypatch.setenv(ENV_SOCKET, str(daemon.socket_path))
     elsewhere = fresh_root()
     with Client(elsewhere) as client:
         assert client.socket_path == daemon.socket_path
         assert client.health().root == str(daemon.root)
-    monkeypatch.delenv("SHMCACHE_SOCKET")
-    monkeypatch.setenv("SHMCACHE_ROOT", str(daemon.root))
+    monkeypatch.delenv(ENV_SOCKET)
+    monkeypatch.setenv(ENV_ROOT, str(daemon.root))
     with Client() as client:
         assert client.socket_path == daemon.socket_path and client.root == daemon.root
 
@@ -310,6 +361,7 @@ def test_records_ignore_fields_a_newer_daemon_adds() -> None:
     }
     parsed = Job.from_json(job)
     assert parsed.error is not None and parsed.error.type == "CacheFullError" and not parsed.active
+    assert Job is _control.Job and JobError is _control.JobError and CLIENT_ACTIVE_STATES is ACTIVE_STATES
     health = Health.from_json(
         {"status": "ok", "version": "9", "pid": 1, "root": "/r", "uptime_s": 1.0, "extra": 1}
     )
