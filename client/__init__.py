@@ -7,8 +7,11 @@ with Client() as daemon:                       # <root>/daemon.sock of $SHMCACHE
     daemon.list("feats"); daemon.info("feats/a").mapped_by; daemon.evict("feats/a")
 ```
 
-Reads never need it: ``shmcache.open_array`` & co. open the files directly. Needs httpx
-(a dependency of shmcache); never imports the daemon, FastAPI or torch.
+``Client`` satisfies :class:`shmcache._control.CacheControl` (``list``, ``info``, ``evict``,
+``cleanup``, ``stats``, ``mapped_by``, ``put_file``) as a local ``shmcache.Store`` does, so
+code written for one runs against the other. Reads never need it: ``shmcache.open_array``
+& co. open the files directly. Needs httpx (a dependency of shmcache); never imports the
+daemon, FastAPI or torch.
 """
 
 from __future__ import annotations

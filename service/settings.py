@@ -123,9 +123,7 @@ def env_name(name: str) -> str:
 
 
 def _size(value: object) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"must be a size such as 8GiB or 500M, got {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
@@ -299,11 +297,6 @@ class Settings(BaseSettings):
                     "so it only loads from directories you allow"
                 )
         return self
-
-    @property
-    def config_file(self) -> Path | None:
-        """The config file read, if any (same as ``config``)."""
-        return self.config
 
     @property
     def socket_path(self) -> Path:

@@ -199,7 +199,7 @@ def test_environment_lists_relative_paths_and_the_highest_budget(
     }
     settings = load_settings({}, env=env)
     assert settings.allow_source == (tmp_path / "a", tmp_path / "b")
-    assert settings.root == tmp_path / "cache" and settings.config_file == config
+    assert settings.root == tmp_path / "cache" and settings.config == config
     assert settings.socket_path == config.parent / "run" / "d.sock"  # relative to the file
     assert settings.max_fraction == 0.5 and settings.max_bytes is None  # env's budget replaces the file's
     assert settings.log_level == "warning" and settings.host is None and settings.cleanup_on_exit

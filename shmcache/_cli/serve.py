@@ -108,7 +108,7 @@ def _cli_helpers() -> tuple[Callable[[BaseException], typer.Exit], Callable[[], 
 
 def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Callable[..., None]:
     """``run`` with a keyword parameter per setting that has a flag, as typer reads them."""
-    from ..service.settings import given
+    from ..service.settings import flag_name, given
 
     parameters = [
         inspect.Parameter(
@@ -116,7 +116,8 @@ def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Calla
             inspect.Parameter.KEYWORD_ONLY,
             default=False if _flag_type(field) is bool else None,
             annotation=Annotated[
-                _flag_type(field), typer.Option(_flag(name), help=_flag_help(name, field), show_default=False)
+                _flag_type(field),
+                typer.Option(flag_name(name), help=_flag_help(name, field), show_default=False),
             ],
         )
         for name, field in fields.items()
@@ -130,13 +131,6 @@ def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Calla
     command.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
     command.__doc__ = _HELP
     return command
-
-
-def _flag(name: str) -> str:
-    from ..service.settings import flag_name
-
-    flag: str = flag_name(name)
-    return flag
 
 
 def _flag_type(field: FieldInfo) -> Any:
