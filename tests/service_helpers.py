@@ -25,13 +25,15 @@ import numpy as np
 
 from shmcache._disk.layout import ENV_PREFIX, SHM_DIR, SOCKET_NAME
 
-if TYPE_CHECKING:  # httpx comes with the service extra; import it only where a test talks HTTP
+if TYPE_CHECKING:  # httpx and fastapi come with the service extra: imported where a test talks HTTP
     import httpx
+    from fastapi.testclient import TestClient
 
 __all__ = [
     "LOAD_RATE",
     "Daemon",
-    "daemon_env",
+    "app_client",
+    "clean_env",
     "disk_usage",
     "fresh_root",
     "load",
@@ -91,7 +93,7 @@ def unique(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-def daemon_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def clean_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without any ``SHMCACHE_*`` setting, plus ``env``."""
     merged = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     merged.update(env or {})
@@ -126,7 +128,7 @@ class Daemon:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env=daemon_env(env),
+            env=clean_env(env),
         )
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_log, daemon=True)
@@ -254,3 +256,25 @@ def disk_usage(path: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+@contextmanager
+def app_client(
+    root: Path,
+    *,
+    env: dict[str, str] | None = None,
+    config_file: Path | None = None,
+    **flags: Any,
+) -> Iterator[TestClient]:
+    """The daemon's app in this process (``create_app(load_settings(...))``) behind a
+    ``TestClient``; the lifespan (start-up cleanup, preloads; cancelling loads on exit) runs.
+
+    ``flags`` are settings as ``shmcache serve`` flags give them; ``env`` replaces the
+    environment (default: none), so the caller's ``SHMCACHE_*`` variables do not leak in.
+    """
+    from fastapi.testclient import TestClient
+    from shmcache.service import create_app, load_settings
+
+    settings = load_settings({"root": root, **flags}, env=env or {}, config_file=config_file)
+    with TestClient(create_app(settings)) as client:
+        yield client

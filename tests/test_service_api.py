@@ -1,54 +1,42 @@
-"""The daemon's HTTP API, driven over its Unix socket against a real ``shmcache serve``."""
+"""The daemon's HTTP API, driven in this process: ``TestClient(create_app(settings))`` with the
+app's lifespan, over a real root on the tmpfs. Readers are real other processes.
+
+What needs a real ``shmcache serve`` (the Unix socket, signals, restarts, TCP) is in
+test_service_daemon.py.
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from service_helpers import Daemon, fresh_root, load, running_daemon, wait_for, write_big_npy
 
 pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient
+from service_helpers import app_client, load, temporary_root, unique, wait_for, write_big_npy
+
+from shmcache._disk.layout import Layout
 
 RATE = 256 << 20  # bytes/s per load: slow enough to catch a load while it runs
 
 
 @pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    path = (
-        Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
-        / f"shmcache-test-data-{uuid.uuid4().hex[:12]}"
-    )
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def api_root() -> Iterator[Path]:
+    with temporary_root() as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
-def daemon(data_dir: Path) -> Iterator[Daemon]:
-    root = fresh_root()
-    try:
-        with running_daemon(root, "--allow-source", str(data_dir), "--max-load-rate", str(RATE)) as running:
-            yield running
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def client(daemon: Daemon) -> Iterator[httpx.Client]:
-    with daemon.client() as http:
+def client(api_root: Path, data_dir: Path) -> Iterator[TestClient]:
+    with app_client(api_root, allow_source=[data_dir], max_load_rate=RATE) as http:
         yield http
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
 def error_of(response: httpx.Response) -> tuple[int, str]:
@@ -58,9 +46,9 @@ def error_of(response: httpx.Response) -> tuple[int, str]:
     return response.status_code, body["error"]
 
 
-def test_health_stats_and_docs(client: httpx.Client, daemon: Daemon) -> None:
+def test_health_stats_and_docs(client: httpx.Client, api_root: Path) -> None:
     health = client.get("/v1/health").json()
-    assert health["status"] == "ok" and health["pid"] == daemon.pid and health["root"] == str(daemon.root)
+    assert health["status"] == "ok" and health["pid"] == os.getpid() and health["root"] == str(api_root)
     stats = client.get("/v1/stats").json()
     assert stats["capacity"] > 0 and stats["free"] > 0 and stats["budget"] is None
     assert {"used", "entries", "held_by_readers_bytes", "jobs_queued", "jobs_running"} <= set(stats)
@@ -70,7 +58,7 @@ def test_health_stats_and_docs(client: httpx.Client, daemon: Daemon) -> None:
 
 
 def test_load_a_file_and_open_it_from_another_process(
-    client: httpx.Client, daemon: Daemon, data_dir: Path
+    client: httpx.Client, api_root: Path, data_dir: Path
 ) -> None:
     key = unique("labels")
     array = np.arange(1000, dtype=np.int64).reshape(100, 10)
@@ -85,7 +73,7 @@ def test_load_a_file_and_open_it_from_another_process(
         "print(a.shape, a.dtype, int(a.sum()))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, key, str(daemon.root)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, key, str(api_root)], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == f"(100, 10) int64 {int(array.sum())}"
 
@@ -113,7 +101,8 @@ def test_load_a_directory(client: httpx.Client, data_dir: Path) -> None:
     assert len(client.get("/v1/entries").json()) >= 4
 
 
-def test_evict_while_a_reader_keeps_reading(client: httpx.Client, daemon: Daemon, data_dir: Path) -> None:
+def test_evict_while_a_reader_keeps_reading(client: TestClient, api_root: Path, data_dir: Path) -> None:
+    client.app.state.service.readers.max_age = 0.0  # rescan /proc on every stats call, not every 2 s
     key = unique("evicted")
     array = np.arange(1 << 20, dtype=np.int64)  # 8 MiB
     np.save(data_dir / f"{key}.npy", array)
@@ -128,7 +117,7 @@ def test_evict_while_a_reader_keeps_reading(client: httpx.Client, daemon: Daemon
                 "for line in sys.stdin: print(int(a.sum()), flush=True)"
             ),
             key,
-            str(daemon.root),
+            str(api_root),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -219,7 +208,7 @@ def test_errors_have_status_and_json_body(client: httpx.Client, data_dir: Path, 
 
 
 def test_same_key_loads_once_and_cancel_publishes_nothing(
-    client: httpx.Client, daemon: Daemon, data_dir: Path
+    client: httpx.Client, api_root: Path, data_dir: Path
 ) -> None:
     key = unique("big")
     source = write_big_npy(data_dir / f"{key}.npy", 512 << 20)  # 2 s at RATE
@@ -242,13 +231,13 @@ def test_same_key_loads_once_and_cancel_publishes_nothing(
     assert job["state"] == "cancelled" and job["error"]["type"] == "JobCancelledError"
     assert 0 < job["bytes_done"] < job["bytes_total"]
     assert error_of(client.get(f"/v1/entries/{key}")) == (404, "KeyNotFoundError")
-    assert os.listdir(daemon.root / "tmp") == []  # the partial copy is gone
+    assert os.listdir(Layout(api_root).tmp) == []  # the partial copy is gone
     assert error_of(client.delete(f"/v1/jobs/{job_id}")) == (409, "JobFinishedError")
     assert job_id in [j["id"] for j in client.get("/v1/jobs").json()]
 
 
-def test_cleanup_and_metrics(client: httpx.Client, daemon: Daemon, data_dir: Path) -> None:
-    dead = daemon.root / "tmp" / "1-999999999-deadbeef.1"  # a dead writer's partial version
+def test_cleanup_and_metrics(client: httpx.Client, api_root: Path, data_dir: Path) -> None:
+    dead = Layout(api_root).tmp / "1-999999999-deadbeef.1"  # a dead writer's partial version
     dead.mkdir()
     (dead / "data.npy").write_bytes(b"x" * 4096)
     assert client.post("/v1/cleanup").json()["freed_bytes"] >= 4096
