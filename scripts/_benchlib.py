@@ -1,45 +1,79 @@
-"""Shared pieces of the benchmark scripts: sample statistics, markdown tables, target
-rows, the machine description, temporary roots on /dev/shm and the JSON report.
+"""What the benchmark scripts share: the machine description, scratch directories (on
+/dev/shm, else the temp directory), sample statistics and interleaved timing, markdown
+tables, targets, the JSON report, PNG plots, process memory and a ``shmcache serve``
+to measure against.
 
-Every ``bench_*.py`` in ``scripts/`` imports this from its own directory (Python puts a
-script's directory first on ``sys.path``), so each stays runnable on its own.
+Every script in ``scripts/`` imports this from its own directory (Python puts a script's
+directory first on ``sys.path``), so each stays runnable on its own. Only the standard
+library is imported up front (``bench_all`` imports this and nothing else); shmcache,
+its client and matplotlib are imported by the helpers that need them. Process memory
+comes from the package's one smaps reader (``shmcache._diagnose.procfs``), so "own
+memory" here is what ``shmcache watch`` calls it; the daemon is driven only through
+``shmcache.client.Client``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import timeit
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shmcache.client import Client
+
+    from shmcache._diagnose.procfs import Memory
 
 MiB = 1 << 20
 GiB = 1 << 30
-SHM = Path("/dev/shm")
 
 __all__ = [
-    "SHM",
+    "Daemon",
     "GiB",
     "MiB",
     "Samples",
     "Target",
+    "alternated",
     "environment",
     "fmt_bytes",
     "fmt_seconds",
     "mark",
     "markdown_table",
+    "percentile",
     "print_targets",
+    "process_tree",
+    "pyplot",
+    "read_memory",
+    "round_robin",
+    "save_figure",
+    "scratch_base",
     "scratch_dir",
+    "serve",
+    "time_per_op",
+    "write_json",
     "write_report",
 ]
+
+
+# ---------------------------------------------------------------------- statistics and timing
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0-100) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 @dataclass
@@ -63,8 +97,58 @@ class Samples:
     def max(self) -> float:
         return max(self.values) if self.values else float("nan")
 
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values) if self.values else float("nan")
+
+    def percentile(self, q: float) -> float:
+        return percentile(self.values, q) if self.values else float("nan")
+
     def summary(self) -> dict[str, Any]:
         return {"median": self.median, "min": self.min, "max": self.max, "values": list(self.values)}
+
+
+def alternated(names: Sequence[str], repeat: int) -> Sequence[str]:
+    """``names`` in order on even repeats, reversed on odd ones: a drift in time (a
+    warming cache, a noisy neighbour) then hits every method alike."""
+    return names if repeat % 2 == 0 else names[::-1]
+
+
+def round_robin(
+    methods: Mapping[str, Callable[[], float]],
+    repeats: int,
+    *,
+    alternate: bool = False,
+    before: Callable[[], None] | None = None,
+) -> dict[str, Samples]:
+    """Run every method once per repeat, interleaved (order ``alternated`` between repeats
+    if ``alternate``), ``before()`` ahead of each run; each run returns its measurement."""
+    samples = {name: Samples() for name in methods}
+    names = list(methods)
+    for repeat in range(repeats):
+        for name in alternated(names, repeat) if alternate else names:
+            if before is not None:
+                before()
+            samples[name].add(methods[name]())
+    return samples
+
+
+def time_per_op(
+    stmt: str | Callable[[], object],
+    *,
+    number: int = 1,
+    per_loop: int = 1,
+    namespace: dict[str, Any] | None = None,
+    ns: bool = False,
+) -> Callable[[], float]:
+    """A ``timeit`` loop (``number`` runs of ``stmt``, gc off) as a function returning the
+    time per operation: seconds, or nanoseconds with ``ns``; one run of ``stmt`` does
+    ``per_loop`` operations."""
+    timer = timeit.Timer(stmt, globals=namespace, timer=time.perf_counter_ns if ns else time.perf_counter)
+    return lambda: timer.timeit(number) / (number * per_loop)
+
+
+# ---------------------------------------------------------------------- formatting, targets
 
 
 @dataclass
@@ -108,14 +192,16 @@ def fmt_bytes(nbytes: float) -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], align: str = "") -> str:
-    """A markdown table; ``align`` has one character per column (``l`` or ``r``)."""
+    """A markdown table; ``align`` has one character per column (``l``, ``r`` or ``c``)."""
     align = align.ljust(len(header), "l")
-    lines = [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
-    ]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
+    rules = {"l": "---", "r": "---:", "c": ":-:"}
+
+    def line(cells: Sequence[object]) -> str:
+        return "|" + "|".join(f" {cell} " if str(cell) else " " for cell in cells) + "|"
+
+    return "\n".join(
+        [line(header), "|" + "|".join(rules[a] for a in align) + "|", *(line(row) for row in rows)]
+    )
 
 
 def print_targets(targets: Sequence[Target]) -> None:
@@ -133,8 +219,12 @@ def print_targets(targets: Sequence[Target]) -> None:
     print(f"\n{met}/{len(checked)} targets met")
 
 
+# ---------------------------------------------------------------------- environment, report
+
+
 def environment() -> dict[str, Any]:
-    """The machine and the versions a result was measured with."""
+    """The machine and the versions a result was measured with (numpy, torch and
+    shmcache where this process imported them)."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as fp:
         for line in fp:
@@ -151,6 +241,7 @@ def environment() -> dict[str, Any]:
         "cpu": cpu,
         "cpus": os.cpu_count(),
         "ram_bytes": ram,
+        "machine": platform.machine(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -162,16 +253,11 @@ def environment() -> dict[str, Any]:
     return env
 
 
-@contextlib.contextmanager
-def scratch_dir(prefix: str, on_shm: bool = True) -> Iterator[Path]:
-    """A fresh directory (on /dev/shm when ``on_shm`` and it exists, else the temp
-    directory), removed with everything in it on exit, whatever happened."""
-    parent = str(SHM) if on_shm and SHM.is_dir() else None
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """``data`` as indented JSON (parent directories made; unknown types as ``str``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fp:
+        json.dump(data, fp, indent=1, default=str)
 
 
 def write_report(
@@ -184,20 +270,152 @@ def write_report(
     targets: Sequence[Target],
     elapsed_s: float,
     plots: Sequence[Path] = (),
+    environment_extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """The JSON every script writes with ``--json`` (``bench_all`` reads ``targets``)."""
+    """The JSON every script writes with ``--json`` (``bench_all`` reads ``targets``);
+    ``extra`` adds top-level keys of the script's own."""
     if path is None:
         return
     report = {
         "benchmark": benchmark,
         "quick": quick,
-        "environment": environment(),
+        "environment": environment() | dict(environment_extra or {}),
         "config": config,
         "elapsed_s": elapsed_s,
         "results": results,
         "targets": [asdict(t) for t in targets],
         "plots": [str(p) for p in plots],
+        **(extra or {}),
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fp:
-        json.dump(report, fp, indent=1, default=str)
+    write_json(path, report)
+
+
+# ---------------------------------------------------------------------- scratch space
+
+
+def scratch_base(on_shm: bool = True) -> Path:
+    """/dev/shm when ``on_shm`` and it exists, else the temp directory."""
+    from shmcache._disk.layout import SHM_DIR  # here: bench_all imports this module, not shmcache
+
+    return Path(SHM_DIR) if on_shm and os.path.isdir(SHM_DIR) else Path(tempfile.gettempdir())
+
+
+@contextlib.contextmanager
+def scratch_dir(
+    prefix: str, on_shm: bool = True, parent: str | os.PathLike[str] | None = None
+) -> Iterator[Path]:
+    """A fresh directory under ``parent`` (default: ``scratch_base(on_shm)``), removed
+    with everything in it on exit, whatever happened."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent if parent is not None else scratch_base(on_shm)))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- process memory
+
+
+def read_memory(pid: int, cache_root: str | os.PathLike[str] | None = None) -> Memory | None:
+    """``pid``'s memory (rss, pss, uss, own, cache_pss) from the package's smaps reader,
+    the numbers ``shmcache watch`` and ``top`` show; None if the process is gone."""
+    return _procfs().read_memory(pid, cache_root)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (DataLoader workers included)."""
+    return _procfs().process_tree(pid)
+
+
+def _procfs() -> Any:
+    try:  # TEMPORARY until shmcache._diagnose is split
+        from shmcache._diagnose import procfs
+    except ImportError:
+        import shmcache._diagnose as procfs
+    return procfs
+
+
+# ---------------------------------------------------------------------- plots
+
+
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` drawing to PNG (the Agg backend); None, said once on stdout,
+    when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def save_figure(fig: Any, out_dir: Path, name: str, dpi: int) -> Path:
+    """Write ``fig`` as ``out_dir/name`` (directory made), close it, return the path."""
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------- a daemon to measure
+
+
+@dataclass
+class Daemon:
+    """A ``shmcache serve`` subprocess of a root, and a :class:`Client` that talks to it."""
+
+    process: subprocess.Popen[bytes]
+    client: Client
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def _shmcache_command() -> list[str]:
+    """The ``shmcache`` console script beside this interpreter, else its entry point."""
+    script = Path(sys.executable).with_name("shmcache")
+    if script.exists():
+        return [str(script)]
+    (entry,) = importlib.metadata.entry_points(group="console_scripts", name="shmcache")
+    code = f"import sys; from {entry.module} import {entry.attr}; sys.exit({entry.attr}())"
+    return [sys.executable, "-c", code]
+
+
+@contextlib.contextmanager
+def serve(root: str | os.PathLike[str], *args: str, start_timeout: float = 30.0) -> Iterator[Daemon]:
+    """``shmcache serve --root ROOT`` (warnings only in its log) until exit; ready once its
+    health answers. Stopped with SIGTERM (killed after 30 s) whatever happened."""
+    from shmcache.client import Client
+
+    from shmcache.errors import DaemonUnavailableError
+
+    command = [*_shmcache_command(), "serve", "--root", os.fspath(root), "--log-level", "warning", *args]
+    process = subprocess.Popen(command)
+    client = Client(root, timeout=600)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            try:
+                client.health()
+                break
+            except DaemonUnavailableError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon did not start: {' '.join(command)}") from None
+                time.sleep(0.05)
+        yield Daemon(process, client)
+    finally:
+        client.close()
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
