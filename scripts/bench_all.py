@@ -45,75 +45,10 @@ class Step:
 
 
 def _from_own_report(_: str, report: dict[str, Any] | None) -> list[Target]:
-    """bench_load / bench_spawn / bench_loader: their JSON carries the targets."""
+    """Scripts that write ``--json``: the report carries their targets."""
     if report is None:
         return []
     return [Target(**t) for t in report.get("targets", [])]
-
-
-def _from_attach(_: str, report: dict[str, Any] | None) -> list[Target]:
-    if report is None:
-        return []
-    targets: list[Target] = []
-    for r in report["results"]:
-        if r.get("ok") is None:
-            continue
-        median = r["median_ns"]
-        if r["group"] == "cold open":
-            text = f"{median / 1000:.2f} µs, {r['ratio']:.2f}x open_memmap"
-            targets.append(
-                Target("cold open_array <= 10 µs and <= 0.3x open_memmap", r["name"], median, text, r["ok"])
-            )
-        elif r["group"] == "warm open":
-            targets.append(Target("warm open_array < 1 µs", r["name"], median, f"{median:.0f} ns", r["ok"]))
-        else:
-            speed = 1 / r["ratio"]
-            targets.append(
-                Target(
-                    "reading one row >= 0.9x the speed of a plain ndarray",
-                    r["name"],
-                    speed,
-                    f"{speed:.2f}x speed ({median:.0f} ns)",
-                    r["ok"],
-                )
-            )
-    return targets
-
-
-def _cow_parser(method: str) -> Parser:
-    def parse(_: str, report: dict[str, Any] | None) -> list[Target]:
-        if report is None:
-            return []
-        shared, python = report["summaries"]["shmcache"], report["summaries"]["python"]
-        growth = shared["growth_fraction"]
-        steady = shared["epoch2_items_per_s"] / python["epoch2_items_per_s"]
-        pss = shared["pss_total"] / python["pss_total"]
-        return [
-            Target(
-                "per-worker USS growth over an epoch < 1% of the data (4 workers)",
-                f"{method}: strings + records, shmcache (python lists/dicts: "
-                f"{100 * python['growth_fraction']:.0f}%)",
-                growth,
-                f"{100 * growth:.2f}%",
-                growth < 0.01,
-            ),
-            Target(
-                "(bench_cow) items/s >= 0.9x python lists/dicts, steady epoch",
-                f"{method}: strings + records",
-                steady,
-                f"{steady:.2f}x",
-                steady >= 0.9,
-            ),
-            Target(
-                "(information) total PSS main + 4 workers vs python lists/dicts",
-                f"{method}: strings + records",
-                pss,
-                f"{pss:.2f}x",
-                None,
-            ),
-        ]
-
-    return parse
 
 
 def _from_grid_search(stdout: str, _: dict[str, Any] | None) -> list[Target]:
@@ -167,10 +102,10 @@ def _from_api(stdout: str, _: dict[str, Any] | None) -> list[Target]:
 
 
 PARSERS: dict[str, Parser] = {
-    "bench_attach": _from_attach,
-    "bench_cow_fork": _cow_parser("fork"),
-    "bench_cow_spawn": _cow_parser("spawn"),
-    "bench_cow_forkserver": _cow_parser("forkserver"),
+    "bench_attach": _from_own_report,
+    "bench_cow_fork": _from_own_report,
+    "bench_cow_spawn": _from_own_report,
+    "bench_cow_forkserver": _from_own_report,
     "grid_search": _from_grid_search,
     "bench_spawn": _from_own_report,
     "bench_loader": _from_own_report,

@@ -23,24 +23,32 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import mmap
 import os
-import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import numpy.lib.format as npy_format
+from _benchlib import (
+    Target,
+    environment,
+    markdown_table,
+    round_robin,
+    scratch_base,
+    scratch_dir,
+    time_per_op,
+    write_report,
+)
 
 import shmcache
+from shmcache._disk.layout import ARRAY_FILE, ENV_ROOT, Layout
+from shmcache._store.reading import forget_attachments
 
 ROW_READ_TARGET = 1 / 0.9
 """Row reads at least 0.9x the speed of a plain ndarray: a time ratio of at most 1/0.9."""
@@ -141,27 +149,6 @@ def _time_each(open_one: Callable[[str], object], items: Sequence[str]) -> float
     return elapsed / len(items)
 
 
-def _round_robin(
-    methods: dict[str, Callable[[], float]], repeats: int, before: Callable[[], None] | None = None
-) -> dict[str, list[float]]:
-    """Run every method once per repeat, interleaved; each returns ns per operation."""
-    samples: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, run in methods.items():
-            if before is not None:
-                before()
-            samples[name].append(run())
-    return samples
-
-
-def _timeit_per_op(
-    stmt: str, namespace: dict[str, Any], number: int, per_loop: int = 1
-) -> Callable[[], float]:
-    """A timeit loop (``number`` runs of ``stmt``, gc off) as ns per operation."""
-    timer = timeit.Timer(stmt, globals=namespace, timer=time.perf_counter_ns)
-    return lambda: timer.timeit(number) / (number * per_loop)
-
-
 # ---------------------------------------------------------------------- openers
 
 
@@ -198,10 +185,11 @@ def bench_cold(store: shmcache.Store, config: Config) -> list[Result]:
     data = np.arange(np.prod(config.entry_shape), dtype=np.float32).reshape(config.entry_shape)
     for key in warmup + keys:
         store.put_array(key, data)
-    paths = {key: str(store.root / "objects" / store.info(key).version / "data.npy") for key in warmup + keys}
+    layout = Layout(store.root)
+    paths = {key: layout.object_file(store.info(key).version, ARRAY_FILE) for key in warmup + keys}
     header = npy_format.open_memmap(paths[keys[0]], mode="r")
     raw_open = _raw_opener(header.dtype, header.shape, header.offset)
-    module_store = shmcache.get_store()  # what shmcache.open_array(key) uses ($SHMCACHE_ROOT)
+    module_store = shmcache.get_store()  # what shmcache.open_array(key) uses (the root in ENV_ROOT)
     assert module_store.root == store.root
 
     by_key: dict[str, Callable[[str], object]] = {
@@ -214,9 +202,8 @@ def bench_cold(store: shmcache.Store, config: Config) -> list[Result]:
         "os.open+mmap+frombuffer (floor)": raw_open,
     }
 
-    def forget() -> None:
-        store._attached.clear()
-        module_store._attached.clear()
+    def forget() -> None:  # every open after this is cold again (both stores: one root)
+        forget_attachments(store.root)
 
     for name, opener in by_key.items():  # correctness, then warm up code paths
         np.testing.assert_array_equal(opener(keys[0]), data, err_msg=name)
@@ -234,8 +221,8 @@ def bench_cold(store: shmcache.Store, config: Config) -> list[Result]:
     for opener in by_path.values():
         _time_each(opener, [paths[k] for k in warmup])
 
-    samples = _round_robin(methods, config.cold_repeats, before=forget)
-    results = [Result("cold open", name, times) for name, times in samples.items()]
+    samples = round_robin(methods, config.cold_repeats, before=forget)
+    results = [Result("cold open", name, times.values) for name, times in samples.items()]
     _compare(results, "open_memmap(mode='r')")
     for result in results[:2]:
         ok_time = result.median <= COLD_TARGET_NS
@@ -257,15 +244,18 @@ def bench_warm(store: shmcache.Store, config: Config) -> list[Result]:
     }
     statements = {
         "Store.open_array (warm)": "store_open(key)",
-        "shmcache.open_array (warm, $SHMCACHE_ROOT)": "open_array(key)",
+        f"shmcache.open_array (warm, ${ENV_ROOT})": "open_array(key)",
         "shmcache.open_array (warm, root=...)": "open_array(key, root=root)",
         "timeit loop overhead (`pass`)": "pass",
     }
     for stmt in statements.values():
         exec(stmt, dict(namespace))  # attach once: every timed call is warm
-    methods = {name: _timeit_per_op(stmt, namespace, config.warm_number) for name, stmt in statements.items()}
-    samples = _round_robin(methods, config.warm_repeats)
-    results = [Result("warm open", name, times) for name, times in samples.items()]
+    methods = {
+        name: time_per_op(stmt, number=config.warm_number, namespace=namespace, ns=True)
+        for name, stmt in statements.items()
+    }
+    samples = round_robin(methods, config.warm_repeats)
+    results = [Result("warm open", name, times.values) for name, times in samples.items()]
     for result in results[:3]:
         result.target = f"< {_fmt(WARM_TARGET_NS)}"
         result.ok = result.median < WARM_TARGET_NS
@@ -279,9 +269,8 @@ def bench_rows(store: shmcache.Store, config: Config) -> list[Result]:
     store.put_array(key, data)
     shared = store.open_array(key)
     plain = np.array(shared)  # a private in-process copy: the baseline
-    memmap = npy_format.open_memmap(
-        str(store.root / "objects" / store.info(key).version / "data.npy"), mode="r"
-    )
+    path = Layout(store.root).object_file(store.info(key).version, ARRAY_FILE)
+    memmap = npy_format.open_memmap(path, mode="r")
     for array in (shared, plain, memmap):  # fault every page in before timing
         np.testing.assert_array_equal(array, data)
     indices = rng.integers(0, config.rows, size=config.row_reads).tolist()
@@ -292,13 +281,17 @@ def bench_rows(store: shmcache.Store, config: Config) -> list[Result]:
     results: list[Result] = []
     for read, expr in reads.items():
         methods = {
-            f"{read} from {source}": _timeit_per_op(
-                f"for i in idx: {expr}", {"a": array, "idx": indices, "np": np}, number, config.row_reads
+            f"{read} from {source}": time_per_op(
+                f"for i in idx: {expr}",
+                number=number,
+                per_loop=config.row_reads,
+                namespace={"a": array, "idx": indices, "np": np},
+                ns=True,
             )
             for source, array in sources.items()
         }
-        samples = _round_robin(methods, config.row_repeats)
-        group = [Result("row read", name, times) for name, times in samples.items()]
+        samples = round_robin(methods, config.row_repeats)
+        group = [Result("row read", name, times.values) for name, times in samples.items()]
         _compare(group, f"{read} from plain ndarray")
         group[0].target = f"≤ {ROW_READ_TARGET:.2f}x"
         group[0].ok = group[0].ratio is not None and group[0].ratio <= ROW_READ_TARGET
@@ -328,20 +321,51 @@ def _fmt(ns: float) -> str:
 
 
 def render(results: list[Result]) -> str:
-    lines = [
-        "| group | operation | median | min | max | vs baseline (median / min) | target | ok |",
-        "|---|---|---:|---:|---:|---|---|:-:|",
-    ]
+    rows: list[list[object]] = []
     for r in results:
         versus = "baseline" if r.baseline is None and r.group != "warm open" else ""
         if r.ratio is not None and r.ratio_of_mins is not None:
             versus = f"{r.ratio:.2f}x / {r.ratio_of_mins:.2f}x {r.baseline}"
         mark = "" if r.ok is None else ("✓" if r.ok else "✗")
-        lines.append(
-            f"| {r.group} | {r.name} | {_fmt(r.median)} | {_fmt(r.min)} | {_fmt(r.max)} "
-            f"| {versus} | {r.target} | {mark} |"
-        )
-    return "\n".join(lines)
+        rows.append([r.group, r.name, _fmt(r.median), _fmt(r.min), _fmt(r.max), versus, r.target, mark])
+    header = ["group", "operation", "median", "min", "max", "vs baseline (median / min)", "target", "ok"]
+    return markdown_table(header, rows, "llrrrllc")
+
+
+def targets(results: list[Result]) -> list[Target]:
+    """The DESIGN.md targets, one per checked result (what ``bench_all`` summarizes)."""
+    checked: list[Target] = []
+    for r in results:
+        if r.ok is None:
+            continue
+        if r.group == "cold open":
+            assert r.ratio is not None
+            checked.append(
+                Target(
+                    f"cold open_array <= {COLD_TARGET_NS / 1000:g} µs "
+                    f"and <= {COLD_RATIO_TARGET}x open_memmap",
+                    r.name,
+                    r.median,
+                    f"{r.median / 1000:.2f} µs, {r.ratio:.2f}x open_memmap",
+                    r.ok,
+                )
+            )
+        elif r.group == "warm open":
+            target = f"warm open_array < {WARM_TARGET_NS / 1000:g} µs"
+            checked.append(Target(target, r.name, r.median, f"{r.median:.0f} ns", r.ok))
+        else:
+            assert r.ratio is not None
+            speed = 1 / r.ratio
+            checked.append(
+                Target(
+                    f"reading one row >= {1 / ROW_READ_TARGET:.1f}x the speed of a plain ndarray",
+                    r.name,
+                    speed,
+                    f"{speed:.2f}x speed ({r.median:.0f} ns)",
+                    r.ok,
+                )
+            )
+    return checked
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,33 +380,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             config, cold_repeats=args.repeats, warm_repeats=args.repeats, row_repeats=args.repeats
         )
 
-    parent = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    root = tempfile.mkdtemp(prefix="shmcache-bench-", dir=parent)
-    previous_env = os.environ.get("SHMCACHE_ROOT")
-    os.environ["SHMCACHE_ROOT"] = root
     started = time.perf_counter()
-    try:
+    with scratch_dir("shmcache-bench-") as root, mock.patch.dict(os.environ, {ENV_ROOT: str(root)}):
         store = shmcache.Store(root)
         results = bench_cold(store, config) + bench_warm(store, config) + bench_rows(store, config)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if previous_env is None:
-            os.environ.pop("SHMCACHE_ROOT", None)
-        else:
-            os.environ["SHMCACHE_ROOT"] = previous_env
     elapsed = time.perf_counter() - started
 
-    environment = {
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "shmcache": shmcache.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "root_fs": parent or tempfile.gettempdir(),
-    }
+    env = environment() | {"root_fs": str(scratch_base())}
     print(
-        f"# bench_attach ({'quick' if args.quick else 'full'}): python {environment['python']}, "
-        f"numpy {environment['numpy']}, {environment['cpus']} CPUs, root on {environment['root_fs']}"
+        f"# bench_attach ({'quick' if args.quick else 'full'}): python {env['python']}, "
+        f"numpy {env['numpy']}, {env['cpus']} CPUs, root on {env['root_fs']}"
     )
     print(
         f"cold: {config.entries} distinct {config.entry_shape} float32 entries x {config.cold_repeats} "
@@ -395,17 +402,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     met = sum(r.ok is True for r in results)
     missed = f"; missed: {', '.join(failed)}" if failed else ""
     print(f"\n{met}/{met + len(failed)} targets met in {elapsed:.1f} s{missed}")
-    if args.json:
-        report = {
-            "config": asdict(config),
-            "environment": environment,
-            "elapsed_s": elapsed,
-            "results": [
-                {**asdict(r), "median_ns": r.median, "min_ns": r.min, "max_ns": r.max} for r in results
-            ],
-        }
-        with open(args.json, "w") as fp:
-            json.dump(report, fp, indent=1)
+    write_report(
+        args.json,
+        "bench_attach",
+        quick=args.quick,
+        config=asdict(config),
+        results=[{**asdict(r), "median_ns": r.median, "min_ns": r.min, "max_ns": r.max} for r in results],
+        targets=targets(results),
+        elapsed_s=elapsed,
+        environment_extra={"root_fs": env["root_fs"]},
+    )
     return 0
 
 

@@ -18,11 +18,12 @@ subprocess of one run (so neither inherits the other's heap):
   shared containers, which pickle by reference.
 
 One epoch through a DataLoader (4 workers, shuffle, persistent workers) is sampled:
-every few batches the main process reads ``/proc/PID/smaps_rollup`` of itself and of
-each worker (USS = Private_Clean + Private_Dirty; PSS). A second, unsampled epoch
-gives the steady-state throughput. Targets are those of DESIGN.md / issue 3: shmcache
-per-worker USS growth under 1% of the data's size; items/s at least 0.9x the Python
-version. Usage::
+every few batches the main process reads ``/proc/PID/smaps`` of itself and of each
+worker through shmcache's own reader (the numbers ``shmcache watch`` shows: USS =
+Private_Clean + Private_Dirty; PSS; *own* = private anonymous memory, what a
+copy-on-write leak grows). A second, unsampled epoch gives the steady-state throughput.
+Targets are those of DESIGN.md / issue 3: shmcache per-worker growth of own memory
+under 1% of the data's size; items/s at least 0.9x the Python version. Usage::
 
     python scripts/bench_cow.py [--quick] [--start-method fork|spawn|forkserver]
                                 [--out DIR] [--json PATH]
@@ -34,28 +35,39 @@ import argparse
 import gc
 import json
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import psutil
 import torch
+from _benchlib import (
+    MiB,
+    Target,
+    environment,
+    markdown_table,
+    print_targets,
+    process_tree,
+    pyplot,
+    read_memory,
+    save_figure,
+    scratch_dir,
+    write_report,
+)
 from torch.utils.data import DataLoader, Dataset
 
 import shmcache
 
-MiB = 1 << 20
+if TYPE_CHECKING:
+    from shmcache._diagnose.procfs import Memory
+
 USS_GROWTH_TARGET = 0.01
-"""shmcache per-worker USS growth over an epoch: under 1% of the data's size."""
+"""shmcache per-worker growth of own memory over an epoch: under 1% of the data's size."""
 THROUGHPUT_TARGET = 0.9
 """shmcache items/s at least 0.9x the Python-list version."""
 VARIANTS = ("python", "shmcache")
@@ -135,62 +147,12 @@ class AnnotatedPaths(Dataset[float]):
 # ---------------------------------------------------------------------- memory
 
 
-@dataclass(frozen=True)
-class Memory:
-    """One process's memory from ``/proc/PID/smaps_rollup`` (or ``smaps``), in bytes."""
-
-    uss: int
-    """Private_Clean + Private_Dirty."""
-    pss: int
-    private_dirty: int
-    cache_private: int = 0
-    """The part of ``uss`` that is pages of the cache's own files mapped by this process
-    alone so far (tmpfs pages count as dirty). Not a copy: the page exists once, in the
-    cache, and turns shared as soon as another process maps it too."""
-
-    @property
-    def own(self) -> int:
-        """Private memory outside the cache's files: what copy-on-write can grow."""
-        return self.uss - self.cache_private
-
-
-_FIELDS = (b"Pss", b"Private_Clean", b"Private_Dirty")
-
-
-def read_memory(pid: int, cache_root: str | None = None) -> Memory | None:
-    """USS, PSS and Private_Dirty of ``pid`` (None if it is gone); with ``cache_root``,
-    also the private pages of mappings under it (reads the per-mapping ``smaps``)."""
-    totals = dict.fromkeys(_FIELDS, 0)
-    cache = dict.fromkeys(_FIELDS, 0)
-    prefix = cache_root.encode() + b"/" if cache_root else None
-    in_cache = False
-    try:
-        with open(f"/proc/{pid}/{'smaps' if prefix else 'smaps_rollup'}", "rb") as smaps:
-            for line in smaps:
-                name, colon, rest = line.partition(b":")
-                if name in totals:
-                    kib = int(rest.split()[0]) * 1024
-                    totals[name] += kib
-                    if in_cache:
-                        cache[name] += kib
-                elif not colon or b" " in name:  # a mapping's header line: "start-end perms ... path"
-                    in_cache = prefix is not None and prefix in line
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return Memory(
-        uss=totals[b"Private_Clean"] + totals[b"Private_Dirty"],
-        pss=totals[b"Pss"],
-        private_dirty=totals[b"Private_Dirty"],
-        cache_private=cache[b"Private_Clean"] + cache[b"Private_Dirty"],
-    )
-
-
 def worker_pids(iterator: object) -> list[int]:
-    """PIDs of the DataLoader's workers (from the iterator; psutil as a fallback)."""
+    """PIDs of the DataLoader's workers (from the iterator; this process's children as a fallback)."""
     workers = getattr(iterator, "_workers", None)
     if workers:
         return [int(w.pid) for w in workers]
-    return [p.pid for p in psutil.Process().children(recursive=True)]
+    return process_tree(os.getpid())[1:]
 
 
 @dataclass
@@ -311,8 +273,8 @@ def run_variant(variant: str, config: Config, root: str) -> dict[str, Any]:
 
     result["trace"] = {
         "steps": trace.steps,
-        "main": [asdict(m) | {"own": m.own} for m in trace.main],
-        "workers": {str(pid): [asdict(m) | {"own": m.own} for m in ms] for pid, ms in trace.workers.items()},
+        "main": [asdict(m) for m in trace.main],
+        "workers": {str(pid): [asdict(m) for m in ms] for pid, ms in trace.workers.items()},
     }
     return result
 
@@ -342,12 +304,13 @@ class Summary:
     """``dataset[i]`` alone, in-process (no DataLoader)."""
 
     own_peak_growth: float
-    """``peak_growth`` of private memory outside the cache's files (``Memory.own``)."""
+    """``peak_growth`` of own memory (``Memory.own``: private anonymous memory, as
+    ``shmcache watch`` counts it; pages of the cache's files are not in it)."""
 
     @property
     def growth_fraction(self) -> float:
-        """Worst worker's growth of its own private memory, at its peak (so a late dip
-        cannot hide it), over the data size."""
+        """Worst worker's growth of its own memory, at its peak (so a late dip cannot hide
+        it), over the data size."""
         return self.own_peak_growth / self.data_bytes if self.data_bytes > 0 else float("nan")
 
 
@@ -384,66 +347,98 @@ def _ratio(a: float, b: float, floor: float = 0.0) -> str:
     return f"{a / b:.3f}x" if b > floor else "n/a"
 
 
-def render(summaries: dict[str, Summary], config: Config) -> tuple[str, list[tuple[str, bool]]]:
-    """The markdown table, and each target with whether it was met."""
-    lines = [
-        f"| variant | data in memory | per-worker USS at end | per-worker USS growth (mean / worst) "
-        "| peak growth | peak growth outside the cache's files, % of data "
-        f"| total PSS (main + {config.workers} workers) "
-        "| items/s epoch 1 (CoW faults) | items/s epoch 2 (steady) | first batch "
-        "| `dataset[i]` alone (time) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+def render(summaries: dict[str, Summary], config: Config) -> str:
+    """The markdown table: one row per variant, then shmcache / python."""
+    header = [
+        "variant",
+        "data in memory",
+        "per-worker USS at end",
+        "per-worker USS growth (mean / worst)",
+        "peak growth",
+        "peak growth of own memory, % of data",
+        f"total PSS (main + {config.workers} workers)",
+        "items/s epoch 1 (CoW faults)",
+        "items/s epoch 2 (steady)",
+        "first batch",
+        "`dataset[i]` alone (time)",
     ]
-    for s in summaries.values():
-        lines.append(
-            f"| {s.variant} | {_mib(s.data_bytes)} | {_mib(s.uss_end)} "
-            f"| {_mib(s.growth_mean)} / {_mib(s.growth_worst)} | {_mib(s.peak_growth)} "
-            f"| {_mib(s.own_peak_growth)} = {100 * s.growth_fraction:.2f}% | {_mib(s.pss_total)} "
-            f"| {s.epoch1_items_per_s:,.0f} "
-            f"| {s.epoch2_items_per_s:,.0f} | {s.first_batch_s:.2f} s | {s.read_us_per_item:.2f} µs |"
-        )
+    rows: list[list[object]] = [
+        [
+            s.variant,
+            _mib(s.data_bytes),
+            _mib(s.uss_end),
+            f"{_mib(s.growth_mean)} / {_mib(s.growth_worst)}",
+            _mib(s.peak_growth),
+            f"{_mib(s.own_peak_growth)} = {100 * s.growth_fraction:.2f}%",
+            _mib(s.pss_total),
+            f"{s.epoch1_items_per_s:,.0f}",
+            f"{s.epoch2_items_per_s:,.0f}",
+            f"{s.first_batch_s:.2f} s",
+            f"{s.read_us_per_item:.2f} µs",
+        ]
+        for s in summaries.values()
+    ]
     base, shared = summaries["python"], summaries["shmcache"]
-    lines.append(
-        f"| **shmcache / python** | {_ratio(shared.data_bytes, base.data_bytes)} "
-        f"| {_ratio(shared.uss_end, base.uss_end)} "
-        f"| {_ratio(shared.growth_mean, base.growth_mean, MiB)} "
-        f"/ {_ratio(shared.growth_worst, base.growth_worst, MiB)} "
-        f"| {_ratio(shared.peak_growth, base.peak_growth, MiB)} "
-        f"| {_ratio(shared.own_peak_growth, base.own_peak_growth, MiB)} "
-        f"| {_ratio(shared.pss_total, base.pss_total)} "
-        f"| {_ratio(shared.epoch1_items_per_s, base.epoch1_items_per_s)} "
-        f"| {_ratio(shared.epoch2_items_per_s, base.epoch2_items_per_s)} "
-        f"| {_ratio(shared.first_batch_s, base.first_batch_s)} "
-        f"| {_ratio(shared.read_us_per_item, base.read_us_per_item)} |"
+    rows.append(
+        [
+            "**shmcache / python**",
+            _ratio(shared.data_bytes, base.data_bytes),
+            _ratio(shared.uss_end, base.uss_end),
+            f"{_ratio(shared.growth_mean, base.growth_mean, MiB)} "
+            f"/ {_ratio(shared.growth_worst, base.growth_worst, MiB)}",
+            _ratio(shared.peak_growth, base.peak_growth, MiB),
+            _ratio(shared.own_peak_growth, base.own_peak_growth, MiB),
+            _ratio(shared.pss_total, base.pss_total),
+            _ratio(shared.epoch1_items_per_s, base.epoch1_items_per_s),
+            _ratio(shared.epoch2_items_per_s, base.epoch2_items_per_s),
+            _ratio(shared.first_batch_s, base.first_batch_s),
+            _ratio(shared.read_us_per_item, base.read_us_per_item),
+        ]
     )
-    growth_ok = shared.growth_fraction < USS_GROWTH_TARGET
-    throughput = shared.epoch2_items_per_s / base.epoch2_items_per_s
-    targets = [
-        (
-            f"shmcache per-worker USS growth < {100 * USS_GROWTH_TARGET:.0f}% of its data "
-            f"(worst worker at its peak, outside the cache's files: "
-            f"{_mib(shared.own_peak_growth)} = {100 * shared.growth_fraction:.2f}% "
-            f"of {_mib(shared.data_bytes)})",
-            growth_ok,
+    return markdown_table(header, rows, "l" + "r" * (len(header) - 1))
+
+
+def targets(summaries: dict[str, Summary], config: Config) -> list[Target]:
+    """The DESIGN.md targets this run checks, and the PSS ratio for information."""
+    base, shared = summaries["python"], summaries["shmcache"]
+    method, workers = config.start_method, config.workers
+    growth = shared.growth_fraction
+    steady = shared.epoch2_items_per_s / base.epoch2_items_per_s
+    pss = shared.pss_total / base.pss_total
+    return [
+        Target(
+            f"per-worker USS growth over an epoch < {100 * USS_GROWTH_TARGET:.0f}% of the data "
+            f"({workers} workers)",
+            f"{method}: strings + records, shmcache (python lists/dicts: "
+            f"{100 * base.growth_fraction:.0f}%)",
+            growth,
+            f"{100 * growth:.2f}%",
+            growth < USS_GROWTH_TARGET,
+            f"worst worker at its peak, own memory: {_mib(shared.own_peak_growth)} "
+            f"of {_mib(shared.data_bytes)}",
         ),
-        (
-            f"shmcache items/s >= {THROUGHPUT_TARGET}x python (steady epoch 2: {throughput:.3f}x; "
-            f"epoch 1: {shared.epoch1_items_per_s / base.epoch1_items_per_s:.3f}x)",
-            throughput >= THROUGHPUT_TARGET,
+        Target(
+            f"(bench_cow) items/s >= {THROUGHPUT_TARGET}x python lists/dicts, steady epoch",
+            f"{method}: strings + records",
+            steady,
+            f"{steady:.2f}x",
+            steady >= THROUGHPUT_TARGET,
+            f"epoch 1: {shared.epoch1_items_per_s / base.epoch1_items_per_s:.3f}x",
+        ),
+        Target(
+            f"(information) total PSS main + {workers} workers vs python lists/dicts",
+            f"{method}: strings + records",
+            pss,
+            f"{pss:.2f}x",
+            None,
         ),
     ]
-    return "\n".join(lines), targets
 
 
 def plot(results: dict[str, dict[str, Any]], config: Config, out_dir: Path) -> Path | None:
     """Per-worker USS and total PSS over the sampled epoch, both variants on one figure."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     colors = {"python": "tab:red", "shmcache": "tab:blue"}
     fig, (ax_uss, ax_pss) = plt.subplots(1, 2, figsize=(13, 5))
@@ -477,19 +472,15 @@ def plot(results: dict[str, dict[str, Any]], config: Config, out_dir: Path) -> P
         ax.set_ylim(bottom=0)
     fig.suptitle(f"{config.items:,} paths + {config.items:,} records: Python list/dict vs shmcache")
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench_cow_{config.start_method}_{config.items}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, f"bench_cow_{config.start_method}_{config.items}.png", dpi=110)
 
 
 # ---------------------------------------------------------------------- driver
 
 
-def _run_in_subprocess(variant: str, config: Config, root: str, scratch: str) -> dict[str, Any]:
+def _run_in_subprocess(variant: str, config: Config, root: Path, scratch: Path) -> dict[str, Any]:
     """Run one variant in a fresh interpreter, so its workers inherit only its own heap."""
-    result_path = os.path.join(scratch, f"{variant}.json")
+    result_path = scratch / f"{variant}.json"
     command = [
         sys.executable,
         os.path.abspath(__file__),
@@ -498,9 +489,9 @@ def _run_in_subprocess(variant: str, config: Config, root: str, scratch: str) ->
         "--config-json",
         json.dumps(asdict(config)),
         "--root",
-        root,
+        str(root),
         "--result",
-        result_path,
+        str(result_path),
     ]
     subprocess.run(command, check=True)
     with open(result_path) as fp:
@@ -536,23 +527,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers,
         start_method=args.start_method,
     )
-    parent = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    root = tempfile.mkdtemp(prefix="shmcache-bench-cow-", dir=parent)
-    scratch = tempfile.mkdtemp(prefix="bench-cow-")
     started = time.perf_counter()
-    try:
+    with scratch_dir("shmcache-bench-cow-") as root, scratch_dir("bench-cow-", on_shm=False) as scratch:
         results = {variant: _run_in_subprocess(variant, config, root, scratch) for variant in VARIANTS}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - started
 
     summaries = {variant: summarize(result) for variant, result in results.items()}
-    table, targets = render(summaries, config)
     payload = results["python"]["payload_bytes"]
+    env = environment()
     print(
-        f"# bench_cow ({'quick' if args.quick else 'full'}): python {platform.python_version()}, "
-        f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs, "
+        f"# bench_cow ({'quick' if args.quick else 'full'}): python {env['python']}, "
+        f"torch {env['torch']}, numpy {env['numpy']}, {env['cpus']} CPUs, "
         f"start method {config.start_method}"
     )
     print(
@@ -562,44 +547,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"python: {_mib(results['python']['data_bytes'])} of {results['python']['data_what']}; "
         f"shmcache: {_mib(results['shmcache']['data_bytes'])} of {results['shmcache']['data_what']} "
         f"(share took {results['shmcache']['put_s']:.1f} s)\n"
-        "USS = Private_Clean + Private_Dirty, PSS from /proc/PID/smaps_rollup. Growth = last sample "
-        "- the sample after warm-up (the first prefetch round); peak = highest sample - that one; "
-        "a negative growth is a worker releasing start-up allocations. Early in the epoch a "
-        "shmcache worker's USS includes tmpfs pages of the cache that only it has mapped yet "
-        "(fault-around maps 64 KiB per fault): not copies, they turn shared as other processes "
-        "map them; the target excludes them.\n"
+        "USS = Private_Clean + Private_Dirty, PSS, and own memory = private anonymous memory "
+        "(heap and copied pages; what `shmcache watch` judges), all from /proc/PID/smaps. "
+        "Growth = last sample - the sample after warm-up (the first prefetch round); peak = "
+        "highest sample - that one; a negative growth is a worker releasing start-up allocations. "
+        "Early in the epoch a shmcache worker's USS includes tmpfs pages of the cache that only "
+        "it has mapped yet (fault-around maps 64 KiB per fault): not copies, they turn shared as "
+        "other processes map them; own memory, which the target checks, never counts them.\n"
         "gc.freeze() is not used for the python variant: it only spares the cyclic GC's writes; "
         "reference counts still copy every page that is read.\n"
     )
-    print(table)
+    print(render(summaries, config))
     print()
-    for text, ok in targets:
-        print(f"- {'✓' if ok else '✗'} {text}")
+    checked = targets(summaries, config)
+    print_targets(checked)
     png = plot(results, config, args.out)
     if png is not None:
         print(f"\nplot: {png}")
-    met = sum(ok for _, ok in targets)
-    print(f"{met}/{len(targets)} targets met in {elapsed:.1f} s")
-    if args.json:
-        report = {
-            "config": asdict(config),
-            "environment": {
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "numpy": np.__version__,
-                "shmcache": shmcache.__version__,
-                "cpus": os.cpu_count(),
-            },
-            "elapsed_s": elapsed,
+    print(f"({elapsed:.1f} s)")
+    write_report(
+        args.json,
+        "bench_cow",
+        quick=args.quick,
+        config=asdict(config),
+        results=results,
+        targets=checked,
+        elapsed_s=elapsed,
+        plots=[png] if png else [],
+        extra={
             "payload_bytes": payload,
             "summaries": {
                 v: asdict(s) | {"growth_fraction": s.growth_fraction} for v, s in summaries.items()
             },
-            "targets": [{"target": text, "ok": ok} for text, ok in targets],
-            "results": results,
-        }
-        with open(args.json, "w") as fp:
-            json.dump(report, fp, indent=1)
+        },
+    )
     return 0
 
 
