@@ -6,31 +6,32 @@ every repeat, so both sides copy from the page cache: what is compared is the co
 into tmpfs, not the disk. Cases (full size; ``--quick`` in brackets):
 
 - one 1 GiB ``.npy`` [64 MiB];
-- a directory of 1,000 small ``.npy`` files, 100 KiB each [100];
+- a directory of 1,000 small ``.npy`` files, 100 KiB each [100; ``--dir-files N``];
 - an ``.npz`` of 4 arrays, stored (no compression), 256 MiB [32 MiB];
 - the same ``.npz`` compressed (compressible int32 data), 256 MiB uncompressed [32 MiB].
 
 Methods, alternated in order from one repeat to the next: the baseline ``cp`` (``cp -r``
 for the directory; for the compressed ``.npz`` also ``unzip -d``, the shell way to get
 ``.npy`` files out of it), ``Store.put_file`` in this process, and the same load through
-the daemon (``shmcache serve`` subprocess; HTTP ``PUT /v1/entries/{key}``, then poll the
-job until done). Throughput is the uncompressed data bytes over the wall time; ratios
-are baseline time over method time (speed ratios), medians over ``--repeats``.
+the daemon (a ``shmcache serve`` subprocess, driven by ``shmcache.client.Client``: from
+the request to the job's ``finished`` stamp, see ``DaemonLoader``). Throughput is the
+uncompressed data bytes over the time; ratios are baseline time over method time
+(speed ratios), medians over ``--repeats``.
 Target (DESIGN.md): loading a ``.npy`` at least 0.9x the throughput of ``cp``. Usage::
 
-    python scripts/bench_load.py [--quick] [--repeats N] [--no-daemon] [--json PATH]
+    python scripts/bench_load.py [--quick] [--repeats N] [--dir-files N] [--no-daemon] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,18 @@ from _benchlib import (
     MiB,
     Samples,
     Target,
+    alternated,
     environment,
     fmt_bytes,
     fmt_seconds,
     markdown_table,
     print_targets,
+    scratch_base,
     scratch_dir,
+    serve,
     write_report,
 )
+from shmcache.client import Client
 
 import shmcache
 
@@ -166,40 +171,23 @@ def read_into_page_cache(path: Path) -> None:
 
 
 class DaemonLoader:
-    """``shmcache serve`` on the benchmark's root, driven over its Unix socket."""
+    """Loads through ``shmcache serve``: ``Client.load``, then ``Client.wait`` for the job.
 
-    def __init__(self, root: Path) -> None:
-        import httpx
-        from bench_api import start_daemon
+    Timed from just before the request to the job's ``finished`` stamp (the daemon's
+    ``time.time()``: the same system clock), so the client's polling neither adds its
+    granularity (it backs off to 250 ms) nor takes CPU from the copy: polling every
+    millisecond slowed the daemon's own load of 1,000 files by half on 2 cores.
+    """
 
-        self.process = start_daemon(root)
-        self.client = httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(root / "daemon.sock")),
-            base_url="http://shmcache",
-            timeout=600,
-        )
+    def __init__(self, client: Client) -> None:
+        self.client = client
 
-    def load(self, key: str, source: Path) -> list[str]:
-        response = self.client.put(f"/v1/entries/{key}", json={"source": str(source)})
-        if response.status_code != 202:
-            raise RuntimeError(f"PUT {key}: {response.status_code} {response.text}")
-        job_id = response.json()["id"]
-        while True:
-            job: dict[str, Any] = self.client.get(f"/v1/jobs/{job_id}").json()
-            if job["state"] == "done":
-                return list(job["keys"])
-            if job["state"] in ("failed", "cancelled"):
-                raise RuntimeError(f"load of {key} {job['state']}: {job.get('error')}")
-            time.sleep(0.001)
-
-    def close(self) -> None:
-        self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+    def load(self, key: str, source: Path) -> tuple[list[str], float]:
+        """The keys published, and the seconds from the request to the publish."""
+        submitted = time.time()
+        job = self.client.wait(self.client.load(key, source).id)
+        assert job.finished is not None
+        return list(job.keys), job.finished - submitted
 
 
 def run_cp(source: Path, target: Path) -> None:
@@ -218,12 +206,16 @@ def bench_case(
     scratch: Path,
     repeats: int,
 ) -> dict[str, Samples]:
-    """Seconds per load of ``case`` for every method, ``repeats`` times, order alternated."""
-    methods: dict[str, Callable[[str], Callable[[], None]]] = {}
+    """Seconds per load of ``case`` for every method, ``repeats`` times, order alternated.
+
+    A method's run returns its own time when it knows better than the wall clock
+    around it (the daemon: request to publish), else None."""
+    Run = Callable[[], float | None]
+    methods: dict[str, Callable[[str], Run]] = {}
     cleanups: list[Callable[[], None]] = []
 
-    def cp_method(tool: Callable[[Path, Path], None]) -> Callable[[str], Callable[[], None]]:
-        def prepare(tag: str) -> Callable[[], None]:
+    def cp_method(tool: Callable[[Path, Path], None]) -> Callable[[str], Run]:
+        def prepare(tag: str) -> Run:
             target = scratch / tag
             if tool is run_unzip:
                 target.mkdir()
@@ -234,13 +226,15 @@ def bench_case(
 
         return prepare
 
-    def put_method(load: Callable[[str, Path], list[str]]) -> Callable[[str], Callable[[], None]]:
-        def prepare(tag: str) -> Callable[[], None]:
+    def put_method(load: Callable[[str, Path], tuple[list[str], float | None]]) -> Callable[[str], Run]:
+        def prepare(tag: str) -> Run:
             key = f"bench/{tag}"
             published: list[str] = []
 
-            def run() -> None:
-                published.extend(load(key, case.source))
+            def run() -> float | None:
+                keys, seconds = load(key, case.source)
+                published.extend(keys)
+                return seconds
 
             def evict() -> None:
                 for k in published:
@@ -253,20 +247,19 @@ def bench_case(
 
     for baseline in case.baselines:
         methods[baseline] = cp_method(run_cp if baseline == "cp" else run_unzip)
-    methods["Store.put_file"] = put_method(lambda key, source: store.put_file(key, source))
+    methods["Store.put_file"] = put_method(lambda key, source: (store.put_file(key, source), None))
     if daemon is not None:
         methods["daemon PUT + job"] = put_method(daemon.load)
 
     samples = {name: Samples() for name in methods}
     names = list(methods)
     for repeat in range(repeats):
-        order = names if repeat % 2 == 0 else names[::-1]
-        for n, name in enumerate(order):
+        for n, name in enumerate(alternated(names, repeat)):
             read_into_page_cache(case.source)
             run = methods[name](f"r{repeat}m{n}")
             started = time.perf_counter()
-            run()
-            samples[name].add(time.perf_counter() - started)
+            own = run()
+            samples[name].add(time.perf_counter() - started if own is None else own)
             while cleanups:  # free the copy before the next method writes its own
                 cleanups.pop()()
     return samples
@@ -279,43 +272,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="CI size (64 MiB .npy, 100 small files)")
     parser.add_argument("--repeats", type=int, help="repeats of every load")
+    parser.add_argument(
+        "--dir-files",
+        type=int,
+        metavar="N",
+        help=f"files of the directory load (default {FULL.dir_files:,}; --quick {QUICK.dir_files:,})",
+    )
     parser.add_argument("--src-dir", type=Path, help="where the sources are written (default: temp dir)")
     parser.add_argument("--no-daemon", action="store_true", help="skip loads through `shmcache serve`")
     parser.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     if args.repeats:
-        config = Config(**{**asdict(config), "repeats": args.repeats})
+        config = replace(config, repeats=args.repeats)
+    if args.dir_files:
+        config = replace(config, dir_files=args.dir_files)
 
     started = time.perf_counter()
-    src_parent = args.src_dir or Path(tempfile.gettempdir())
+    src_parent = args.src_dir or scratch_base(on_shm=False)
     src_parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Samples]] = {}
     cases: list[Case] = []
     daemon_error = ""
-    with (
-        scratch_dir("shmcache-bench-load-") as shm_dir,
-        tempfile.TemporaryDirectory(prefix="shmcache-bench-src-", dir=src_parent) as src,
-    ):
+    with contextlib.ExitStack() as stack:
+        shm_dir = stack.enter_context(scratch_dir("shmcache-bench-load-"))
+        src = stack.enter_context(scratch_dir("shmcache-bench-src-", parent=src_parent))
         root = shm_dir / "root"
         copies = shm_dir / "cp"
         copies.mkdir()
         store = shmcache.Store(root)
         store.prepare()
-        cases = make_sources(Path(src), config)
+        cases = make_sources(src, config)
         daemon: DaemonLoader | None = None
         if not args.no_daemon:
             try:
-                daemon = DaemonLoader(root)
+                daemon = DaemonLoader(stack.enter_context(serve(root)).client)
             except Exception as exc:  # the service extra may be missing: report, go on without
                 daemon_error = f"{type(exc).__name__}: {exc}"
                 print(f"daemon not measured: {daemon_error}", file=sys.stderr)
-        try:
-            for case in cases:
-                results[case.name] = bench_case(case, store, daemon, copies, config.repeats)
-        finally:
-            if daemon is not None:
-                daemon.close()
+        for case in cases:
+            results[case.name] = bench_case(case, store, daemon, copies, config.repeats)
     elapsed = time.perf_counter() - started
 
     env = environment()

@@ -10,9 +10,10 @@ pages. While all of them are alive (after training, persistent workers still up)
 PSS of every process is read from ``/proc/PID/smaps``; the total, and the part of it
 that is the cache's pages, are compared with 1x and N x the data's size.
 
-The dataset goes in through the daemon when one answers on ``<root>/daemon.sock``
-(``--root`` or ``$SHMCACHE_ROOT``; the entries are evicted at the end); otherwise into
-a temporary root under /dev/shm, in-process, removed at the end. Usage::
+The dataset goes in through the daemon (``shmcache.client.Client.put_file``) when one
+answers for ``--root`` (default: ``$SHMCACHE_ROOT`` or the default root; the entries are
+evicted at the end); otherwise into a temporary root under /dev/shm, in-process,
+removed at the end. Usage::
 
     python scripts/grid_search.py [--quick] [--experiments N] [--rows R] [--dim D]
                                   [--epochs E] [--workers W] [--root R]
@@ -21,12 +22,12 @@ a temporary root under /dev/shm, in-process, removed at the end. Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -36,11 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _benchlib import MiB, markdown_table, process_tree, read_memory, scratch_dir
+from shmcache.client import Client
 
 import shmcache
-from shmcache._diagnose import daemon_request, process_tree, read_memory
+from shmcache._disk.layout import ENV_ROOT
+from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
-MiB = 1 << 20
 CLASSES = 10
 LEARNING_RATES = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
 HIDDEN = (256, 128)
@@ -148,33 +151,26 @@ def make_dataset(rows: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     return features, labels
 
 
-def daemon_answers(root: Path) -> bool:
+def daemon_client(root: Path) -> Client | None:
+    """A client of the daemon of ``root``, or None when none answers."""
+    client = Client(root, timeout=2.0)
     try:
-        status, _ = daemon_request(root / "daemon.sock", "GET", "/v1/health", timeout=2.0)
-    except OSError:
-        return False
-    return status == 200
+        client.health()
+    except DaemonUnavailableError:
+        client.close()
+        return None
+    client.timeout = 600.0
+    client.close()  # the next call reconnects with the longer timeout
+    return client
 
 
-def load_through_daemon(root: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Save each array as .npy and have the daemon load it (PUT, then poll its job)."""
-    source_dir = Path(tempfile.mkdtemp(prefix="grid-search-src-"))
-    try:
+def load_through_daemon(client: Client, arrays: dict[str, np.ndarray]) -> None:
+    """Save each array as .npy and have the daemon load it (``Client.put_file``: submit, wait)."""
+    with scratch_dir("grid-search-src-", on_shm=False) as source_dir:
         for key, array in arrays.items():
             source = source_dir / (key.replace("/", "_") + ".npy")
             np.save(source, array, allow_pickle=False)
-            status, job = daemon_request(
-                root / "daemon.sock", "PUT", f"/v1/entries/{key}", {"source": str(source), "overwrite": True}
-            )
-            if status != 202:
-                raise RuntimeError(f"daemon refused to load {key}: HTTP {status} {job}")
-            while job["state"] not in ("done", "failed", "cancelled"):
-                time.sleep(0.05)
-                _, job = daemon_request(root / "daemon.sock", "GET", f"/v1/jobs/{job['id']}")
-            if job["state"] != "done":
-                raise RuntimeError(f"daemon load of {key} {job['state']}: {job.get('error')}")
-    finally:
-        shutil.rmtree(source_dir, ignore_errors=True)
+            client.put_file(key, source, overwrite=True)
 
 
 @dataclass
@@ -209,20 +205,19 @@ def run_grid(args: argparse.Namespace) -> int:
     features, labels = make_dataset(rows, args.dim)
     data_bytes = features.nbytes + labels.nbytes
 
-    configured = args.root or os.environ.get("SHMCACHE_ROOT")
-    daemon_root = Path(configured) if configured else shmcache.default_root()
+    daemon_root = Path(args.root) if args.root else shmcache.default_root()
     prefix = f"grid-search-{os.getpid()}"
     keys = {f"{prefix}/features": features, f"{prefix}/labels": labels}
-    temporary: Path | None = None
+    temporary = contextlib.ExitStack()  # the temporary root, if there is one
     load_started = time.perf_counter()
-    if daemon_answers(daemon_root):
+    daemon = daemon_client(daemon_root)
+    if daemon is not None:
         root = daemon_root
-        how = f"through the daemon on {root / 'daemon.sock'}"
-        load_through_daemon(root, keys)
+        how = f"through the daemon on {daemon.socket_path}"
+        load_through_daemon(daemon, keys)
     else:
-        parent = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        temporary = root = Path(tempfile.mkdtemp(prefix="shmcache-grid-", dir=parent))
-        how = f"in-process into temporary root {root} (no daemon on {daemon_root / 'daemon.sock'})"
+        root = temporary.enter_context(scratch_dir("shmcache-grid-"))
+        how = f"in-process into temporary root {root} (no daemon on {Client(daemon_root).socket_path})"
         for key, array in keys.items():
             shmcache.put_array(key, array, root=root)
     load_s = time.perf_counter() - load_started
@@ -285,43 +280,45 @@ def run_grid(args: argparse.Namespace) -> int:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        if temporary is not None:
-            shutil.rmtree(temporary, ignore_errors=True)
-        else:
+        temporary.close()
+        if daemon is not None:
             for key in (f"{prefix}/features", f"{prefix}/labels"):
                 try:
-                    daemon_request(daemon_root / "daemon.sock", "DELETE", f"/v1/entries/{key}")
-                except OSError:
-                    pass
+                    daemon.evict(key)
+                except ShmCacheError as exc:
+                    print(f"could not evict {key}: {exc}", file=sys.stderr)
+            daemon.close()
 
-    print()
-    print("| run | lr | hidden | device | steps | loss first -> last | accuracy | time |")
-    print("|---:|---:|---:|---|---:|---|---:|---:|")
+    runs: list[list[object]] = []
     for i in sorted(results):
         r = results[i]
         device = r["device"]
         if device == "cuda":
             device += f" (CUDA_VISIBLE_DEVICES={r['cuda_visible_devices']})"
-        print(f"| {i} | {r['lr']:g} | {r['hidden']} | {device} | {r['steps']} "
-              f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['accuracy']:.3f} "
-              f"| {r['seconds']:.1f} s |")
+        runs.append([i, f"{r['lr']:g}", r["hidden"], device, r["steps"],
+                     f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}", f"{r['accuracy']:.3f}",
+                     f"{r['seconds']:.1f} s"])
+    print()
+    print(markdown_table(
+        ["run", "lr", "hidden", "device", "steps", "loss first -> last", "accuracy", "time"], runs, "rrrlrlrr"
+    ))
     workers = snapshot.processes - n
     baseline = snapshot.pss - snapshot.cache_pss + n * data_bytes
     print()
     print(f"memory with all {n} experiments + {workers} workers alive ({snapshot.processes} processes, "
           f"PSS from /proc/PID/smaps):")
-    print("| measure | MiB | x data (1 copy) | x N copies |")
-    print("|---|---:|---:|---:|")
-    for label, value in (
-        ("data (one copy)", data_bytes),
-        (f"{n} private copies (one per experiment)", n * data_bytes),
-        ("PSS of the cache's pages, all processes", snapshot.cache_pss),
-        ("total PSS, all processes", snapshot.pss),
-        ("peak total PSS while training", peak.pss),
-        (f"same processes if each experiment held its own copy (total - cache + {n} copies)", baseline),
-    ):
-        print(f"| {label} | {value / MiB:,.1f} | {value / data_bytes:.2f}x "
-              f"| {value / (n * data_bytes):.2f}x |")
+    measures = [
+        [label, f"{value / MiB:,.1f}", f"{value / data_bytes:.2f}x", f"{value / (n * data_bytes):.2f}x"]
+        for label, value in (
+            ("data (one copy)", data_bytes),
+            (f"{n} private copies (one per experiment)", n * data_bytes),
+            ("PSS of the cache's pages, all processes", snapshot.cache_pss),
+            ("total PSS, all processes", snapshot.pss),
+            ("peak total PSS while training", peak.pss),
+            (f"same processes if each experiment held its own copy (total - cache + {n} copies)", baseline),
+        )
+    ]
+    print(markdown_table(["measure", "MiB", "x data (1 copy)", "x N copies"], measures, "lrrr"))
     overhead = (snapshot.pss - snapshot.cache_pss) / max(1, snapshot.processes)
     print(f"\nthe data costs {snapshot.cache_pss / data_bytes:.2f}x of one copy across {snapshot.processes} "
           f"processes (target <= 1.1x; N copies would be {n}x); the rest of the total is each process's own "
@@ -341,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--workers", type=int, default=4, help="DataLoader workers per experiment")
-    parser.add_argument("--root", help="cache root whose daemon loads the data (default $SHMCACHE_ROOT)")
+    parser.add_argument(
+        "--root", help=f"cache root whose daemon loads the data (default ${ENV_ROOT}, else the default root)"
+    )
     parser.add_argument("--run-experiment", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_experiment:
