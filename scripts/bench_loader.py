@@ -28,7 +28,6 @@ import functools
 import os
 import sys
 import time
-import timeit
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -40,12 +39,17 @@ import torch
 from _benchlib import (
     Samples,
     Target,
+    alternated,
     environment,
     fmt_bytes,
     fmt_seconds,
     markdown_table,
     print_targets,
+    pyplot,
+    round_robin,
+    save_figure,
     scratch_dir,
+    time_per_op,
     write_report,
 )
 from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler
@@ -181,8 +185,7 @@ def bench_loaders(
     for workers in config.workers:
         results[workers] = {name: Samples() for name in names}
         for repeat in range(config.repeats):
-            order = names if repeat % 2 == 0 else names[::-1]
-            for name in order:
+            for name in alternated(names, repeat):
                 dataset, collate = datasets[name]
                 rate = items_per_second(dataset, collate, workers, config, seed=repeat)
                 results[workers][name].add(rate)
@@ -199,10 +202,10 @@ def bench_reads(datasets: dict[str, tuple[Dataset[Any], Any]], config: Config) -
     count = len(indices)
 
     def per_row(read: Callable[[int], object]) -> Callable[[], float]:
-        return _timed(lambda: [read(i) for i in indices], count)
+        return time_per_op(lambda: [read(i) for i in indices], per_loop=count)
 
     def per_batch(read: Callable[[Any], object]) -> Callable[[], float]:
-        return _timed(lambda: [read(b) for b in batches], count)
+        return time_per_op(lambda: [read(b) for b in batches], per_loop=count)
 
     for name, (dataset, _) in datasets.items():
         loops[f"{name}: ds[i] per row"] = per_row(dataset.__getitem__)
@@ -216,12 +219,7 @@ def bench_reads(datasets: dict[str, tuple[Dataset[Any], Any]], config: Config) -
         loops[f"{name}: arr[batch] per batch"] = per_batch(array.__getitem__)
     for loop in loops.values():  # warm up: map, fault in
         loop()
-    samples = {name: Samples() for name in loops}
-    names = list(loops)
-    for repeat in range(max(5, config.repeats * 2)):
-        for name in names if repeat % 2 == 0 else names[::-1]:
-            samples[name].add(loops[name]())
-    return samples
+    return round_robin(loops, max(5, config.repeats * 2), alternate=True)
 
 
 def _copy_row(array: np.ndarray, index: int) -> np.ndarray:
@@ -229,19 +227,9 @@ def _copy_row(array: np.ndarray, index: int) -> np.ndarray:
     return row
 
 
-def _timed(body: Callable[[], object], count: int) -> Callable[[], float]:
-    timer = timeit.Timer(body)
-    return lambda: timer.timeit(1) / count
-
-
 def plot(results: dict[int, dict[str, Samples]], config: Config, out_dir: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot")
+    plt = pyplot()
+    if plt is None:
         return None
     styles = {
         "CachedDataset (batched)": ("tab:blue", "-"),
@@ -270,11 +258,7 @@ def plot(results: dict[int, dict[str, Samples]], config: Config, out_dir: Path) 
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "bench_loader.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "bench_loader.png", dpi=80)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,13 @@ from _benchlib import (
     MiB,
     Samples,
     Target,
+    alternated,
     environment,
     fmt_seconds,
     markdown_table,
     print_targets,
+    pyplot,
+    save_figure,
     scratch_dir,
     write_report,
 )
@@ -156,8 +159,7 @@ def run_method(method: str, config: Config, files: dict[str, dict[str, str]], ro
     for size, entry in files.items():
         results[size] = {v: [] for v in config.variants}
         for repeat in range(config.repeats):
-            order = config.variants if repeat % 2 == 0 else config.variants[::-1]
-            for variant in order:
+            for variant in alternated(config.variants, repeat):
                 dataset = make_dataset(variant, entry["key"], entry["path"], root)
                 results[size][variant].append(first_batch_seconds(dataset, method, config))
                 del dataset
@@ -168,13 +170,8 @@ def run_method(method: str, config: Config, files: dict[str, dict[str, str]], ro
 
 
 def plot(summary: dict[str, dict[str, dict[str, Samples]]], config: Config, out_dir: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot")
+    plt = pyplot()
+    if plt is None:
         return None
     methods = list(summary)
     fig, axes = plt.subplots(1, len(methods), figsize=(4.2 * len(methods), 3.8), sharey=False)
@@ -195,11 +192,7 @@ def plot(summary: dict[str, dict[str, dict[str, Samples]]], config: Config, out_
         ax.legend()
     fig.suptitle(f"Time to first batch, {config.workers} workers, by what the Dataset holds")
     fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "bench_spawn.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "bench_spawn.png", dpi=80)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     config = QUICK if args.quick else FULL
     if args.repeats:
-        config = Config(**{**asdict(config), "repeats": args.repeats})
+        config = replace(config, repeats=args.repeats)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     started = time.perf_counter()
     raw: dict[str, Any] = {}
