@@ -320,20 +320,16 @@ def scratch_dir(
 def read_memory(pid: int, cache_root: str | os.PathLike[str] | None = None) -> Memory | None:
     """``pid``'s memory (rss, pss, uss, own, cache_pss) from the package's smaps reader,
     the numbers ``shmcache watch`` and ``top`` show; None if the process is gone."""
-    return _procfs().read_memory(pid, cache_root)
+    from shmcache._diagnose.procfs import read_memory as read
+
+    return read(pid, cache_root)
 
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its live descendants (DataLoader workers included)."""
-    return _procfs().process_tree(pid)
+    from shmcache._diagnose.procfs import process_tree as tree
 
-
-def _procfs() -> Any:
-    try:  # TEMPORARY until shmcache._diagnose is split
-        from shmcache._diagnose import procfs
-    except ImportError:
-        import shmcache._diagnose as procfs
-    return procfs
+    return tree(pid)
 
 
 # ---------------------------------------------------------------------- plots
