@@ -1,6 +1,7 @@
 """Property-based API test: schemathesis generates requests from the daemon's OpenAPI schema
-(valid and invalid ones) against a live ``shmcache serve`` over TCP with a token; the
-daemon must never answer 5xx, and every answer must match the schema it publishes."""
+(valid and invalid ones) against the daemon's app in this process (ASGI, lifespan running),
+set up as for TCP with a token; it must never answer 5xx, and every answer must match the
+schema it publishes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
 
+from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import (  # noqa: E402
@@ -22,7 +24,10 @@ from schemathesis.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
-from service_helpers import running_daemon, temporary_root  # noqa: E402
+from service_helpers import temporary_root  # noqa: E402
+from shmcache.service import create_app, load_settings  # noqa: E402
+
+from shmcache._disk.layout import ENV_TOKEN  # noqa: E402
 
 TOKEN = "schemathesis-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -31,22 +36,16 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 @pytest.fixture(scope="module")
-def api_schema() -> Iterator[Any]:
-    with temporary_root() as root, temporary_root() as data:
-        data.mkdir()
-        np.save(data / "small.npy", np.arange(10))
-        with running_daemon(
-            Path(root),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--allow-source",
-            str(data),
-            env={"SHMCACHE_TOKEN": TOKEN},
-        ) as daemon:
-            assert daemon.tcp_url is not None
-            yield schemathesis.openapi.from_url(f"{daemon.tcp_url}/openapi.json", headers=AUTH)
+def api_schema(data_dir: Path) -> Iterator[Any]:
+    np.save(data_dir / "small.npy", np.arange(10))
+    with temporary_root() as root:
+        settings = load_settings(
+            {"root": root, "host": "127.0.0.1", "port": 0, "allow_source": [data_dir]},
+            env={ENV_TOKEN: TOKEN},
+        )
+        app = create_app(settings)
+        with TestClient(app):  # runs the lifespan (job workers, start-up cleanup) around the test
+            yield schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
 
 
 def _operations(api_schema: Any) -> list[Any]:
