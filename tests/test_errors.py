@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import pickle
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 
 import shmcache
 from shmcache import Store, errors
+from shmcache._disk.layout import ARRAY_FILE, Layout
 
 BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.KeyNotFoundError: KeyError,
@@ -26,6 +29,12 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.CorruptSourceError: ValueError,
     errors.CorruptEntryError: ValueError,
     errors.CacheRootError: PermissionError,
+    errors.TooManyOpenFilesError: OSError,
+    errors.DaemonRunningError: RuntimeError,
+    errors.UnauthorizedError: PermissionError,
+    errors.InvalidRequestError: ValueError,
+    errors.JobNotFoundError: LookupError,
+    errors.SourceNotAllowedError: PermissionError,
 }
 
 ERROR_CLASSES: list[type[Exception]] = [
@@ -59,6 +68,43 @@ def test_error_subclasses_its_builtin(cls: type[Exception]) -> None:
 def test_source_errors_share_a_base() -> None:
     assert issubclass(errors.SourceNotFoundError, errors.InvalidSourceError)
     assert issubclass(errors.CorruptSourceError, errors.InvalidSourceError)
+    assert issubclass(errors.SourceNotAllowedError, errors.InvalidSourceError)
+
+
+def test_an_exhausted_descriptor_limit_is_still_an_os_error() -> None:
+    """Code that caught ``OSError`` (EMFILE) around opens keeps working."""
+    with pytest.raises(OSError):
+        raise errors.TooManyOpenFilesError(MESSAGE)
+
+
+_TREE_LINE = re.compile(r"^(?P<indent>[\s│├└─]*?)(?:├── |└── )(?P<name>\w+)(?:\s+\[(?P<builtin>\w+)\])?")
+
+
+def _drawn_tree() -> dict[str, tuple[str, str | None]]:
+    """The tree in errors' docstring: class name -> (parent drawn above it, bracketed built-in)."""
+    doc = errors.__doc__ or ""
+    drawn: dict[str, tuple[str, str | None]] = {}
+    parents = ["ShmCacheError"]  # the root line has no branch
+    for line in doc.splitlines():
+        match = _TREE_LINE.match(line.strip("\n").removeprefix("    "))
+        if not match:
+            continue
+        depth = len(match.group("indent")) // 4
+        del parents[depth + 1 :]
+        drawn[match.group("name")] = (parents[depth], match.group("builtin"))
+        parents.append(match.group("name"))
+    return drawn
+
+
+def test_the_tree_in_the_docstring_is_the_real_hierarchy() -> None:
+    drawn = _drawn_tree()
+    assert sorted([*drawn, "ShmCacheError"]) == sorted(cls.__name__ for cls in ERROR_CLASSES)
+    for name, (parent, builtin) in drawn.items():
+        cls = getattr(errors, name)
+        assert cls.__bases__[0] is getattr(errors, parent), name
+        if builtin is not None:
+            assert issubclass(cls, getattr(builtins, builtin)), name
+        assert BUILTIN_OF.get(cls) == (getattr(builtins, builtin) if builtin else None), name
 
 
 @pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
@@ -68,6 +114,22 @@ def test_error_is_rebuilt_from_its_message(cls: type[Exception]) -> None:
     rebuilt = type(error)(str(error))
     assert type(rebuilt) is cls
     assert str(rebuilt) == MESSAGE
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_the_client_maps_every_error_back(cls: type[Exception]) -> None:
+    """What the daemon sends as ``{"error": <class name>, "detail": ...}`` comes back as the class."""
+    client = pytest.importorskip("shmcache.client")
+    error = client.error_from_body(cls.__name__, MESSAGE)
+    assert type(error) is cls and str(error) == MESSAGE
+
+
+def test_daemon_running_error_comes_back_from_the_daemon() -> None:
+    client = pytest.importorskip("shmcache.client")
+    error = client.error_from_body("DaemonRunningError", "x")
+    assert isinstance(error, shmcache.DaemonRunningError) and str(error) == "x"
+    unknown = client.error_from_body("SomethingNewError", "x", 500)
+    assert type(unknown) is errors.ShmCacheError and "SomethingNewError" in str(unknown)
 
 
 @pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
@@ -130,7 +192,7 @@ def test_missing_key_errors_name_the_key_and_what_to_do(store: Store) -> None:
 
 
 def _damage(store: Store, key: str, edit: Callable[[bytearray], bytes | bytearray]) -> Path:
-    path = store.root / "objects" / store.info(key).version / "data.npy"
+    path = Path(Layout(store.root).object_file(store.info(key).version, ARRAY_FILE))
     path.write_bytes(edit(bytearray(path.read_bytes())))
     return path
 
@@ -172,7 +234,7 @@ def test_entry_with_bad_descr_raises_corrupt_entry_error(store: Store, root: Pat
 def test_entry_whose_data_vanished(store: Store, root: Path) -> None:
     store.put_array("k", np.arange(3))
     store.put_array("other", np.arange(4))
-    shutil.rmtree(root / "objects" / store.info("k").version)  # removed behind the cache's back
+    shutil.rmtree(Layout(root).version_dir(store.info("k").version))  # removed behind the cache's back
     with pytest.raises(errors.CorruptEntryError) as info:
         Store(root).open_array("k")
     assert "'k'" in str(info.value) and "cleanup" in str(info.value)
