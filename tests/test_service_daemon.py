@@ -1,76 +1,95 @@
-"""The daemon's life: one per root, socket permissions, TCP safety, restarts, signals, budget."""
+"""The daemon's life: one per root, socket permissions, TCP safety, restarts, signals, budget,
+config preloads and settings errors.
+
+What only a real ``shmcache serve`` can show (the Unix socket and its peer check, the pid-file
+lock, signals, kill -9 and restart, a real TCP port) runs it as a subprocess and is marked
+``integration``; the rest drives the app in this process (``TestClient(create_app(...))``).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import stat
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
+
+pytest.importorskip("fastapi")
+
+import httpx
 from service_helpers import (
     Daemon,
+    app_client,
+    clean_env,
     disk_usage,
     load,
     running_daemon,
     serve_command,
     temporary_root,
+    unique,
     wait_for,
     wait_job,
     write_big_npy,
 )
+from shmcache.service import SettingsError, load_settings
+from typer.testing import CliRunner
 
-pytest.importorskip("fastapi")
+from shmcache._disk.layout import ENV_TOKEN, Layout
 
 TOKEN = "s3cret-token-0123456789"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
-def root() -> Iterator[Path]:
-    with temporary_root() as path:
-        yield path
-
-
-@pytest.fixture
-def data() -> Iterator[Path]:
-    """A source directory on the tmpfs when there is one (fast, like the cache)."""
-    with temporary_root() as path:
-        path.mkdir()
-        yield path
+def data(data_dir: Path) -> Path:
+    """This test's own directory of sources (under the module's ``data_dir``)."""
+    path = data_dir / unique("case")
+    path.mkdir()
+    return path
 
 
 def serve_once(root: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCACHE_")}
+    """``shmcache serve`` that is expected to exit at once (refused)."""
     return subprocess.run(
-        serve_command(root, *args), capture_output=True, text=True, timeout=timeout, env=env
+        serve_command(root, *args), capture_output=True, text=True, timeout=timeout, env=clean_env()
     )
 
 
+def entry_keys(client: httpx.Client) -> list[str]:
+    return [e["key"] for e in client.get("/v1/entries").json()]
+
+
+# ---------------------------------------------------------------------- a real daemon
+
+
+@pytest.mark.integration
 def test_socket_is_private_and_a_second_daemon_is_refused(root: Path) -> None:
+    layout = Layout(root)
     with running_daemon(root) as daemon:
-        mode = os.stat(daemon.socket_path).st_mode
+        assert daemon.socket_path == layout.socket
+        mode = os.stat(layout.socket).st_mode
         assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
-        assert (root / "daemon.pid").read_text().strip() == str(daemon.pid)
+        assert layout.pid_file.read_text().strip() == str(daemon.pid)
         second = serve_once(root)
         assert second.returncode == 1
         assert f"pid {daemon.pid}" in second.stderr and "already serves" in second.stderr
         with daemon.client() as client:  # the first one is unharmed
             assert client.get("/v1/health").status_code == 200
         assert daemon.stop() == 0
-    assert not (root / "daemon.sock").exists() and not (root / "daemon.pid").exists()
+    assert not layout.socket.exists() and not layout.pid_file.exists()
 
 
+@pytest.mark.integration
 def test_socket_elsewhere_is_not_taken_from_a_live_daemon(root: Path, data: Path) -> None:
     sock = data / "run" / "shmcache.sock"
     with running_daemon(root, "--socket", str(sock)) as daemon:
-        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600 and not (root / "daemon.sock").exists()
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600 and not Layout(root).socket.exists()
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://x") as client:
             assert client.get("/v1/health").json()["pid"] == daemon.pid
         with temporary_root() as other_root:
@@ -80,6 +99,7 @@ def test_socket_elsewhere_is_not_taken_from_a_live_daemon(root: Path, data: Path
     assert not sock.exists()
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
 def test_peers_of_another_uid_are_dropped(root: Path) -> None:
     with running_daemon(root) as daemon:
@@ -109,7 +129,9 @@ def test_peers_of_another_uid_are_dropped(root: Path) -> None:
             assert client.get("/v1/health").status_code == 200
 
 
+@pytest.mark.integration
 def test_kill_9_mid_load_then_restart_leaves_nothing_partial(root: Path, data: Path) -> None:
+    layout = Layout(root)
     size = 512 << 20
     source = data / "big.npy"
     write_big_npy(source, size)
@@ -123,24 +145,26 @@ def test_kill_9_mid_load_then_restart_leaves_nothing_partial(root: Path, data: P
         with daemon.client() as client:
             job = client.put("/v1/entries/big", json={"source": str(source)}).json()
             wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["bytes_done"] > 0, what="the load")
-            assert disk_usage(root / "tmp") >= 64 << 20  # a partial copy exists
+            assert disk_usage(layout.tmp) >= 64 << 20  # a partial copy exists
             daemon.signal(signal.SIGKILL)
             daemon.wait_exit()
     finally:
         daemon.signal(signal.SIGKILL)
-    assert (root / "daemon.sock").exists() and (root / "daemon.pid").exists()  # stale
+    assert layout.socket.exists() and layout.pid_file.exists()  # stale
 
     with running_daemon(root) as again, again.client() as client:
         assert client.get("/v1/entries/big").status_code == 404
         assert client.get("/v1/stats").json()["entries"] == 0
-        assert os.listdir(root / "tmp") == [] and os.listdir(root / "objects") == []
+        assert os.listdir(layout.tmp) == [] and os.listdir(layout.objects) == []
         assert disk_usage(root) < 1 << 20  # the partial copy's memory is back
         assert "cleanup freed" in again.log
         job = load(client, "big", source)  # and the same load now works
         assert job["state"] == "done" and client.get("/v1/entries/big").json()["size"] > size
 
 
+@pytest.mark.integration
 def test_sigterm_cancels_running_loads_and_removes_socket(root: Path, data: Path) -> None:
+    layout = Layout(root)
     source = write_big_npy(data / "slow.npy", 256 << 20)
     daemon = Daemon(root, "--max-load-rate", "64MiB").wait_ready()
     with daemon.client() as client:
@@ -149,74 +173,91 @@ def test_sigterm_cancels_running_loads_and_removes_socket(root: Path, data: Path
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit(20) == 0
     assert "cancelled" in daemon.log
-    assert not (root / "daemon.sock").exists() and not (root / "daemon.pid").exists()
-    assert os.listdir(root / "entries") == [] and os.listdir(root / "objects") == []
-    assert os.listdir(root / "tmp") == []
+    assert not layout.socket.exists() and not layout.pid_file.exists()
+    assert os.listdir(layout.entries) == [] and os.listdir(layout.objects) == []
+    assert os.listdir(layout.tmp) == []
 
 
-def test_cleanup_on_exit_evicts_everything(root: Path, data: Path) -> None:
+@pytest.mark.integration
+def test_entries_survive_a_restart_until_cleanup_on_exit(root: Path, data: Path) -> None:
+    layout = Layout(root)
     np.save(data / "a.npy", np.arange(10))
-    daemon = Daemon(root, "--cleanup-on-exit").wait_ready()
+    daemon = Daemon(root).wait_ready()
     with daemon.client() as client:
         assert load(client, "a", data / "a.npy")["state"] == "done"
-    assert os.listdir(root / "entries") != []
+    daemon.signal(signal.SIGINT)  # Ctrl-C: a clean stop that keeps the entries
+    assert daemon.wait_exit(20) == 0
+    assert os.listdir(layout.entries) != []
+
+    daemon = Daemon(root, "--cleanup-on-exit").wait_ready()
+    with daemon.client() as client:
+        assert entry_keys(client) == ["a"]
     daemon.signal(signal.SIGINT)
     assert daemon.wait_exit(20) == 0
-    assert os.listdir(root / "entries") == [] and os.listdir(root / "objects") == []
+    assert os.listdir(layout.entries) == [] and os.listdir(layout.objects) == []
     assert "evicted 1 entries" in daemon.log
 
 
-def test_entries_survive_a_restart(root: Path, data: Path) -> None:
-    np.save(data / "a.npy", np.arange(10))
-    with running_daemon(root) as daemon, daemon.client() as client:
-        assert load(client, "a", data / "a.npy")["state"] == "done"
-    with running_daemon(root) as daemon, daemon.client() as client:
-        assert [e["key"] for e in client.get("/v1/entries").json()] == ["a"]
+@pytest.mark.integration
+def test_tcp_token_on_a_real_port(root: Path, data: Path) -> None:
+    with running_daemon(
+        root, "--host", "127.0.0.1", "--port", "0", "--allow-source", str(data), env={ENV_TOKEN: TOKEN}
+    ) as daemon:
+        assert daemon.tcp_url is not None and daemon.tcp_url.startswith("http://127.0.0.1:")
+        with httpx.Client(base_url=daemon.tcp_url) as tcp:
+            response = tcp.get("/v1/stats")
+            assert response.status_code == 401 and response.json()["error"] == "UnauthorizedError"
+            assert tcp.get("/v1/stats", headers=BEARER).status_code == 200
+        with daemon.client() as local:  # the Unix socket authenticates by uid instead
+            assert local.get("/v1/stats").status_code == 200
+
+
+@pytest.mark.integration
+def test_a_settings_error_exits_2_before_serving(root: Path, tmp_path: Path) -> None:
+    typo = tmp_path / "typo.toml"
+    typo.write_text("max_byte = 5\n")
+    result = serve_once(root, "--config", str(typo))
+    assert result.returncode == 2 and "unknown setting(s) max_byte" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not Layout(root).socket.exists() and not Layout(root).pid_file.exists()
+
+
+# ---------------------------------------------------------------------- the app in this process
 
 
 def test_budget_evicts_least_recently_used_unpinned_entries(root: Path, data: Path) -> None:
     for name in "abcd":
         np.save(data / f"{name}.npy", np.zeros(1 << 20, dtype=np.uint8))  # 1 MiB each
-    with running_daemon(root, "--max-bytes", "3.5MiB") as daemon, daemon.client() as client:
+    with app_client(root, max_bytes="3.5MiB") as client:
         assert client.get("/v1/stats").json()["budget"] == int(3.5 * (1 << 20))
         assert load(client, "a", data / "a.npy", pin=True)["state"] == "done"
         assert load(client, "b", data / "b.npy")["state"] == "done"
         assert load(client, "c", data / "c.npy")["state"] == "done"
         assert load(client, "d", data / "d.npy")["state"] == "done"  # evicts b, the oldest unpinned
-        assert [e["key"] for e in client.get("/v1/entries").json()] == ["a", "c", "d"]
+        assert entry_keys(client) == ["a", "c", "d"]
         too_big = write_big_npy(data / "too_big.npy", 4 << 20)
         response = client.put("/v1/entries/too_big", json={"source": str(too_big)})
         assert response.status_code == 507 and response.json()["error"] == "CacheFullError"
 
 
-def test_tcp_on_a_public_address_needs_a_token_and_allowed_sources(root: Path, data: Path) -> None:
-    refused = serve_once(root, "--host", "0.0.0.0", "--port", "0")
-    assert refused.returncode == 2 and "--token" in refused.stderr
-    no_dirs = serve_once(root, "--host", "0.0.0.0", "--port", "0", "--token", TOKEN)
-    assert no_dirs.returncode == 2 and "--allow-source" in no_dirs.stderr
-    assert not (root / "daemon.sock").exists()
+def test_tcp_token_is_checked_on_every_request(root: Path, data: Path) -> None:
+    """Over TCP (not the Unix socket) every request needs ``Authorization: Bearer <token>``."""
+    with app_client(root, host="127.0.0.1", port=0, allow_source=[data], env={ENV_TOKEN: TOKEN}) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+            response = client.get("/v1/stats", headers=headers)
+            assert response.status_code == 401, headers
+            assert response.json()["error"] == "UnauthorizedError"
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert client.get("/v1/stats", headers=BEARER).status_code == 200
+        assert client.get("/openapi.json").status_code == 401
+        schema = client.get("/openapi.json", headers=BEARER).json()
+        assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
-def test_tcp_token_is_checked_on_loopback_too(root: Path, data: Path) -> None:
-    with running_daemon(
-        root, "--host", "127.0.0.1", "--port", "0", "--allow-source", str(data), env={"SHMCACHE_TOKEN": TOKEN}
-    ) as daemon:
-        assert daemon.tcp_url is not None and daemon.tcp_url.startswith("http://127.0.0.1:")
-        with httpx.Client(base_url=daemon.tcp_url) as tcp:
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
-                response = tcp.get("/v1/stats", headers=headers)
-                assert response.status_code == 401, headers
-                assert response.json()["error"] == "UnauthorizedError"
-                assert response.headers["www-authenticate"] == "Bearer"
-            ok = tcp.get("/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"})
-            assert ok.status_code == 200
-            schema = tcp.get("/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"}).json()
-            assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-        with daemon.client() as local:  # the Unix socket authenticates by uid instead
-            assert local.get("/v1/stats").status_code == 200
-
-
-def test_config_file_preloads_datasets_and_flags_override_it(root: Path, data: Path) -> None:
+def test_config_file_preloads_datasets_and_flags_override_it(
+    root: Path, data: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="shmcache.service")
     np.save(data / "labels.npy", np.arange(100))
     (data / "feats").mkdir()
     np.save(data / "feats" / "x.npy", np.ones((4, 4)))
@@ -226,42 +267,51 @@ def test_config_file_preloads_datasets_and_flags_override_it(root: Path, data: P
         '[[datasets]]\nkey = "labels"\nsource = "labels.npy"\npin = true\n\n'
         '[[datasets]]\nkey = "feats"\nsource = "feats"\n'
     )
-    with (
-        running_daemon(root, "--config", str(config), "--max-bytes", "2GiB") as daemon,
-        daemon.client() as client,
-    ):
+    with app_client(root, config_file=config, max_bytes="2GiB") as client:
         assert client.get("/v1/stats").json()["budget"] == 2 << 30  # the flag wins
-        for job in client.get("/v1/jobs").json():
+        jobs = client.get("/v1/jobs").json()
+        assert len(jobs) == 2
+        for job in jobs:
             assert wait_job(client, job["id"])["state"] == "done"
         entries = {e["key"]: e for e in client.get("/v1/entries").json()}
         assert set(entries) == {"labels", "feats/x"} and entries["labels"]["pinned"]
-    with running_daemon(root, "--config", str(config)) as daemon, daemon.client() as client:
+    caplog.clear()
+    with app_client(root, config_file=config) as client:
         assert client.get("/v1/jobs").json() == []  # unchanged sources are not loaded again
-        assert daemon.log.count("unchanged since it was loaded") == 2
+        assert caplog.text.count("unchanged since it was loaded") == 2
         assert client.get("/v1/stats").json()["budget"] == 1 << 30
 
 
-def test_bad_settings_are_usage_errors(root: Path, tmp_path: Path) -> None:
-    bad = tmp_path / "bad.toml"
-    bad.write_text('max_bytes = "lots"\n')
-    result = serve_once(root, "--config", str(bad))
-    assert result.returncode == 2 and "max_bytes" in result.stderr
-    typo = tmp_path / "typo.toml"
-    typo.write_text("max_byte = 5\n")
-    result = serve_once(root, "--config", str(typo))
-    assert result.returncode == 2 and "unknown setting(s) max_byte" in result.stderr
-    result = serve_once(root, "--max-bytes", "1G", "--max-fraction", "0.5")
-    assert result.returncode == 2 and "not both" in result.stderr
+@pytest.mark.parametrize(
+    ("flags", "config", "message"),
+    [
+        ({}, 'max_bytes = "lots"\n', "max_bytes"),
+        ({}, "max_byte = 5\n", "unknown setting(s) max_byte"),
+        ({"max_bytes": "1G", "max_fraction": 0.5}, None, "not both"),
+        ({"host": "0.0.0.0", "port": 0}, None, "--token"),
+        ({"host": "0.0.0.0", "port": 0, "token": TOKEN}, None, "--allow-source"),
+    ],
+    ids=["bad-size", "unknown-key", "two-budgets", "public-tcp-no-token", "public-tcp-no-dirs"],
+)
+def test_bad_settings_are_refused(
+    root: Path, tmp_path: Path, flags: dict[str, object], config: str | None, message: str
+) -> None:
+    config_file = None
+    if config is not None:
+        config_file = tmp_path / "shmcache.toml"
+        config_file.write_text(config)
+    with pytest.raises(SettingsError) as caught:
+        load_settings({"root": root, **flags}, env={}, config_file=config_file)
+    assert message in str(caught.value)
+    assert not root.exists()  # refused before anything was created
 
 
 def test_serve_help_lists_every_option() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", "from shmcache.cli import main; main()", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "COLUMNS": "200"},
-    ).stdout
+    from shmcache.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
     for option in (
         "--root",
         "--socket",
