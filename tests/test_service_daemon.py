@@ -45,6 +45,17 @@ TOKEN = "s3cret-token-0123456789"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
+@pytest.fixture(scope="module")
+def daemon_args(data_dir: Path) -> tuple[str, ...]:
+    """The module's shared daemon also listens on loopback TCP (a real port) with a token."""
+    return ("--host", "127.0.0.1", "--port", "0", "--allow-source", str(data_dir))
+
+
+@pytest.fixture(scope="module")
+def daemon_env() -> dict[str, str]:
+    return {ENV_TOKEN: TOKEN}
+
+
 @pytest.fixture
 def data(data_dir: Path) -> Path:
     """This test's own directory of sources (under the module's ``data_dir``)."""
@@ -68,21 +79,20 @@ def entry_keys(client: httpx.Client) -> list[str]:
 
 
 @pytest.mark.integration
-def test_socket_is_private_and_a_second_daemon_is_refused(root: Path) -> None:
-    layout = Layout(root)
-    with running_daemon(root) as daemon:
-        assert daemon.socket_path == layout.socket
-        mode = os.stat(layout.socket).st_mode
-        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
-        assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
-        assert layout.pid_file.read_text().strip() == str(daemon.pid)
-        second = serve_once(root)
-        assert second.returncode == 1
-        assert f"pid {daemon.pid}" in second.stderr and "already serves" in second.stderr
-        with daemon.client() as client:  # the first one is unharmed
-            assert client.get("/v1/health").status_code == 200
-        assert daemon.stop() == 0
-    assert not layout.socket.exists() and not layout.pid_file.exists()
+def test_socket_is_private_and_a_second_daemon_is_refused(daemon: Daemon) -> None:
+    layout = Layout(daemon.root)
+    assert daemon.socket_path == layout.socket
+    mode = os.stat(layout.socket).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    assert stat.S_IMODE(os.stat(daemon.root).st_mode) == 0o700
+    assert layout.pid_file.read_text().strip() == str(daemon.pid)
+    second = serve_once(daemon.root)
+    assert second.returncode == 1
+    assert f"pid {daemon.pid}" in second.stderr and "already serves" in second.stderr
+    with daemon.client() as client:  # the first one is unharmed
+        assert client.get("/v1/health").json()["pid"] == daemon.pid
+    assert layout.socket.exists() and layout.pid_file.read_text().strip() == str(daemon.pid)
+    # A clean stop removes the socket and the pid file: test_sigterm_cancels_running_loads...
 
 
 @pytest.mark.integration
@@ -101,10 +111,10 @@ def test_socket_elsewhere_is_not_taken_from_a_live_daemon(root: Path, data: Path
 
 @pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
-def test_peers_of_another_uid_are_dropped(root: Path) -> None:
-    with running_daemon(root) as daemon:
-        os.chmod(root, 0o711)  # only the SO_PEERCRED check stands in the way now
-        os.chmod(daemon.socket_path, 0o666)
+def test_peers_of_another_uid_are_dropped(daemon: Daemon) -> None:
+    os.chmod(daemon.root, 0o711)  # only the SO_PEERCRED check stands in the way now
+    os.chmod(daemon.socket_path, 0o666)
+    try:
         child = os.fork()
         if child == 0:  # pragma: no cover - child process
             code = 1
@@ -124,9 +134,11 @@ def test_peers_of_another_uid_are_dropped(root: Path) -> None:
         _, status = os.waitpid(child, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert "refused a connection" in daemon.log and "uid 65534" in daemon.log
-        os.chmod(root, 0o700)
-        with daemon.client() as client:
-            assert client.get("/v1/health").status_code == 200
+    finally:
+        os.chmod(daemon.root, 0o700)
+        os.chmod(daemon.socket_path, 0o600)
+    with daemon.client() as client:
+        assert client.get("/v1/health").status_code == 200
 
 
 @pytest.mark.integration
@@ -199,17 +211,15 @@ def test_entries_survive_a_restart_until_cleanup_on_exit(root: Path, data: Path)
 
 
 @pytest.mark.integration
-def test_tcp_token_on_a_real_port(root: Path, data: Path) -> None:
-    with running_daemon(
-        root, "--host", "127.0.0.1", "--port", "0", "--allow-source", str(data), env={ENV_TOKEN: TOKEN}
-    ) as daemon:
-        assert daemon.tcp_url is not None and daemon.tcp_url.startswith("http://127.0.0.1:")
-        with httpx.Client(base_url=daemon.tcp_url) as tcp:
-            response = tcp.get("/v1/stats")
-            assert response.status_code == 401 and response.json()["error"] == "UnauthorizedError"
-            assert tcp.get("/v1/stats", headers=BEARER).status_code == 200
-        with daemon.client() as local:  # the Unix socket authenticates by uid instead
-            assert local.get("/v1/stats").status_code == 200
+def test_tcp_token_on_a_real_port(daemon: Daemon) -> None:
+    assert daemon.tcp_url is not None and daemon.tcp_url.startswith("http://127.0.0.1:")
+    with httpx.Client(base_url=daemon.tcp_url) as tcp:
+        response = tcp.get("/v1/stats")
+        assert response.status_code == 401 and response.json()["error"] == "UnauthorizedError"
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert tcp.get("/v1/stats", headers=BEARER).status_code == 200
+    with daemon.client() as local:  # the Unix socket authenticates by uid instead
+        assert local.get("/v1/stats").status_code == 200
 
 
 @pytest.mark.integration
