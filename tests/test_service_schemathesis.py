@@ -15,7 +15,6 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
 
-from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import (  # noqa: E402
@@ -24,6 +23,7 @@ from schemathesis.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis.python import asgi  # noqa: E402
 from service_helpers import temporary_root  # noqa: E402
 from shmcache.service import create_app, load_settings  # noqa: E402
 
@@ -36,16 +36,29 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 @pytest.fixture(scope="module")
-def api_schema(data_dir: Path) -> Iterator[Any]:
+def app(data_dir: Path) -> Iterator[Any]:
+    """The daemon's app set up as for TCP with a token; schemathesis starts its lifespan (job
+    workers, start-up cleanup) on the first request and it is shut down here, before the root goes."""
     np.save(data_dir / "small.npy", np.arange(10))
     with temporary_root() as root:
         settings = load_settings(
             {"root": root, "host": "127.0.0.1", "port": 0, "allow_source": [data_dir]},
             env={ENV_TOKEN: TOKEN},
         )
-        app = create_app(settings)
-        with TestClient(app):  # runs the lifespan (job workers, start-up cleanup) around the test
-            yield schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
+        yield create_app(settings)
+        asgi.shutdown_lifespans()
+
+
+@pytest.fixture(scope="module")
+def api_schema(app: Any) -> Any:
+    return schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
+
+
+@pytest.fixture(scope="module")
+def session(app: Any) -> Iterator[Any]:
+    """One in-process client for every call (instead of one per generated case)."""
+    with asgi.get_client(app) as client:
+        yield client
 
 
 def _operations(api_schema: Any) -> list[Any]:
@@ -53,7 +66,7 @@ def _operations(api_schema: Any) -> list[Any]:
 
 
 @pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda m: m.value)
-def test_no_5xx_and_answers_match_the_schema(api_schema: Any, mode: Any) -> None:
+def test_no_5xx_and_answers_match_the_schema(api_schema: Any, session: Any, mode: Any) -> None:
     operations = _operations(api_schema)
     assert len(operations) >= 10
     for operation in operations:
@@ -63,7 +76,7 @@ def test_no_5xx_and_answers_match_the_schema(api_schema: Any, mode: Any) -> None
             max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None
         )
         def check(case: Any) -> None:
-            response = case.call(headers=AUTH, timeout=10)
+            response = case.call(session=session, headers=AUTH, timeout=10)
             case.validate_response(response, checks=CHECKS)
 
         check()
