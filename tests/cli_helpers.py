@@ -1,54 +1,43 @@
-"""Helpers for the CLI and client tests: a data directory, running the CLI, npy files."""
+"""Helpers for the CLI tests: the one CliRunner wrapper, the CLI as a subprocess, npy files,
+a stale socket."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from click.testing import Result
+from service_helpers import clean_env
 from typer.testing import CliRunner
 
 from shmcache.cli import app
 
+__all__ = ["CLI", "cli", "cli_process", "errors_only", "invoke", "save", "stale_socket"]
+
 _runner = CliRunner()
 CLI = [sys.executable, "-c", "from shmcache.cli import main; main()"]
+"""The CLI as a subprocess, through its console entry point's function."""
 
 
-@contextmanager
-def data_directory() -> Iterator[Path]:
-    """A fresh directory of sources on the tmpfs (fast), removed afterwards."""
-    base = Path("/dev/shm" if Path("/dev/shm").is_dir() else os.environ.get("TMPDIR", "/tmp"))
-    path = base / f"shmcache-test-data-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:8]}"
+def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    """Run the CLI in this process (stdout and stderr apart; an exception that escapes
+    the command, as with ``--debug``, is kept in ``result.exception``)."""
+    return _runner.invoke(app, list(args), env=env)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """Run the CLI in this process: ``(exit code, stdout, stderr)``."""
-    result = _runner.invoke(app, list(args), env=env)
+    result = invoke(*args, env=env)
     return result.exit_code, result.stdout, result.stderr
 
 
 def cli_process(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start the CLI as a subprocess (for signals), without inherited SHMCACHE_* settings."""
-    merged = {k: v for k, v in os.environ.items() if not k.startswith("SHMCACHE_")}
-    merged.update(env or {})
     return subprocess.Popen(
-        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=merged
+        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(env)
     )
 
 

@@ -11,33 +11,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import cli, cli_process, data_directory, errors_only, save, stale_socket, unique
-from service_helpers import Daemon, running_daemon, temporary_root, wait_for, write_big_npy
+from cli_helpers import cli, cli_process, errors_only, invoke, save, stale_socket
+from service_helpers import Daemon, running_daemon, temporary_root, unique, wait_for, write_big_npy
 from shmcache.client import Client
 
 import shmcache
+from shmcache._disk.layout import ENV_SOCKET, Layout
 
 pytest.importorskip("fastapi")
 
-RATE = 64 << 20  # bytes/s per load: a 1 GiB source stays running long enough to interrupt
 NO_DAEMON = "no daemon on"
 
 
 @pytest.fixture(scope="module")
-def data_dir() -> Iterator[Path]:
-    with data_directory() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def daemon(data_dir: Path) -> Iterator[Daemon]:
-    with temporary_root() as root, running_daemon(root, "--max-load-rate", str(RATE)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def budget_daemon() -> Iterator[Daemon]:
-    with temporary_root() as root, running_daemon(root, "--max-bytes", "1MiB") as running:
+def budget_daemon(data_dir: Path) -> Iterator[Daemon]:
+    with temporary_root() as root, running_daemon(
+        root, "--allow-source", str(data_dir), "--max-bytes", "1MiB"
+    ) as running:
         yield running
 
 
@@ -136,7 +126,7 @@ def test_put_beyond_the_budget_is_cache_full(budget_daemon: Daemon, data_dir: Pa
 
 def test_ctrl_c_cancels_the_daemon_load_and_exits_130(daemon: Daemon, client: Client, data_dir: Path) -> None:
     key = unique("slow")
-    source = write_big_npy(data_dir / f"{key}.npy", 1 << 30)
+    source = write_big_npy(data_dir / f"{key}.npy", 256 << 20)  # ~4 s at the daemon's LOAD_RATE
     process = cli_process("put", str(source), "--key", key, "--root", str(daemon.root))
     try:
         wait_for(lambda: any(j.key == key and j.state == "running" for j in client.jobs()), 30, "a load")
@@ -215,7 +205,7 @@ def test_put_without_a_daemon_loads_in_process_with_a_notice(root: Path, tmp_pat
 
 
 def test_a_stale_socket_is_no_daemon(root: Path, tmp_path: Path) -> None:
-    stale_socket(root / "daemon.sock")
+    stale_socket(Layout(root).socket)
     code, out, err = cli("put", str(save(tmp_path / "a.npy", np.arange(5))), "--key", "a")
     assert code == 0 and out.split() == ["a"] and NO_DAEMON in err
     code, out, _ = cli("stats", "--json")
@@ -225,7 +215,7 @@ def test_a_stale_socket_is_no_daemon(root: Path, tmp_path: Path) -> None:
 def test_a_daemon_of_another_root_is_not_used(root: Path, daemon: Daemon, tmp_path: Path) -> None:
     code, _, err = cli(
         "put", str(save(tmp_path / "a.npy", np.arange(5))), "--key", "mine",
-        env={"SHMCACHE_SOCKET": str(daemon.socket_path)},
+        env={ENV_SOCKET: str(daemon.socket_path)},
     )
     assert code == 0 and NO_DAEMON in err
     assert shmcache.Store(root).exists("mine") and not shmcache.Store(daemon.root).exists("mine")
@@ -302,8 +292,21 @@ def test_ctrl_c_in_process_exits_130(root: Path, tmp_path: Path, monkeypatch: py
 
 
 def test_debug_shows_the_traceback(root: Path) -> None:
-    code, _, _ = cli("--debug", "info", "missing")
-    assert code == 1  # the exception propagates (CliRunner catches it) instead of a one-line message
+    plain = invoke("info", "missing")
+    assert plain.exit_code == 1 and plain.stderr.startswith("error: no entry 'missing'")
+    assert isinstance(plain.exception, SystemExit)  # a clean exit, no exception escaped
+    debug = invoke("--debug", "info", "missing")
+    assert isinstance(debug.exception, shmcache.KeyNotFoundError)  # it propagates, with its traceback
+    assert debug.exc_info is not None and debug.exc_info[2] is not None
+    assert "error:" not in debug.stderr  # instead of the one-line message
+
+
+def test_debug_shows_the_traceback_of_a_failed_daemon_load(daemon: Daemon, data_dir: Path) -> None:
+    key = unique("dbg")
+    source = str(save(data_dir / f"{key}.npy", np.arange(3)))
+    assert cli("put", source, "--key", key, "--root", str(daemon.root))[0] == 0
+    debug = invoke("--debug", "put", source, "--key", key, "--root", str(daemon.root))
+    assert isinstance(debug.exception, shmcache.KeyExistsError) and "error:" not in debug.stderr
 
 
 # ---------------------------------------------------------------------- help and README agree

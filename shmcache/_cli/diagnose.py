@@ -1,6 +1,6 @@
 """``shmcache doctor``, ``top`` and ``watch``: why is memory where it is, and is it growing.
 
-Registered on the main Typer app by :func:`register`; the logic lives in ``_diagnose``.
+Registered on the main Typer app by :func:`register`; the logic lives in ``shmcache._diagnose``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Annotated, Any
 
 import typer
 
-from ._cli_options import RootOption
-from ._store import Store
-from ._units import human_bytes
-from .errors import ShmCacheError
+from .._store import Store
+from .._units import human_bytes
+from ..errors import ShmCacheError
+from .common import fail, print_table
+from .options import JsonOption, RootOption, SocketOption
 
 __all__ = ["register"]
 
@@ -40,12 +41,8 @@ def register(app: typer.Typer) -> None:
 
 def doctor(
     root: RootOption = None,
-    socket_path: Annotated[
-        Path | None,
-        typer.Option("--socket", envvar="SHMCACHE_SOCKET", show_default=False,
-                     help="The daemon's Unix socket (default <root>/daemon.sock)."),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    socket_path: SocketOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Check the machine for what breaks shared-memory caches, and say how to fix it.
 
@@ -53,7 +50,7 @@ def doctor(
     cache, root ownership and mode, the daemon, the multiprocessing start method,
     `ulimit -n`, vm.overcommit. Exit code 1 if any check fails.
     """
-    from ._diagnose import run_checks
+    from .._diagnose.doctor import run_checks
 
     checks = run_checks(Store(root).root, socket_path)
     failed = any(c.status == "fail" for c in checks)
@@ -84,7 +81,7 @@ def top(
     summing PSS counts the cache once however many processes read it; CACHE is the part
     of PSS that is the cache's pages. Refreshes until Ctrl+C unless --once.
     """
-    from ._diagnose import mapping_processes
+    from .._diagnose.top import mapping_processes
 
     store = Store(root)
 
@@ -110,7 +107,7 @@ def top(
         if once or not sys.stdout.isatty():
             while True:
                 header, table, footer = snapshot()
-                _print_table(header, table)
+                print_table(header, table)
                 typer.echo(footer)
                 if once:
                     return
@@ -118,8 +115,7 @@ def top(
                 typer.echo("")
         _live_top(snapshot, interval)
     except ShmCacheError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise fail(exc) from None
     except KeyboardInterrupt:
         return
 
@@ -157,7 +153,8 @@ def watch(
     growing means >= 2 MiB/min and >= 8 MiB in total). The exit code is COMMAND's; Ctrl+C
     reaches COMMAND. Example: shmcache watch -- python train.py
     """
-    from ._diagnose import GROWTH_MIN_BYTES, SLOPE_MIN_BYTES_PER_MIN, WARMUP_S, WatchRecorder
+    from .._diagnose.growth import GROWTH_MIN_BYTES, SLOPE_MIN_BYTES_PER_MIN, WARMUP_S
+    from .._diagnose.watch import WatchRecorder
 
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -240,8 +237,3 @@ def _entries_cell(keys: list[str]) -> str:
     shown = ", ".join(keys[:3])
     return f"{len(keys)}: {shown}" + (", …" if len(keys) > 3 else "")
 
-
-def _print_table(header: list[str], rows: list[tuple[str, ...]]) -> None:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-    for line in (tuple(header), *rows):
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False)).rstrip())

@@ -1,0 +1,52 @@
+"""The ``shmcache`` command: put, list, inspect, evict and clean up a cache root; run the
+daemon; diagnose memory.
+
+Every command takes ``--root`` (default: ``$SHMCACHE_ROOT`` or ``/dev/shm/shmcache-<uid>``).
+Exit codes: 0 ok, 1 the operation failed (message, no traceback unless ``--debug``),
+2 usage error, 130 interrupted.
+
+The commands live in one module per group (:mod:`.entries`, :mod:`.demo`, :mod:`.serve`,
+:mod:`.diagnose`); this module builds the app from them and re-exports the helpers they
+share (:func:`fail`, :func:`debug_enabled`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from . import demo, diagnose, entries, serve
+from .common import debug_enabled, fail, set_debug
+
+__all__ = ["app", "debug_enabled", "fail", "main"]
+
+app = typer.Typer(
+    name="shmcache",
+    help="Shared-memory dataset cache for PyTorch: load once into /dev/shm, open everywhere.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+) -> None:
+    set_debug(debug)
+
+
+entries.register(app)
+demo.register(app)
+serve.register(app)
+diagnose.register(app)
+
+
+def main() -> None:
+    """Console entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

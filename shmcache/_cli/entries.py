@@ -1,0 +1,404 @@
+"""The commands on entries: ``put``, ``ls``, ``info``, ``evict``, ``cleanup``, ``stats``,
+``verify``.
+
+Each picks its backend once (:mod:`.backend`): the daemon serving the root, else this
+process. ``put`` is the one that cares which: through the daemon it submits one load
+per source, so several sources load in parallel, and Ctrl+C cancels them.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from .._disk.keys import validate_key
+from .._store import Store, StoreStats
+from .._units import human_bytes
+from ..errors import (
+    CorruptEntryError,
+    InvalidKeyError,
+    KeyExistsError,
+    KeyNotFoundError,
+    ShmCacheError,
+    SourceNotFoundError,
+)
+from .backend import open_backend, resolve_root
+from .common import fail, failures_exit_1, print_table, warn_or_raise
+from .options import JsonOption, RootOption
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from ..client import Client, Job
+
+__all__ = ["cleanup", "evict", "info", "list_command", "put", "register", "stats", "verify"]
+
+_POLL_MIN_S = 0.01
+_POLL_MAX_S = 0.2
+
+
+def register(app: typer.Typer) -> None:
+    """Add the entry commands to ``app`` (in the order ``--help`` lists them)."""
+    app.command()(put)
+    app.command("ls")(list_command)
+    app.command()(info)
+    app.command()(evict)
+    app.command()(cleanup)
+    app.command()(stats)
+    app.command()(verify)
+
+
+# ---------------------------------------------------------------------- put
+
+
+def put(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A .npy or .npz file, a directory of them, or a quoted glob ('data/*.npy'): each "
+            "match goes under KEY/<name without .npy/.npz>.",
+            show_default=False,
+            metavar="PATH",
+        ),
+    ],
+    key: Annotated[
+        str,
+        typer.Option("--key", "-k", help="Key (a directory puts KEY/<relative path>).", show_default=False),
+    ],
+    root: RootOption = None,
+    pin: Annotated[bool, typer.Option("--pin", help="Never evict it to stay within a budget.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing entries.")] = False,
+    progress: Annotated[
+        bool | None,
+        typer.Option("--progress/--no-progress", help="Byte progress bar on stderr (default: on a terminal).",
+                     show_default=False),
+    ] = None,
+) -> None:
+    """Load PATH into the cache under KEY and print the keys published.
+
+    Through the daemon when one serves the root (its budget applies;
+    Ctrl+C cancels the load), else in this process, with a notice.
+    Nothing partial is ever published.
+    """
+    with failures_exit_1():
+        sources = _sources(path, key)
+    bar, title = _progress_bar(progress), f"put {key}"
+    try:
+        with open_backend(root) as control:
+            if isinstance(control, Store):
+                with failures_exit_1():
+                    published = _put_here(control, sources, pin, overwrite, bar, title)
+            else:
+                with failures_exit_1():
+                    jobs = _put_through(control, sources, pin, overwrite, bar, title)
+                _report_jobs(jobs)
+                return
+    except KeyboardInterrupt:
+        typer.echo("interrupted: the load was cancelled; nothing partial was published", err=True)
+        raise typer.Exit(130) from None
+    for published_key in published:
+        typer.echo(published_key)
+
+
+def _sources(path: str, key: str) -> list[tuple[str, Path]]:
+    """``(key, source)`` pairs for PATH: itself if it exists, else the matches of a glob,
+    each under ``key/<name without .npy/.npz>``."""
+    validate_key(key)
+    literal = Path(path).expanduser()
+    if literal.exists() or not glob.has_magic(path):
+        return [(key, literal)]
+    matches = sorted(glob.glob(os.path.expanduser(path)))
+    if not matches:
+        raise SourceNotFoundError(f"no file or directory matches {path!r}")
+    pairs: dict[str, Path] = {}
+    for match in matches:
+        name = Path(match).name
+        stem = name.rsplit(".", 1)[0] if Path(match).suffix in (".npy", ".npz") else name
+        child = validate_key(f"{key}/{stem}")
+        if child in pairs:
+            raise InvalidKeyError(
+                f"{pairs[child]} and {match} would both be put as {child!r}; narrow the pattern"
+            )
+        pairs[child] = Path(match)
+    return list(pairs.items())
+
+
+def _progress_bar(enabled: bool | None) -> Progress:
+    """A byte progress bar on stderr (shown on a terminal, or always with --progress)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    console = Console(stderr=True, force_terminal=True if enabled else None)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=enabled is False or not console.is_terminal,
+        transient=False,
+    )
+
+
+def _put_here(
+    store: Store, sources: list[tuple[str, Path]], pin: bool, overwrite: bool, bar: Progress, title: str
+) -> list[str]:
+    """Validate every source first (nothing is copied if one is bad), then put them."""
+    plans = [(key, source, store.plan_file(key, source)) for key, source in sources]
+    if not overwrite:
+        for _, _, plan in plans:
+            for entry in plan:
+                if store.exists(entry.key):
+                    raise KeyExistsError(
+                        f"entry {entry.key!r} already exists; pass --overwrite to replace it, "
+                        "or evict it first"
+                    )
+    typer.echo(f"notice: no daemon on {store.root}; loading in this process", err=True)
+    published: list[str] = []
+    with bar:
+        task = bar.add_task(title, total=sum(entry.size for _, _, plan in plans for entry in plan))
+        offset = 0
+        for key, source, plan in plans:
+            def advance(done: int, _total: int, base: int = offset) -> None:
+                bar.update(task, completed=base + done)
+
+            published += store.put_file(key, source, overwrite=overwrite, pin=pin, progress=advance)
+            offset += sum(entry.size for entry in plan)
+    return published
+
+
+def _put_through(
+    client: Client, sources: list[tuple[str, Path]], pin: bool, overwrite: bool, bar: Progress, title: str
+) -> list[Job]:
+    """Submit one load per source (the daemon runs them in parallel), follow them on one
+    bar; Ctrl+C (or a refused source) cancels those already submitted. Returns the
+    finished jobs."""
+    jobs: list[Job] = []
+    try:
+        for key, source in sources:
+            jobs.append(client.load(key, source, pin=pin, overwrite=overwrite))
+        with bar:
+            task = bar.add_task(title, total=None)
+            delay = _POLL_MIN_S
+            while True:
+                jobs = [client.job(job.id) if job.active else job for job in jobs]
+                totals = [job.bytes_total for job in jobs]
+                known = all(t is not None for t in totals)
+                bar.update(task, completed=sum(job.bytes_done for job in jobs),
+                           total=sum(t or 0 for t in totals) if known else None)
+                if not any(job.active for job in jobs):
+                    return jobs
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+    except BaseException:
+        _cancel(client, jobs, sources)
+        raise
+
+
+def _cancel(client: Client, jobs: Sequence[Job], sources: Sequence[tuple[str, Path]]) -> None:
+    """Cancel our loads: those submitted, and any still active for our keys and sources
+    (Ctrl+C may land after the daemon queued a load but before we read its answer)."""
+    try:  # an interrupted request may have left the connection half-read: start afresh
+        client.close()
+    except Exception:
+        pass
+    ours = {
+        (key, path) for key, source in sources for path in (os.path.abspath(source), os.path.realpath(source))
+    }
+    try:
+        active = [job for job in client.jobs() if job.active and (job.key, job.source) in ours]
+    except ShmCacheError:
+        active = []
+    for job_id in dict.fromkeys([job.id for job in jobs if job.active] + [job.id for job in active]):
+        try:
+            client.cancel(job_id)
+        except ShmCacheError:
+            pass  # finished meanwhile, or the daemon is gone: nothing left to stop
+
+
+def _report_jobs(jobs: Sequence[Job]) -> None:
+    """Print the keys the jobs published, then one error line per failed job (exit 1)."""
+    from ..client import error_from_body
+    from ..errors import JobCancelledError
+
+    failed = [job for job in jobs if job.state != "done"]
+    for job in jobs:
+        for published_key in job.keys:
+            typer.echo(published_key)
+    for job in failed:
+        if job.state == "cancelled" or job.error is None:
+            error: ShmCacheError = JobCancelledError(f"load of {job.key!r} was cancelled")
+        else:
+            error = error_from_body(job.error.type, job.error.detail)
+        warn_or_raise(error, str(error) if len(jobs) == 1 else f"{job.key}: {error}")
+    if failed:
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+def _mapped_by(root: Path) -> dict[str, list[int]]:
+    """Version -> PIDs of live processes mapping it (one /proc scan, in this process)."""
+    try:
+        scan = Store(root).scan_mappings()
+    except OSError:
+        return {}
+    return {version: sorted(pids) for version, pids in scan.pids_by_version.items()}
+
+
+def _show_pids(pids: Sequence[int]) -> str:
+    if len(pids) > 3:
+        return f"{len(pids)} pids"
+    return ",".join(map(str, pids))
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def list_command(
+    prefix: Annotated[
+        str | None, typer.Argument(help="Only PREFIX and keys under PREFIX/.", metavar="PREFIX")
+    ] = None,
+    root: RootOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List entries: key, kind, dtype, shape, size, pinned, mapped by (PIDs), age."""
+    with open_backend(root) as control, failures_exit_1():
+        entries = control.list(prefix)
+    mapped = _mapped_by(resolve_root(root))
+    if as_json:
+        typer.echo(json.dumps([{**asdict(e), "mapped_by": mapped.get(e.version, [])} for e in entries],
+                              indent=1))
+        return
+    now = time.time()
+    rows = [
+        (e.key, e.kind, e.dtype or "", "x".join(map(str, e.shape or ())) or "()", human_bytes(e.size),
+         "yes" if e.pinned else "", _show_pids(mapped.get(e.version, [])), _age(now - e.created))
+        for e in entries
+    ]
+    print_table(("KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "PINNED", "MAPPED BY", "AGE"), rows)
+
+
+def info(
+    key: Annotated[str, typer.Argument(help="The entry's key.", show_default=False, metavar="KEY")],
+    root: RootOption = None,
+) -> None:
+    """Show one entry's metadata as JSON, with mapped_by: PIDs of live processes mapping it."""
+    with open_backend(root) as control, failures_exit_1():
+        detail: dict[str, Any] = {**asdict(control.info(key)), "mapped_by": control.mapped_by(key)}
+    typer.echo(json.dumps(detail, indent=1))
+
+
+# ---------------------------------------------------------------------- remove, maintain
+
+
+def evict(
+    keys: Annotated[list[str], typer.Argument(help="Keys to remove (prefixes with --prefix).",
+                                             show_default=False, metavar="KEY")],
+    root: RootOption = None,
+    prefix: Annotated[
+        bool, typer.Option("--prefix", help="Evict every entry that is KEY or lies under KEY/.")
+    ] = False,
+) -> None:
+    """Remove entries; processes that mapped them keep reading their version."""
+    failed = False
+    with open_backend(root) as control:
+        for key in keys:
+            try:
+                if prefix:
+                    targets = [entry.key for entry in control.list(key)]
+                    if not targets:
+                        raise KeyNotFoundError(f"no entry is {key!r} or lies under {key + '/'!r}")
+                else:
+                    targets = [key]
+                for target in targets:
+                    freed = control.evict(target)
+                    typer.echo(f"evicted {target} ({human_bytes(freed)})")
+            except ShmCacheError as exc:
+                warn_or_raise(exc)
+                failed = True
+    if failed:
+        raise typer.Exit(1)
+
+
+def cleanup(root: RootOption = None) -> None:
+    """Remove partial writes and orphans left by dead writers."""
+    with open_backend(root) as control, failures_exit_1():
+        freed = control.cleanup()
+    typer.echo(f"freed {human_bytes(freed)}")
+
+
+def stats(root: RootOption = None, as_json: JsonOption = False) -> None:
+    """Capacity, use, budget and entry count of the cache root (and the daemon's jobs)."""
+    with open_backend(root) as control, failures_exit_1():
+        daemon = not isinstance(control, Store)
+        result: StoreStats = control.stats()
+    if as_json:
+        typer.echo(json.dumps({**asdict(result), "daemon": daemon}, indent=1))
+        return
+    budget = human_bytes(result.budget) if result.budget is not None else "none"
+    typer.echo(f"root:     {result.root}")
+    typer.echo(f"daemon:   {'running' if daemon else 'not running'}")
+    typer.echo(f"entries:  {result.entries}")
+    typer.echo(f"used:     {human_bytes(result.used)}  (budget {budget})")
+    typer.echo(f"free:     {human_bytes(result.free)} of {human_bytes(result.capacity)}")
+    held = getattr(result, "held_by_readers_bytes", None)
+    if held is not None:
+        typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers")
+        typer.echo(f"jobs:     {getattr(result, 'jobs_running', 0)} running, "
+                   f"{getattr(result, 'jobs_queued', 0)} queued")
+
+
+def verify(
+    key: Annotated[
+        str | None, typer.Argument(help="One entry (default: every entry).", metavar="KEY")
+    ] = None,
+    root: RootOption = None,
+) -> None:
+    """Check entries against the checksums recorded when they were put.
+
+    One line per entry: ok, no checksum, or CORRUPT (then exit status 1:
+    evict the entry and put it again). Reads every byte, in this process.
+    """
+    store = Store(root)
+    with failures_exit_1():
+        keys = [key] if key is not None else [entry.key for entry in store.list()]
+    corrupt = 0
+    for name in keys:
+        try:
+            status = "ok" if store.verify(name) else "no checksum"
+        except CorruptEntryError as exc:
+            corrupt += 1
+            typer.echo(f"CORRUPT      {name}: {exc}")
+            continue
+        except KeyNotFoundError as exc:
+            if key is not None:
+                raise fail(exc) from None
+            continue  # evicted while we went through the list
+        except (ShmCacheError, OSError) as exc:
+            raise fail(exc) from None
+        typer.echo(f"{status:<12} {name}")
+    if corrupt:
+        typer.echo(f"error: {corrupt} corrupt entr{'y' if corrupt == 1 else 'ies'}", err=True)
+        raise typer.Exit(1)

@@ -1,0 +1,32 @@
+"""Command-line options shared by every ``shmcache`` command module, declared once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .._disk.layout import ENV_ROOT, ENV_SOCKET, SHM_DIR, SOCKET_NAME
+
+__all__ = ["JsonOption", "RootOption", "SocketOption"]
+
+RootOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--root",
+        envvar=ENV_ROOT,
+        help=f"Cache root (default: ${ENV_ROOT} or {SHM_DIR}/shmcache-<uid>).",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+SocketOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--socket",
+        envvar=ENV_SOCKET,
+        show_default=False,
+        help=f"The daemon's Unix socket (default <root>/{SOCKET_NAME}).",
+    ),
+]

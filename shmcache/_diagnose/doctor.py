@@ -1,0 +1,360 @@
+"""``shmcache doctor``: the checks for what breaks shared-memory caches on this machine,
+each with a fix.
+
+The /dev/shm size and free space (Docker's 64 MB default), a cgroup memory limit below the
+cache, the root's owner and mode, the daemon (probed with :class:`shmcache.client.Client`,
+imported only when its socket exists), the multiprocessing start method, ``ulimit -n`` and
+vm.overcommit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import stat
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .._disk.fs import free_bytes, total_bytes
+from .._disk.layout import ENV_ROOT, SHM_DIR
+from .._store import Store
+from .._units import human_bytes
+from ..errors import DaemonUnavailableError, ShmCacheError
+
+__all__ = ["Check", "Status", "run_checks"]
+
+MiB = 1 << 20
+Status = Literal["ok", "warn", "fail"]
+_PROBE_TIMEOUT_S = 3.0
+
+
+@dataclass
+class Check:
+    """One finding of ``shmcache doctor``."""
+
+    name: str
+    status: Status
+    summary: str
+    fix: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, file system type) holding ``path``, from ``/proc/self/mounts``."""
+    real = os.path.realpath(path)
+    best = ("/", "?")
+    try:
+        with open("/proc/self/mounts") as fp:
+            for line in fp:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best[0]):
+                    best = (point, parts[2])
+    except OSError:
+        pass
+    return best
+
+
+def _check_space(name: str, path: Path, purpose: str) -> Check:
+    probe = _existing_ancestor(path)
+    mount, fstype = _mount_of(probe)
+    try:
+        capacity, free = total_bytes(probe), free_bytes(probe)
+    except OSError as exc:
+        return Check(name, "fail", f"cannot stat {probe}: {exc.strerror}", "check that the path exists")
+    details = {"path": str(path), "mount": mount, "fstype": fstype, "capacity": capacity, "free": free}
+    summary = (
+        f"{mount} ({fstype}) holds {purpose}: {human_bytes(capacity)}, {human_bytes(free)} free"
+    )
+    docker_fix = (
+        "in Docker, start the container with --shm-size=<size> (e.g. --shm-size=32g) or --ipc=host; "
+        "on Kubernetes, mount an emptyDir with medium: Memory at /dev/shm; elsewhere "
+        "`mount -o remount,size=<size> " + mount + "`"
+    )
+    if capacity < 256 * MiB:
+        return Check(
+            name, "fail",
+            summary + " (Docker's default /dev/shm is 64 MB; DataLoader workers die with a bus error)",
+            docker_fix, details,
+        )
+    if fstype not in ("tmpfs", "hugetlbfs", "ramfs", "?"):
+        return Check(
+            name, "warn", summary + f" (not a tmpfs: {fstype} may be disk-backed and slow)",
+            f"point --root / {ENV_ROOT} at a tmpfs such as {SHM_DIR}", details,
+        )
+    if free < 64 * MiB or free < capacity // 20:
+        return Check(
+            name, "warn", summary + " (almost full: puts will fail with CacheFullError)",
+            "shmcache ls / evict unused entries, shmcache cleanup, or grow the tmpfs: " + docker_fix, details,
+        )
+    if capacity < 2 << 30:
+        return Check(name, "warn", summary + " (small for datasets)", docker_fix, details)
+    return Check(name, "ok", summary, "", details)
+
+
+def _cgroup_memory_limit() -> tuple[int | None, str]:
+    """The tightest memory limit over this process's cgroup and its ancestors (v2 or v1)."""
+    try:
+        with open("/proc/self/cgroup") as fp:
+            lines = fp.read().splitlines()
+    except OSError:
+        return None, ""
+    candidates: list[tuple[Path, str]] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, rel = parts
+        if hierarchy == "0" and not controllers:
+            candidates.append((Path("/sys/fs/cgroup") / rel.lstrip("/"), "memory.max"))
+        elif "memory" in controllers.split(","):
+            candidates.append((Path("/sys/fs/cgroup/memory") / rel.lstrip("/"), "memory.limit_in_bytes"))
+    best: int | None = None
+    where = ""
+    for start, filename in candidates:
+        base = Path("/sys/fs/cgroup/memory" if filename.endswith("in_bytes") else "/sys/fs/cgroup")
+        directory = start if start.is_dir() else base  # inside a cgroup namespace: the mount is ours
+        while True:
+            try:
+                text = (directory / filename).read_text().strip()
+            except OSError:
+                text = ""
+            if text and text != "max":
+                value = int(text)
+                if value < (1 << 62) and (best is None or value < best):
+                    best, where = value, str(directory / filename)
+            if directory == base or directory == directory.parent:
+                break
+            directory = directory.parent
+    return best, where
+
+
+def _check_cgroup(used: int, tmpfs_capacity: int | None) -> Check:
+    limit, where = _cgroup_memory_limit()
+    details: dict[str, Any] = {
+        "limit": limit, "file": where, "cache_used": used, "tmpfs_capacity": tmpfs_capacity,
+    }
+    if limit is None:
+        return Check("cgroup", "ok", "no cgroup memory limit", "", details)
+    summary = f"cgroup memory limit {human_bytes(limit)} ({where}); cache uses {human_bytes(used)}"
+    charged = (
+        "tmpfs pages are charged to the memory cgroup of the process that first wrote them, "
+        "so the cache counts against this limit next to your training processes"
+    )
+    if used >= limit:
+        return Check(
+            "cgroup", "fail", summary + ": the cache alone exceeds the limit",
+            f"{charged}: raise the limit (docker run --memory, Kubernetes resources.limits.memory), "
+            "or evict entries / give the daemon a budget below it (shmcache serve --max-bytes)", details,
+        )
+    if tmpfs_capacity is not None and tmpfs_capacity > limit:
+        return Check(
+            "cgroup", "warn",
+            summary + f"; the tmpfs ({human_bytes(tmpfs_capacity)}) is larger than the limit",
+            f"{charged}: filling the cache can get processes OOM-killed; give the daemon a budget "
+            "well below the limit (shmcache serve --max-bytes / --max-fraction) or raise the limit",
+            details,
+        )
+    return Check("cgroup", "ok", summary, "", details)
+
+
+def _check_root(root: Path) -> Check:
+    details: dict[str, Any] = {"root": str(root)}
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        parent = _existing_ancestor(root.parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return Check(
+                "root", "fail", f"{root} does not exist and {parent} is not writable by you",
+                f"pick a writable root with --root or {ENV_ROOT}", details,
+            )
+        return Check("root", "ok", f"{root} does not exist yet (created 0700 on the first put)", "", details)
+    except OSError as exc:
+        return Check("root", "fail", f"cannot stat {root}: {exc.strerror}", "pick another root", details)
+    details.update(uid=st.st_uid, mode=oct(stat.S_IMODE(st.st_mode)))
+    if stat.S_ISLNK(st.st_mode):
+        return Check(
+            "root", "fail", f"{root} is a symlink (someone could plant one in /dev/shm)",
+            f"use the real path {os.path.realpath(root)}, or remove the link", details,
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        return Check("root", "fail", f"{root} is not a directory", "remove it or pick another root", details)
+    if st.st_uid != os.geteuid():
+        return Check(
+            "root", "fail", f"{root} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})",
+            f"pick another root with --root / {ENV_ROOT} (someone may have planted it), or run as "
+            f"uid {st.st_uid}", details,
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return Check(
+            "root", "warn", f"{root} is mode {mode:04o}: other users may read or change the cache",
+            f"chmod 700 {root} (unless you shared it with a group on purpose)", details,
+        )
+    if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        return Check(
+            "root", "fail", f"{root} is mode {mode:04o}: you cannot use it", f"chmod 700 {root}", details
+        )
+    return Check("root", "ok", f"{root}: yours, mode {mode:04o}", "", details)
+
+
+def _check_daemon(root: Path, socket_path: Path) -> Check:
+    details: dict[str, Any] = {"socket": str(socket_path)}
+    if not socket_path.exists():
+        return Check(
+            "daemon", "ok",
+            f"no daemon on {socket_path} (optional: reads never need it; `shmcache serve` shares loads)",
+            "", details,
+        )
+    try:
+        from ..client import Client  # httpx: only when there is a socket to probe
+    except ImportError as exc:  # pragma: no cover - httpx is a dependency; a --no-deps install
+        return Check(
+            "daemon", "warn", f"{socket_path} exists, but it cannot be probed ({exc.name} is missing)",
+            "pip install httpx", details,
+        )
+    restart = "check the daemon's log; restart it with `shmcache serve`"
+    try:
+        with Client(root, timeout=_PROBE_TIMEOUT_S, socket=socket_path) as client:
+            health = client.health()
+    except DaemonUnavailableError as exc:
+        return Check(
+            "daemon", "warn", f"{socket_path} exists but nothing answers ({exc.__cause__ or exc})",
+            "a daemon died without cleaning up: start it again with `shmcache serve` "
+            "(it replaces the stale socket)", details,
+        )
+    except ShmCacheError as exc:  # an error status, or an answer that is not JSON
+        return Check(
+            "daemon", "warn", f"daemon on {socket_path} failed GET /v1/health: {exc}", restart, details
+        )
+    except (TypeError, ValueError, AttributeError) as exc:  # JSON, but not a health record
+        return Check(
+            "daemon", "warn", f"daemon on {socket_path} answered GET /v1/health with no health record "
+            f"({exc})", restart, details,
+        )
+    details["health"] = asdict(health)
+    return Check(
+        "daemon", "ok",
+        f"daemon pid {health.pid} (shmcache {health.version}) answers on {socket_path}, "
+        f"up {health.uptime_s:.0f} s",
+        "", details,
+    )
+
+
+def _check_start_method() -> Check:
+    default = multiprocessing.get_all_start_methods()[0]  # documented: the platform default first
+    chosen = multiprocessing.get_start_method(allow_none=True) or default
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    details = {"default": default, "python": version}
+    if chosen == "fork":
+        summary = (
+            f"default start method: fork (Python {version}). Workers inherit the Dataset: Python "
+            "lists/dicts in it are copied page by page as workers read them (copy-on-write growth); "
+            "keep them in shmcache (shmcache.share). Python 3.14 defaults to forkserver."
+        )
+    else:
+        summary = (
+            f"default start method: {chosen} (Python {version}). Every DataLoader worker receives the "
+            "Dataset pickled: shmcache arrays and containers pickle as a reference (key + version); "
+            "a numpy.memmap or a big list is copied whole into every worker."
+        )
+    return Check("start_method", "ok", summary, "", details)
+
+
+def _check_open_files(entries: int) -> Check:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    details = {"soft": soft, "hard": hard, "entries": entries}
+    if sys.version_info >= (3, 13):
+        return Check(
+            "open_files", "ok", f"ulimit -n {soft} (Python 3.13+ maps entries without holding descriptors)",
+            "", details,
+        )
+    limit = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    summary = (
+        f"ulimit -n {soft} (hard {hard}); on Python < 3.13 each attached entry holds a descriptor "
+        "(shmcache lifts the soft limit to the hard one)"
+    )
+    if entries + 256 > limit:
+        return Check(
+            "open_files", "fail", summary + f": {entries} entries cannot all be open in one process",
+            "raise the hard limit (ulimit -Hn, docker run --ulimit nofile=65536:65536, "
+            "LimitNOFILE= in systemd), or store fewer, larger entries", details,
+        )
+    if limit < 4096:
+        return Check(
+            "open_files", "warn", summary + f": a process can attach at most ~{limit - 256} entries",
+            "raise the hard limit (ulimit -Hn, docker run --ulimit nofile=65536:65536), or store "
+            "fewer, larger entries", details,
+        )
+    return Check("open_files", "ok", summary, "", details)
+
+
+def _check_overcommit() -> Check:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as fp:
+            mode = int(fp.read().strip())
+    except (OSError, ValueError):
+        return Check("overcommit", "ok", "vm.overcommit_memory unknown (no /proc/sys)", "", {})
+    details = {"overcommit_memory": mode}
+    if mode == 2:
+        return Check(
+            "overcommit", "warn",
+            "vm.overcommit_memory=2 (strict): writable private mappings (shmcache.torch tensors map "
+            "entries copy-on-write) are charged in full against CommitLimit and can fail with ENOMEM",
+            "sysctl vm.overcommit_memory=0, or raise vm.overcommit_ratio", details,
+        )
+    return Check("overcommit", "ok", f"vm.overcommit_memory={mode}", "", details)
+
+
+def _check_held(store: Store) -> Check:
+    try:
+        scan = store.scan_mappings()
+    except OSError as exc:
+        return Check("held", "ok", f"cannot scan /proc: {exc}", "", {})
+    if scan.deleted_bytes == 0:
+        return Check("held", "ok", "no evicted entry is still held by a process", "", {"deleted_bytes": 0})
+    return Check(
+        "held", "warn",
+        f"{human_bytes(scan.deleted_bytes)} of evicted or replaced entries are still mapped by live "
+        "processes (the memory returns when they exit or drop their arrays)",
+        "`shmcache top` shows which processes map `<evicted>` entries", {"deleted_bytes": scan.deleted_bytes},
+    )
+
+
+def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
+    """Every check of ``shmcache doctor``, in order (``socket_path``: the daemon's socket,
+    default the root's)."""
+    store = Store(root)
+    try:
+        entries = store.list() if store.layout.entries.is_dir() else []
+    except Exception:  # an unreadable root is reported by the root check
+        entries = []
+    used = sum(entry.size for entry in entries)
+    checks = [_check_space("shm", store.root, "the cache root")]
+    shm = Path(SHM_DIR)
+    if shm.is_dir() and _mount_of(shm)[0] != checks[0].details.get("mount"):
+        checks.append(_check_space("dev_shm", shm, "torch's DataLoader batches"))
+    tmpfs_capacity = checks[0].details.get("capacity")
+    checks += [
+        _check_cgroup(used, tmpfs_capacity if isinstance(tmpfs_capacity, int) else None),
+        _check_root(store.root),
+        _check_daemon(store.root, socket_path if socket_path is not None else store.layout.socket),
+        _check_start_method(),
+        _check_open_files(len(entries)),
+        _check_overcommit(),
+        _check_held(store),
+    ]
+    return checks

@@ -1,0 +1,108 @@
+"""``shmcache watch``'s recorder: samples a process tree into a CSV, keeps the series for
+the growth verdict, and plots USS/PSS per process (matplotlib, when installed)."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .growth import Verdict, judge
+from .procfs import Memory, command_line, parent_pid, process_tree, read_memory
+
+__all__ = ["CSV_HEADER", "Series", "WatchRecorder"]
+
+MiB = 1 << 20
+CSV_HEADER = ("time_s", "pid", "ppid", "cmd", "rss", "pss", "uss", "own", "cache_pss")
+_LEGEND_MAX = 12
+
+
+@dataclass
+class Series:
+    """Samples of one process seen by ``watch``."""
+
+    pid: int
+    ppid: int
+    command: str
+    times: list[float] = field(default_factory=list)
+    memories: list[Memory] = field(default_factory=list)
+
+
+class WatchRecorder:
+    """Samples a process tree into a CSV (one row per process per sample) and keeps the
+    series for the verdict and the plot."""
+
+    def __init__(self, csv_path: Path, started: float, cache_root: Path | None = None) -> None:
+        self.csv_path = csv_path
+        self.cache_root = cache_root
+        self.started = started
+        self.series: dict[int, Series] = {}
+        self.root_pid = -1
+        self._file = open(csv_path, "w", newline="")  # noqa: SIM115 - closed in close()
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(CSV_HEADER)
+
+    def sample(self, root_pid: int, now: float) -> int:
+        """One sample of ``root_pid`` and its descendants; returns how many were read."""
+        seen = 0
+        self.root_pid = root_pid
+        elapsed = now - self.started
+        for pid in process_tree(root_pid):
+            memory = read_memory(pid, self.cache_root)
+            if memory is None:
+                continue
+            series = self.series.get(pid)
+            if series is None:
+                series = self.series[pid] = Series(pid, parent_pid(pid), command_line(pid, 120))
+            series.times.append(elapsed)
+            series.memories.append(memory)
+            self._writer.writerow(
+                (f"{elapsed:.3f}", pid, series.ppid, series.command, memory.rss, memory.pss, memory.uss,
+                 memory.own, memory.cache_pss)
+            )
+            seen += 1
+        self._file.flush()
+        return seen
+
+    def close(self) -> None:
+        self._file.close()
+
+    def verdicts(self) -> list[tuple[Series, Verdict]]:
+        """Each process's series with its verdict; a child with its parent's command line
+        counts as forked (a DataLoader worker under fork)."""
+        out = []
+        for s in self.series.values():
+            parent = self.series.get(s.ppid)
+            forked = s.pid != self.root_pid and parent is not None and parent.command == s.command
+            out.append((s, judge(s.pid, s.times, [m.own for m in s.memories], forked=forked)))
+        return out
+
+    def plot(self, png_path: Path, title: str) -> bool:
+        """USS and PSS per process over time; False (nothing written) without matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return False
+        fig, (ax_uss, ax_pss) = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+        shown = sorted(self.series.values(), key=lambda s: -max((m.pss for m in s.memories), default=0))
+        for n, s in enumerate(shown):
+            label = f"{s.pid} main" if s.pid == self.root_pid else f"{s.pid} child of {s.ppid}"
+            kwargs: dict[str, Any] = {"label": label if n < _LEGEND_MAX else None, "linewidth": 1.2}
+            line = ax_uss.plot(s.times, [m.uss / MiB for m in s.memories], **kwargs)[0]
+            ax_pss.plot(s.times, [m.pss / MiB for m in s.memories], color=line.get_color(), **kwargs)
+        for ax, what in ((ax_uss, "USS (private)"), (ax_pss, "PSS (proportional share)")):
+            ax.set_title(f"{what} per process")
+            ax.set_xlabel("seconds since start")
+            ax.set_ylabel("MiB")
+            ax.grid(alpha=0.3)
+            ax.set_ylim(bottom=0)
+        ax_uss.legend(fontsize="small")
+        fig.suptitle(title[:120])
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=100)
+        plt.close(fig)
+        return True
