@@ -245,7 +245,7 @@ def _check_daemon(root: Path, socket_path: Path) -> Check:
             "daemon", "warn", f"daemon on {socket_path} answered GET /v1/health with no health record "
             f"({exc})", restart, details,
         )
-    details["health"] = asdict(health)
+    details.update(status=200, health=asdict(health))  # the Client returned: HTTP 200 OK
     return Check(
         "daemon", "ok",
         f"daemon pid {health.pid} (shmcache {health.version}) answers on {socket_path}, "
