@@ -137,10 +137,11 @@ def test_top_once_shows_a_process_that_maps_an_entry(root: Path) -> None:
 
 # ---------------------------------------------------------------------- watch
 
-# A training-like script: the main process forks 2 workers that run for ~5 s. "leak"
+# A training-like script: the main process forks 2 workers that run for ~7 s. "leak"
 # workers grow a Python list by 1 MiB every 0.125 s (~480 MiB/min); "shmcache" workers
 # read rows of a cached 32 MiB array over and over (their private memory stays flat).
-# 5 s leaves the verdict 2.5 s after its warm-up (at least MIN_SPAN_S) at 0.25 s a sample.
+# 7 s leaves the verdict ~3.5 s after its warm-up: well above MIN_SPAN_S even when a
+# loaded machine delays the first and last samples.
 WORKLOAD = textwrap.dedent("""
     import multiprocessing as mp, sys, time
     import numpy as np, shmcache
@@ -148,7 +149,7 @@ WORKLOAD = textwrap.dedent("""
     def work(mode, root):
         hoard = []
         array = shmcache.open_array("data", root=root) if mode == "shmcache" else None
-        end = time.monotonic() + 5
+        end = time.monotonic() + 7
         i = 0
         while time.monotonic() < end:
             if mode == "leak":
