@@ -32,6 +32,7 @@ from ._containers.group import SharedGroup
 from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
 from ._disk.keys import MAX_KEY_LENGTH, validate_key
 from ._disk.layout import default_root
+from ._disk.procmaps import MappingScan
 from ._store import EntryInfo, PlannedEntry, Store, StoreStats
 from .errors import (
     CacheFullError,
@@ -79,6 +80,7 @@ __all__ = [
     "KeyExistsError",
     "KeyNotFoundError",
     "LockTimeoutError",
+    "MappingScan",
     "PlannedEntry",
     "SharedGroup",
     "SharedMapping",

@@ -7,6 +7,7 @@ the client parses them back into the same classes.
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -30,7 +31,7 @@ class CacheControl(Protocol):
     @property
     def root(self) -> Path: ...
 
-    def list(self, prefix: str | None = None) -> list[EntryInfo]:
+    def list(self, prefix: str | None = None) -> builtins.list[EntryInfo]:
         """Entries that are ``prefix`` or lie under it, sorted by key."""
         ...
 
@@ -50,7 +51,7 @@ class CacheControl(Protocol):
         """Capacity, use, budget and entry count."""
         ...
 
-    def mapped_by(self, key: str) -> list[int]:
+    def mapped_by(self, key: str) -> builtins.list[int]:
         """PIDs of live processes that map the current version of ``key``."""
         ...
 
@@ -62,7 +63,7 @@ class CacheControl(Protocol):
         overwrite: bool = False,
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
-    ) -> list[str]:
+    ) -> builtins.list[str]:
         """Publish a ``.npy``, ``.npz`` or directory of them; returns the keys published."""
         ...
 

@@ -31,8 +31,9 @@ def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Ten
     (torch would copy them into its own shared memory); keep keys or shmcache arrays
     and convert in the worker, as :class:`CachedDataset` does.
     """
-    array = get_store(root).open_array(array_or_key) if isinstance(array_or_key, str) else array_or_key
-    return torch.from_numpy(private_view(array))
+    if isinstance(array_or_key, str):  # one copy-on-write mapping, not a shared one and then a second
+        return torch.from_numpy(get_store(root).open_private_array(array_or_key))
+    return torch.from_numpy(private_view(array_or_key))
 
 
 class GatheredBatch(Sequence[Any]):
@@ -105,7 +106,7 @@ class CachedDataset(Dataset[Any]):
     def _columns(self) -> list[torch.Tensor]:
         if self._pid != os.getpid():  # first use in this process (or a fresh worker)
             store = get_store(self._root)
-            self._tensors = [torch.from_numpy(private_view(store.open_array(k))) for k in self._keys]
+            self._tensors = [torch.from_numpy(store.open_private_array(k)) for k in self._keys]
             self._pid = os.getpid()
         return self._tensors
 

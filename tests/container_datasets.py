@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 import shmcache
 import shmcache.torch
+from shmcache._disk.layout import ARRAY_FILE
 
 
 class SharedContainersDataset(Dataset[Any]):
@@ -45,4 +46,15 @@ def as_tensor_sum(key: str, root: str) -> float:
     return float(tensor.sum())
 
 
-__all__ = ["SharedContainersDataset", "as_tensor_sum", "torch"]
+def mappings_after_as_tensor(key: str, root: str) -> int:
+    """Used in a spawned process: how many mappings of the entry's file ``as_tensor`` made."""
+    tensor = shmcache.torch.as_tensor(key, root=root)
+    version = shmcache.Store(root).info(key).version
+    array_file = f"/objects/{version}/{ARRAY_FILE}"
+    with open("/proc/self/maps") as maps:
+        count = sum(1 for line in maps if line.rstrip("\n").endswith(array_file))
+    del tensor
+    return count
+
+
+__all__ = ["SharedContainersDataset", "as_tensor_sum", "mappings_after_as_tensor", "torch"]

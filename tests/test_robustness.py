@@ -39,7 +39,7 @@ def test_budget_eviction_skips_entries_whose_lock_is_held(store: shmcache.Store)
     holder.start()
     try:
         assert ready.wait(60)
-        shmcache.get_store(store.root)._attached.clear()
+        shmcache.get_store(store.root)._reader.forget()
         budget.put_array("new", np.zeros(int(1.5 * MiB), np.uint8))  # evicts "older", skips "old"
         assert sorted(e.key for e in budget.list()) == ["new", "old"]
     finally:
@@ -149,7 +149,7 @@ def test_many_attached_entries_under_a_low_soft_descriptor_limit(store: shmcache
     )
     done = subprocess.run([sys.executable, "-c", capped], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ShmCacheError") and "too many open files" in done.stdout
+    assert done.stdout.startswith("TooManyOpenFilesError") and "too many open files" in done.stdout
 
 
 def test_checksums_recorded_at_put_and_verified(store: shmcache.Store, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import typer
 
 from .._disk.layout import SOCKET_NAME
 from ..errors import ShmCacheError
+from .common import debug_enabled, fail
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
@@ -48,7 +49,6 @@ def register(app: typer.Typer) -> None:
 
 
 def _serve(ctx: typer.Context) -> None:
-    fail, _ = _cli_helpers()
     try:
         from ..service import settings
     except ImportError as exc:
@@ -65,7 +65,6 @@ def _generated_app(fields: dict[str, FieldInfo]) -> typer.Typer:
 
 def _run(**values: Any) -> None:
     """Load the settings (flags given in ``values``) and run the daemon until it stops."""
-    fail, debug_enabled = _cli_helpers()
     try:  # FastAPI and uvicorn only now
         from ..service import SettingsError, load_settings
         from ..service import serve as run_daemon
@@ -87,20 +86,6 @@ def _run(**values: Any) -> None:
 
 def _missing_extra(exc: ImportError) -> ShmCacheError:
     return ShmCacheError(f"shmcache serve needs the service extra ({exc.name} is missing): {_EXTRA}")
-
-
-def _cli_helpers() -> tuple[Callable[[BaseException], typer.Exit], Callable[[], bool]]:
-    """The CLI's ``fail`` and ``debug_enabled`` (imported late: the app imports this module)."""
-    try:
-        from .app import debug_enabled, fail  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:  # until the shared helpers live in _cli/app.py
-        from ..cli import _fail as fail
-        from ..cli import _state
-
-        def debug_enabled() -> bool:
-            return _state["debug"]
-
-    return fail, debug_enabled
 
 
 # ---------------------------------------------------------------------- flags from the fields

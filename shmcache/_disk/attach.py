@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
+from ..errors import CorruptEntryError, KeyNotFoundError, TooManyOpenFilesError
+from .layout import object_path
 from .npy import header_length, parse_header_bytes
 
 __all__ = [
@@ -61,17 +62,24 @@ def map_entry_file(root: str, version: str, filename: str, key: str) -> MappedFi
 
     Raises FileNotFoundError if the version is gone (replaced or evicted).
     """
-    return _map(root, version, filename, key, read_header=False)[0]
+    mapping = _map(root, version, filename, key, read_header=False)[0]
+    assert isinstance(mapping, MappedFile)
+    return mapping
 
 
-def attach_array(root: str, version: str, filename: str, key: str) -> np.ndarray:
+def attach_array(
+    root: str, version: str, filename: str, key: str, *, copy_on_write: bool = False
+) -> np.ndarray:
     """The read-only array a published ``.npy`` file holds (a plain ``ndarray``).
 
     The header is read with ``pread`` rather than through the mapping: touching the
     mapping would cost a page fault, more than the rest of the attach together.
+    With ``copy_on_write`` the array is writable over a private mapping instead (reads
+    share the cache's pages; a write copies the touched page into this process only);
+    it pickles by value, like any array of its own.
     Raises FileNotFoundError if the version is gone (replaced or evicted).
     """
-    mapping, head, end = _map(root, version, filename, key, read_header=True)
+    mapping, head, end = _map(root, version, filename, key, read_header=True, private=copy_on_write)
     dtype, shape, fortran_order, offset = parse_header_bytes(head, end, f"entry {key!r}")
     try:
         if fortran_order:
@@ -85,9 +93,9 @@ def attach_array(root: str, version: str, filename: str, key: str) -> np.ndarray
 
 
 def _map(
-    root: str, version: str, filename: str, key: str, read_header: bool
-) -> tuple[MappedFile, bytes, int]:
-    path = f"{root}/objects/{version}/{filename}"
+    root: str, version: str, filename: str, key: str, read_header: bool, private: bool = False
+) -> tuple[mmap.mmap, bytes, int]:
+    path = object_path(root, version, filename)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
@@ -104,7 +112,10 @@ def _map(
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: {path} is truncated inside its header")
         try:
-            mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
+            if private:
+                mapping: mmap.mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            else:
+                mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
         except ValueError as exc:  # an empty file cannot be mapped
             raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
         except OSError as exc:
@@ -117,15 +128,16 @@ def _map(
             pass
     finally:
         os.close(fd)
-    mapping.origin = (root, version, filename, key)
+    if isinstance(mapping, MappedFile):
+        mapping.origin = (root, version, filename, key)
     if not _installed:
         install_pickle_by_reference()
     return mapping, head, end
 
 
-def _too_many_open(key: str) -> ShmCacheError:
+def _too_many_open(key: str) -> TooManyOpenFilesError:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return ShmCacheError(
+    return TooManyOpenFilesError(
         f"cannot attach entry {key!r}: this process has too many open files (limit {soft}; "
         f"on Python < 3.13 each attached entry holds a descriptor). Raise `ulimit -n` (hard limit "
         f"{hard}), or open fewer distinct entries (e.g. one array instead of many small ones)"
@@ -158,7 +170,7 @@ def private_view(array: np.ndarray) -> np.ndarray:
     root, version, filename, key = base.origin
     offset = int(array.__array_interface__["data"][0]) - base.start_address()
     try:
-        fd = os.open(f"{root}/objects/{version}/{filename}", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(object_path(root, version, filename), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise KeyNotFoundError(
             f"entry {key!r} (version {version}) was replaced or evicted; open the key again"

@@ -52,6 +52,7 @@ __all__ = [
     "default_root",
     "encode_key",
     "generation_slot",
+    "object_path",
     "prepare_root",
     "read_version",
     "version_of_target",
@@ -110,6 +111,11 @@ def generation_slot(key: str) -> int:
     """The generation slot (1..SLOTS-1) of a key: stable across processes (CRC-32, not
     ``hash()``, which is salted per process)."""
     return 1 + zlib.crc32(key.encode("utf-8", "surrogatepass")) % (GENERATION_SLOTS - 1)
+
+
+def object_path(root: str, version: str, filename: str) -> str:
+    """A published file of a version (string formatting only: it is on the attach hot path)."""
+    return f"{root}/objects/{version}/{filename}"
 
 
 def version_of_target(target: str) -> str:
@@ -176,7 +182,7 @@ class Layout:
 
     def object_file(self, version: str, filename: str) -> str:
         """A published file of a version (a ``str``: it is on the attach hot path)."""
-        return f"{self.root}/objects/{version}/{filename}"
+        return object_path(str(self.root), version, filename)
 
     def key_lock(self, key: str) -> Path:
         return self.locks / f"{encode_key(key)}.lock"

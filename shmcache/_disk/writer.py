@@ -22,7 +22,7 @@ import numpy as np
 
 from .fs import remove_tree, write_all
 from .layout import META_FILE, Layout
-from .npy import build_header
+from .npy import NpyHeader, build_header, parse_header_bytes
 
 __all__ = ["STAGING_SUFFIX", "VersionWriter", "writer_of"]
 
@@ -78,18 +78,19 @@ class VersionWriter:
             self.path(version, filename), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
         )
 
-    def write_array(self, version: str, filename: str, array: np.ndarray) -> int:
+    def write_array(self, version: str, filename: str, array: np.ndarray) -> tuple[int, NpyHeader]:
         """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping);
-        returns the CRC-32 of the file's bytes."""
+        returns the CRC-32 of the file's bytes and its header as a reader will parse it."""
         path = self.path(version, filename)
         fortran = bool(array.flags.f_contiguous and not array.flags.c_contiguous)
         fd = self.create_file(version, filename)
         try:
             header = build_header(array.dtype, array.shape, fortran)
+            parsed = NpyHeader(*parse_header_bytes(header, len(header), str(path)))
             write_all(fd, header, path)
             crc = zlib.crc32(header)
             if array.size == 0 or array.dtype.itemsize == 0:
-                return crc
+                return crc, parsed
             flat = array.T if fortran else array
             if flat.ndim == 0 or flat.flags.c_contiguous:
                 chunks: Iterable[np.ndarray] = [flat]
@@ -100,7 +101,7 @@ class VersionWriter:
                 data = chunk.reshape(-1).view(np.uint8)
                 write_all(fd, data, path)
                 crc = zlib.crc32(data.data, crc)
-            return crc
+            return crc, parsed
         finally:
             os.close(fd)
 
@@ -114,6 +115,14 @@ class VersionWriter:
     def promote(self, version: str) -> None:
         """Move a finished version from ``tmp/`` to ``objects/`` (still unreferenced)."""
         os.rename(self.layout.tmp / version, self.layout.objects / version)
+
+    def link(self, key: str, version: str) -> None:
+        """Point ``key``'s entry link at a promoted ``version`` with one atomic rename: a
+        reader sees the old version or the new one, never a partial one."""
+        staged = self.layout.tmp / f"{version}.link"
+        os.symlink(self.layout.link_target(version), staged)
+        os.replace(staged, self.layout.entry_link(key))
+        self.mark_published(version)
 
     def mark_published(self, version: str) -> None:
         """The version is referenced by an entry link now: no longer ours to discard."""

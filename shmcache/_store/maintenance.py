@@ -1,0 +1,96 @@
+"""Keeping a root sound: remove what dead writers left behind, and check entries against
+the checksums recorded when they were put."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+
+from .._disk.checksum import crc_of_range, parse_checksums
+from .._disk.fs import FileLockProbe, remove_tree
+from .._disk.layout import Layout, decode_key
+from .._disk.writer import STAGING_SUFFIX, writer_of
+from ..errors import CorruptEntryError, KeyNotFoundError
+from .catalog import referenced_versions
+from .records import EntryInfo
+
+__all__ = ["remove_dead_writers_leftovers", "verify_entry"]
+
+logger = logging.getLogger(__name__)
+
+_STAGING_GRACE_S = 60.0
+
+
+def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, str], int | None]) -> int:
+    """Remove partial writes and unreferenced versions of dead writers, and entry links
+    whose data vanished; returns the bytes freed.
+
+    Partial writes of live writers are never touched: a writer's flock tells the two
+    apart, whatever PID namespace the writer runs in.
+    """
+    freed = 0
+    live: dict[str, bool] = {}
+
+    def alive(writer: str) -> bool:
+        if writer not in live:
+            live[writer] = FileLockProbe.holder_alive(layout.tmp / f"{writer}.lock")
+        return live[writer]
+
+    for name in os.listdir(layout.tmp):
+        path = layout.tmp / name
+        if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
+            if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
+                freed += remove_tree(path)
+        elif not alive(writer_of(name)):
+            freed += remove_tree(path)
+    dead_unreferenced = [v for v in os.listdir(layout.objects) if not alive(writer_of(v))]
+    # Read the links only now: a dead writer can no longer link anything.
+    linked = referenced_versions(layout)
+    for version in dead_unreferenced:
+        if version not in linked:
+            freed += remove_tree(layout.version_dir(version))
+    for version, name in linked.items():  # links whose version directory was removed by hand
+        if not layout.version_dir(version).is_dir():
+            with suppress(KeyNotFoundError, OSError):
+                key = decode_key(name)
+                if evict_version(key, version) is not None:
+                    logger.warning("removed entry %s: its data had vanished", key)
+    if freed:
+        logger.info("cleanup freed %d bytes in %s", freed, layout.root)
+    return freed
+
+
+def verify_entry(layout: Layout, info: EntryInfo) -> bool:
+    """Check an entry against the checksums recorded when it was put.
+
+    True if they match, False if none were recorded; raises CorruptEntryError if the
+    entry's bytes changed.
+    """
+    if not info.checksum:
+        return False
+    for name, crc in sorted(parse_checksums(info.checksum).items()):
+        try:
+            fd = os.open(layout.object_file(info.version, f"{name}.npy"), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise KeyNotFoundError(f"entry {info.key!r} was replaced or evicted while verifying") from None
+        try:
+            actual = crc_of_range(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if actual != crc:
+            raise CorruptEntryError(
+                f"entry {info.key!r}: {name}.npy has checksum {actual:08x}, {crc:08x} was recorded "
+                "when it was put; its bytes changed in memory. Evict it and put it again"
+            )
+    return True
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return 0.0

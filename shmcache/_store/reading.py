@@ -1,0 +1,225 @@
+"""Opening entries: resolve a key to its current version, attach it, and keep it warm.
+
+Each process keeps what it attached, per key, with the key's generation slot value at
+the time (see ``_disk/generations``). A warm open compares that one mapped slot and
+returns the same object in well under a microsecond; a publish or evict of the key
+changes its slot, and only that key's next open goes back to the disk.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._containers.shared import open_version, wrong_kind
+from .._disk.attach import attach_array
+from .._disk.generations import map_generations
+from .._disk.keys import validate_key
+from .._disk.layout import ARRAY_FILE, Layout, generation_slot, read_version
+from .._disk.meta import read_meta
+from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
+
+__all__ = ["Reader", "forget_attachments"]
+
+_RESOLVE_RETRIES = 100
+_SWEEP_INTERVAL_S = 1.0
+
+# A warm entry: (slot value when resolved, the generation table, slot, version, object).
+_Hit = tuple[int, memoryview, int, str, Any]
+
+
+class Reader:
+    """The read side of one root in this process: attach caches and the open paths."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._root_str = str(layout.root)
+        self._table: memoryview | None = None
+        self._table_inode = -1
+        self._arrays: dict[str, _Hit] = {}
+        self._handles: dict[str, _Hit] = {}
+        self._last_sweep = 0.0
+        _READERS.add(self)
+
+    def forget(self) -> None:
+        """Drop every cached attachment (only arrays the program still holds stay mapped)."""
+        self._arrays.clear()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ arrays
+
+    def open_array(self, key: str) -> np.ndarray:
+        """The read-only array of ``key`` (the same object while the key is unchanged)."""
+        try:
+            hit = self._arrays.get(key)
+        except TypeError:  # unhashable: let validation explain
+            hit = None
+        if hit is not None and hit[1][hit[2]] == hit[0]:
+            return hit[4]  # type: ignore[no-any-return]
+        return self._open_array_slowly(key)
+
+    def _open_array_slowly(self, key: str) -> np.ndarray:
+        # Links exist only for valid keys, and "/" <-> "~" is the only renaming, so a key
+        # without "~" that resolves is valid: validate only when it does not.
+        if not isinstance(key, str) or "~" in key:
+            validate_key(key)
+        self._maybe_sweep()
+        table, slot = self._generation_table(), generation_slot(key)
+        link = self.layout.entry_link(key)
+        for _ in range(_RESOLVE_RETRIES):
+            generation = table[slot] if table is not None else 0  # read before the link
+            version = read_version(link)
+            if version is None:
+                validate_key(key)
+                raise self.not_found(key)
+            hit = self._arrays.get(key)
+            if hit is not None and hit[3] == version:
+                array = hit[4]
+            else:
+                try:
+                    array = attach_array(self._root_str, version, ARRAY_FILE, key)
+                except FileNotFoundError:
+                    self._explain_missing_array(key, version, link)
+                    continue  # replaced or evicted between readlink and open: resolve again
+            if table is not None:
+                self._arrays[key] = (generation, table, slot, version, array)
+            return array  # type: ignore[no-any-return]
+        raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
+
+    def _explain_missing_array(self, key: str, version: str, link: str) -> None:
+        """Raise if ``version`` has no array file for a reason other than a race."""
+        kind = read_meta(self.layout, version).get("kind")
+        if kind is not None and kind != "array":
+            raise wrong_kind(key, str(kind), "array")
+        if read_version(link) == version:
+            raise CorruptEntryError(
+                f"entry {key!r}: its data ({version}) is missing from "
+                f"{self.layout.objects}; run `shmcache cleanup` and put it again"
+            )
+
+    def open_private_array(self, key: str) -> np.ndarray:
+        """A writable copy-on-write array of ``key`` with one mapping (for tensors):
+        reads share the cache's pages, writes stay in this process."""
+        validate_key(key)
+        link = self.layout.entry_link(key)
+        for _ in range(_RESOLVE_RETRIES):
+            version = read_version(link)
+            if version is None:
+                raise self.not_found(key)
+            try:
+                return attach_array(self._root_str, version, ARRAY_FILE, key, copy_on_write=True)
+            except FileNotFoundError:
+                self._explain_missing_array(key, version, link)
+        raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
+
+    # ------------------------------------------------------------------ any kind
+
+    def open(self, key: str, kind: str | None = None) -> Any:
+        """An entry of ``kind`` (any kind when None): an array or its container.
+
+        The link is read once and ``meta.json`` at most once.
+        """
+        if kind == "array":
+            return self.open_array(key)
+        hit = self._handles.get(key) if isinstance(key, str) else None
+        if hit is not None and hit[1][hit[2]] == hit[0] and (kind is None or hit[4]._ref.kind == kind):
+            return hit[4]
+        if kind is None:
+            hit = self._arrays.get(key) if isinstance(key, str) else None
+            if hit is not None and hit[1][hit[2]] == hit[0]:
+                return hit[4]
+        validate_key(key)
+        self._maybe_sweep()
+        table, slot = self._generation_table(), generation_slot(key)
+        link = self.layout.entry_link(key)
+        for _ in range(_RESOLVE_RETRIES):
+            generation = table[slot] if table is not None else 0
+            version = read_version(link)
+            if version is None:
+                raise self.not_found(key)
+            meta = read_meta(self.layout, version)
+            if not meta:
+                continue  # replaced or evicted meanwhile: resolve again
+            found = meta.get("kind", "array")
+            if kind is not None and found != kind:
+                raise wrong_kind(key, found, kind)
+            cache = self._arrays if found == "array" else self._handles
+            hit = cache.get(key)
+            if hit is not None and hit[3] == version:
+                opened = hit[4]
+            else:
+                try:
+                    if found == "array":
+                        opened = attach_array(self._root_str, version, ARRAY_FILE, key)
+                    else:
+                        opened = open_version(self._root_str, key, version, found, meta)
+                except (FileNotFoundError, KeyNotFoundError):
+                    if found == "array" and read_version(link) == version:
+                        self._explain_missing_array(key, version, link)
+                    continue  # evicted while being opened: resolve again
+            if table is not None:
+                cache[key] = (generation, table, slot, version, opened)
+            return opened
+        raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def not_found(self, key: str) -> KeyNotFoundError:
+        return KeyNotFoundError(
+            f"no entry {key!r} in cache {self._root_str}; put it first "
+            "(shmcache.put_array / put_file, or `shmcache put`)"
+        )
+
+    def _generation_table(self) -> memoryview | None:
+        if self._table is None:
+            mapped = map_generations(self.layout)
+            if mapped is not None:
+                self._table, self._table_inode = mapped
+        return self._table
+
+    def check_root_identity(self) -> bool:
+        """Start afresh if the root was deleted and recreated under us (the mapped
+        generation table would otherwise never change again); True if it was."""
+        try:
+            inode = os.stat(self.layout.generation).st_ino
+        except OSError:  # missing, or the root is not a directory (prepare explains)
+            inode = -1
+        if self._table is not None and inode != self._table_inode:
+            self._table = None
+            self.forget()
+            return True
+        return False
+
+    def _maybe_sweep(self) -> None:
+        if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
+            self._sweep_stale()
+
+    def _sweep_stale(self) -> None:
+        """Drop this process's attachments to versions that are no longer current.
+
+        Their memory can only return to the system once no process maps them.
+        """
+        self._last_sweep = time.monotonic()
+        self.check_root_identity()
+        for cache in (self._arrays, self._handles):
+            for key, hit in list(cache.items()):
+                if read_version(self.layout.entry_link(key)) != hit[3]:
+                    cache.pop(key, None)
+
+
+_READERS: weakref.WeakSet[Reader] = weakref.WeakSet()
+
+
+def forget_attachments(root: Path) -> None:
+    """Drop every reader's cached attachments of ``root`` in this process, so that only
+    arrays the program still holds keep entries mapped (and unevictable)."""
+    for reader in list(_READERS):
+        if reader.layout.root == root:
+            reader.forget()
+    gc.collect()  # cycles could keep a dropped array (and its mapping) alive

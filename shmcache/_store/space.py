@@ -1,0 +1,113 @@
+"""Space: check room before a write, and keep a byte budget by evicting least-recently-used
+entries that are neither pinned nor mapped by a live process."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from contextlib import suppress
+
+from .._disk.fs import FileLockProbe, free_bytes, total_bytes
+from .._disk.layout import Layout
+from .._disk.procmaps import mapped_versions
+from .._disk.writer import VersionWriter
+from .._units import human_bytes
+from ..errors import CacheFullError
+from .catalog import iter_infos
+from .locks import space_lock
+from .reading import forget_attachments
+
+__all__ = ["reserve"]
+
+logger = logging.getLogger(__name__)
+
+EvictVersion = Callable[[str, str], "int | None"]
+"""``(key, version) -> bytes freed``, or None if the key changed or its lock is taken."""
+
+
+def reserve(
+    layout: Layout,
+    writer: VersionWriter,
+    nbytes: int,
+    *,
+    budget: int | None,
+    lock_timeout: float | None,
+    evict_version: EvictVersion,
+    replacing: Collection[str] = (),
+) -> None:
+    """Check room for ``nbytes`` (evicting for the budget if needed), then record it on
+    the writer's lock file so that other writers count it.
+
+    Entries under ``replacing`` keys are about to be replaced: their bytes do not count
+    against the budget.
+    """
+    with space_lock(layout, lock_timeout):
+        if budget is not None:
+            _make_room_in_budget(layout, writer, nbytes, budget, set(replacing), evict_version)
+        free = free_bytes(layout.root)
+        if nbytes > free:
+            raise CacheFullError(
+                f"need {human_bytes(nbytes)} but the file system of {layout.root} has only "
+                f"{human_bytes(free)} free (of {human_bytes(total_bytes(layout.root))}); evict entries "
+                "(`shmcache evict`) or enlarge /dev/shm (Docker: --shm-size or --ipc=host)"
+            )
+        writer.reserve(nbytes)
+
+
+def _make_room_in_budget(
+    layout: Layout,
+    writer: VersionWriter,
+    nbytes: int,
+    budget: int,
+    replacing: set[str],
+    evict_version: EvictVersion,
+) -> None:
+    entries = [e for e in iter_infos(layout) if e.key not in replacing]
+    used = sum(e.size for e in entries) + _reserved_by_others(layout, writer)
+    excess = used + nbytes - budget
+    if excess <= 0:
+        return
+    forget_attachments(layout.root)  # our own cache alone must not pin entries
+    mapped = mapped_versions(layout.objects)
+    candidates = sorted(
+        (e for e in entries if not e.pinned and e.version not in mapped),
+        key=lambda e: e.last_used,
+    )
+    if sum(e.size for e in candidates) < excess:
+        pinned = [e.key for e in entries if e.pinned]
+        busy = [e.key for e in entries if e.version in mapped]
+        raise CacheFullError(
+            f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)}, "
+            f"{human_bytes(used)} used; only {human_bytes(sum(e.size for e in candidates))} could be "
+            f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}"
+        )
+    for entry in candidates:
+        if excess <= 0:
+            break
+        # evict_version never waits for a key lock: a cache() loader holds its key lock
+        # and then waits for the space lock we hold (lock-order deadlock).
+        if evict_version(entry.key, entry.version) is not None:
+            logger.info("evicted %s (%d bytes) to stay within the budget", entry.key, entry.size)
+            excess -= entry.size
+    if excess > 0:
+        raise CacheFullError(
+            f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)}; "
+            f"{human_bytes(excess)} could not be freed because the entries to evict were being "
+            "replaced or loaded by other processes; try again"
+        )
+
+
+def _reserved_by_others(layout: Layout, writer: VersionWriter) -> int:
+    reserved = 0
+    for lock in layout.tmp.glob("*.lock"):
+        if lock == writer.lock_path or not FileLockProbe.holder_alive(lock):
+            continue
+        with suppress(OSError, ValueError):
+            reserved += int(lock.read_text() or 0)
+    return reserved
+
+
+def _names(keys: list[str]) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
