@@ -39,22 +39,15 @@ class SharedContainersDataset(Dataset[Any]):
         }
 
 
-def as_tensor_sum(key: str, root: str) -> float:
-    """Used in a spawned process: tensor over the cache, mutated privately."""
+def as_tensor_sum(key: str, root: str) -> tuple[float, int]:
+    """Used in a spawned process: tensor over the cache, mutated privately; its sum, and
+    how many mappings of the entry's file the process holds (one: the private one)."""
     tensor = shmcache.torch.as_tensor(key, root=root)
     tensor.view(-1)[0] = -1.0
-    return float(tensor.sum())
-
-
-def mappings_after_as_tensor(key: str, root: str) -> int:
-    """Used in a spawned process: how many mappings of the entry's file ``as_tensor`` made."""
-    tensor = shmcache.torch.as_tensor(key, root=root)
-    version = shmcache.Store(root).info(key).version
-    array_file = f"/objects/{version}/{ARRAY_FILE}"
+    array_file = f"/objects/{shmcache.Store(root).info(key).version}/{ARRAY_FILE}"
     with open("/proc/self/maps") as maps:
-        count = sum(1 for line in maps if line.rstrip("\n").endswith(array_file))
-    del tensor
-    return count
+        mappings = sum(1 for line in maps if line.rstrip("\n").endswith(array_file))
+    return float(tensor.sum()), mappings
 
 
-__all__ = ["SharedContainersDataset", "as_tensor_sum", "mappings_after_as_tensor", "torch"]
+__all__ = ["SharedContainersDataset", "as_tensor_sum", "torch"]

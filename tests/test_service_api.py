@@ -247,6 +247,7 @@ def test_cleanup_and_metrics(client: httpx.Client, api_root: Path, data_dir: Pat
     np.save(data_dir / f"{key}.npy", np.arange(10))
     load(client, key, data_dir / f"{key}.npy")
     client.delete(f"/v1/entries/{key}")
+    assert client.get("/v1/stats").status_code == 200  # a timed request of its own
     text = client.get("/metrics").text
     for line in (
         'shmcache_loads_total{outcome="done"}',
