@@ -79,7 +79,7 @@ def attach_array(
     it pickles by value, like any array of its own.
     Raises FileNotFoundError if the version is gone (replaced or evicted).
     """
-    mapping, head, end = _map(root, version, filename, key, read_header=True, private=copy_on_write)
+    mapping, head, end = _map(root, version, filename, key, True, copy_on_write)
     dtype, shape, fortran_order, offset = parse_header_bytes(head, end, f"entry {key!r}")
     try:
         if fortran_order:

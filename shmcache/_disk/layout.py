@@ -29,7 +29,7 @@ import stat
 import tempfile
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CacheRootError
@@ -136,6 +136,11 @@ class Layout:
     """Paths inside one cache root."""
 
     root: Path
+    _entries_prefix: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The prefix of every entry link, formatted once: entry_link is on the open path.
+        object.__setattr__(self, "_entries_prefix", f"{self.root}/entries/")
 
     @property
     def entries(self) -> Path:
@@ -171,7 +176,7 @@ class Layout:
 
     def entry_link(self, key: str) -> str:
         """The symlink of a (valid) key (a ``str``: it is on the open hot path)."""
-        return f"{self.root}/entries/{encode_key(key)}"
+        return self._entries_prefix + key.replace("/", _SEPARATOR_ON_DISK)
 
     def link_target(self, version: str) -> str:
         """What an entry link to ``version`` contains (relative, so the root can move)."""

@@ -69,15 +69,19 @@ class Reader:
         # without "~" that resolves is valid: validate only when it does not.
         if not isinstance(key, str) or "~" in key:
             validate_key(key)
-        self._maybe_sweep()
-        table, slot = self._generation_table(), generation_slot(key)
+        if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
+            self._sweep_stale()
+        table = self._table if self._table is not None else self._generation_table()
+        stale = self._arrays.get(key)
+        slot = stale[2] if stale is not None else generation_slot(key)
         link = self.layout.entry_link(key)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0  # read before the link
-            version = read_version(link)
-            if version is None:
+            try:  # read_version inlined: this is the cold-open path
+                version = os.readlink(link).rpartition("/")[2]
+            except (OSError, ValueError):  # missing, or a name no key could have
                 validate_key(key)
-                raise self.not_found(key)
+                raise self.not_found(key) from None
             hit = self._arrays.get(key)
             if hit is not None and hit[3] == version:
                 array = hit[4]
@@ -135,8 +139,11 @@ class Reader:
             if hit is not None and hit[1][hit[2]] == hit[0]:
                 return hit[4]
         validate_key(key)
-        self._maybe_sweep()
-        table, slot = self._generation_table(), generation_slot(key)
+        if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
+            self._sweep_stale()
+        table = self._table if self._table is not None else self._generation_table()
+        stale = self._arrays.get(key)
+        slot = stale[2] if stale is not None else generation_slot(key)
         link = self.layout.entry_link(key)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0
