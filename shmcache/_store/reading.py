@@ -69,12 +69,7 @@ class Reader:
         # without "~" that resolves is valid: validate only when it does not.
         if not isinstance(key, str) or "~" in key:
             validate_key(key)
-        if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
-            self._sweep_stale()
-        table = self._table if self._table is not None else self._generation_table()
-        stale = self._arrays.get(key)
-        slot = stale[2] if stale is not None else generation_slot(key)
-        link = self.layout.entry_link(key)
+        table, slot, link = self._start_resolving(key, self._arrays)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0  # read before the link
             try:  # read_version inlined: this is the cold-open path
@@ -139,12 +134,7 @@ class Reader:
             if hit is not None and hit[1][hit[2]] == hit[0]:
                 return hit[4]
         validate_key(key)
-        if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
-            self._sweep_stale()
-        table = self._table if self._table is not None else self._generation_table()
-        stale = self._arrays.get(key)
-        slot = stale[2] if stale is not None else generation_slot(key)
-        link = self.layout.entry_link(key)
+        table, slot, link = self._start_resolving(key, self._handles)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0
             version = read_version(link)
@@ -203,9 +193,15 @@ class Reader:
             return True
         return False
 
-    def _maybe_sweep(self) -> None:
+    def _start_resolving(self, key: str, cache: dict[str, _Hit]) -> tuple[memoryview | None, int, str]:
+        """What a slow open needs: the generation table, the key's slot (from its stale hit
+        in ``cache`` when there is one) and its link; sweeps stale attachments now and then."""
         if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
             self._sweep_stale()
+        table = self._table if self._table is not None else self._generation_table()
+        stale = cache.get(key)
+        slot = stale[2] if stale is not None else generation_slot(key)
+        return table, slot, self.layout.entry_link(key)
 
     def _sweep_stale(self) -> None:
         """Drop this process's attachments to versions that are no longer current.
