@@ -97,6 +97,8 @@ def _start(service: Service) -> None:
         "none" if service.store.max_bytes is None else f"{service.store.max_bytes} bytes",
         freed,
     )
+    if (warning := service.store.stats().budget_warning) is not None:
+        logger.warning("%s", warning)  # accepted (the tmpfs may be enlarged later), but said at start
     for spec in service.settings.datasets:
         try:
             if not spec.source.exists():

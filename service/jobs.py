@@ -202,7 +202,7 @@ class JobManager:
             )
         except JobCancelledError as exc:
             self._finish_locked(job, "cancelled", type(exc).__name__, str(exc))
-            logger.info(
+            logger.warning(
                 "load %s from %s cancelled (job %s); nothing was published", job.key, job.source, job.id
             )
         except (ShmCacheError, OSError) as exc:

@@ -61,9 +61,11 @@ class PidFile:
                 os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise
+                pid = self._read_pid()
+                stop = f"kill -TERM {pid}" if pid.isdigit() else f"kill -TERM $(cat {self.path})"
                 raise DaemonRunningError(
-                    f"another shmcache daemon (pid {self._read_pid()}) already serves {self.path.parent}; "
-                    "stop it first (kill -TERM <pid>) or pick another --root"
+                    f"another shmcache daemon (pid {pid}) already serves {self.path.parent}; "
+                    f"stop it first ({stop}) or pick another --root"
                 ) from None
             # The previous owner may have unlinked the file between our open and flock.
             try:

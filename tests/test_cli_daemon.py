@@ -201,6 +201,8 @@ def test_put_without_a_daemon_loads_in_process_with_a_notice(root: Path, tmp_pat
     assert code == 0 and out.split() == ["a"]
     assert f"notice: no daemon on {root}; loading in this process" in err
     assert "/168 bytes" in err.split("loading in this process", 1)[1]  # the progress bar follows
+    # speed in the sizes' binary units, never rich's decimal GB/s beside GiB
+    assert re.search(r"\d (B|KiB|MiB|GiB)/s", err) and not re.search(r"\d ?[kMG]B/s", err)
     assert shmcache.Store(root).info("a").shape == (5,)
 
 

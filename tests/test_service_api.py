@@ -208,7 +208,7 @@ def test_errors_have_status_and_json_body(client: httpx.Client, data_dir: Path, 
 
 
 def test_same_key_loads_once_and_cancel_publishes_nothing(
-    client: httpx.Client, api_root: Path, data_dir: Path
+    client: httpx.Client, api_root: Path, data_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     key = unique("big")
     source = write_big_npy(data_dir / f"{key}.npy", 512 << 20)  # 2 s at RATE
@@ -234,6 +234,8 @@ def test_same_key_loads_once_and_cancel_publishes_nothing(
     assert os.listdir(Layout(api_root).tmp) == []  # the partial copy is gone
     assert error_of(client.delete(f"/v1/jobs/{job_id}")) == (409, "JobFinishedError")
     assert job_id in [j["id"] for j in client.get("/v1/jobs").json()]
+    cancelled_logs = [r for r in caplog.records if "cancelled" in r.getMessage() and job_id in r.getMessage()]
+    assert [r.levelname for r in cancelled_logs] == ["WARNING"]  # as the README's Lifecycle says
 
 
 def test_cleanup_and_metrics(client: httpx.Client, api_root: Path, data_dir: Path) -> None:

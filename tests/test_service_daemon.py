@@ -89,6 +89,7 @@ def test_socket_is_private_and_a_second_daemon_is_refused(daemon: Daemon) -> Non
     second = serve_once(daemon.root)
     assert second.returncode == 1
     assert f"pid {daemon.pid}" in second.stderr and "already serves" in second.stderr
+    assert f"kill -TERM {daemon.pid}" in second.stderr  # the command to run, not a template
     with daemon.client() as client:  # the first one is unharmed
         assert client.get("/v1/health").json()["pid"] == daemon.pid
     assert layout.socket.exists() and layout.pid_file.read_text().strip() == str(daemon.pid)

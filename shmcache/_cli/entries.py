@@ -138,17 +138,29 @@ def _progress_bar(enabled: bool | None) -> Progress:
         BarColumn,
         DownloadColumn,
         Progress,
+        ProgressColumn,
+        Task,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
+    from rich.text import Text
+
+    class BinarySpeedColumn(ProgressColumn):
+        """Speed in the same binary units as the sizes (rich's own column says GB/s)."""
+
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            if speed is None and task.finished and task.elapsed:  # too quick for rich's samples
+                speed = task.completed / task.elapsed
+            shown = "?" if speed is None else f"{human_bytes(int(speed))}/s"
+            return Text(shown, style="progress.data.speed")
 
     console = Console(stderr=True, force_terminal=True if enabled else None)
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        BinarySpeedColumn(),
         TimeRemainingColumn(),
         console=console,
         disable=enabled is False or not console.is_terminal,
@@ -355,7 +367,8 @@ def stats(root: RootOption = None, as_json: JsonOption = False) -> None:
         daemon = not isinstance(control, Store)
         result: StoreStats = control.stats()
     if as_json:
-        typer.echo(json.dumps({**asdict(result), "daemon": daemon}, indent=1))
+        warnings = [result.budget_warning] if result.budget_warning is not None else []
+        typer.echo(json.dumps({**asdict(result), "daemon": daemon, "warnings": warnings}, indent=1))
         return
     budget = human_bytes(result.budget) if result.budget is not None else "none"
     typer.echo(f"root:     {result.root}")
@@ -363,6 +376,8 @@ def stats(root: RootOption = None, as_json: JsonOption = False) -> None:
     typer.echo(f"entries:  {result.entries}")
     typer.echo(f"used:     {human_bytes(result.used)}  (budget {budget})")
     typer.echo(f"free:     {human_bytes(result.free)} of {human_bytes(result.capacity)}")
+    if result.budget_warning is not None:
+        typer.echo(f"warning:  {result.budget_warning}", err=True)
     held = getattr(result, "held_by_readers_bytes", None)
     if held is not None:
         typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers")

@@ -3,7 +3,8 @@ each with a fix.
 
 The /dev/shm size and free space (Docker's 64 MB default), a cgroup memory limit below the
 cache, the root's owner and mode, the daemon (probed with :class:`shmcache.client.Client`,
-imported only when its socket exists), the multiprocessing start method, ``ulimit -n`` and
+imported only when its socket exists) and its budget against the tmpfs size, the
+multiprocessing start method, ``ulimit -n`` and
 vm.overcommit.
 """
 
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 from .._disk.fs import free_bytes, total_bytes
 from .._disk.layout import ENV_ROOT, SHM_DIR
-from .._store import Store
+from .._store import Store, StoreStats
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError, ShmCacheError
 
@@ -211,45 +212,63 @@ def _check_root(root: Path) -> Check:
     return Check("root", "ok", f"{root}: yours, mode {mode:04o}", "", details)
 
 
-def _check_daemon(root: Path, socket_path: Path) -> Check:
+def _check_daemon(root: Path, socket_path: Path) -> tuple[Check, StoreStats | None]:
+    """The daemon's health, and its stats (budget included) when it answers."""
     details: dict[str, Any] = {"socket": str(socket_path)}
     if not socket_path.exists():
         return Check(
             "daemon", "ok",
             f"no daemon on {socket_path} (optional: reads never need it; `shmcache serve` shares loads)",
             "", details,
-        )
+        ), None
     try:
         from ..client import Client  # httpx: only when there is a socket to probe
     except ImportError as exc:  # pragma: no cover - httpx is a dependency; a --no-deps install
         return Check(
             "daemon", "warn", f"{socket_path} exists, but it cannot be probed ({exc.name} is missing)",
             "pip install httpx", details,
-        )
+        ), None
     restart = "check the daemon's log; restart it with `shmcache serve`"
     try:
         with Client(root, timeout=_PROBE_TIMEOUT_S, socket=socket_path) as client:
             health = client.health()
+            stats = client.stats()
     except DaemonUnavailableError as exc:
         return Check(
             "daemon", "warn", f"{socket_path} exists but nothing answers ({exc.__cause__ or exc})",
             "a daemon died without cleaning up: start it again with `shmcache serve` "
             "(it replaces the stale socket)", details,
-        )
+        ), None
     except ShmCacheError as exc:  # an error status, or an answer that is not JSON
         return Check(
             "daemon", "warn", f"daemon on {socket_path} failed GET /v1/health: {exc}", restart, details
-        )
+        ), None
     except (TypeError, ValueError, AttributeError) as exc:  # JSON, but not a health record
         return Check(
             "daemon", "warn", f"daemon on {socket_path} answered GET /v1/health with no health record "
             f"({exc})", restart, details,
-        )
+        ), None
     details.update(status=200, health=asdict(health))  # the Client returned: HTTP 200 OK
     return Check(
         "daemon", "ok",
         f"daemon pid {health.pid} (shmcache {health.version}) answers on {socket_path}, "
         f"up {health.uptime_s:.0f} s",
+        "", details,
+    ), stats
+
+
+def _check_budget(stats: StoreStats) -> Check:
+    """The daemon's budget against the size of the file system it must fit in."""
+    details = {"budget": stats.budget, "capacity": stats.capacity}
+    if stats.budget_warning is not None:
+        return Check(
+            "budget", "warn", stats.budget_warning,
+            "restart the daemon with a smaller --max-bytes (or --max-fraction), or enlarge the tmpfs",
+            details,
+        )
+    budget = "no budget" if stats.budget is None else f"budget {human_bytes(stats.budget)}"
+    return Check(
+        "budget", "ok", f"the daemon's {budget} fits the file system ({human_bytes(stats.capacity)})",
         "", details,
     )
 
@@ -351,7 +370,14 @@ def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
     checks += [
         _check_cgroup(used, tmpfs_capacity if isinstance(tmpfs_capacity, int) else None),
         _check_root(store.root),
-        _check_daemon(store.root, socket_path if socket_path is not None else store.layout.socket),
+    ]
+    daemon, daemon_stats = _check_daemon(
+        store.root, socket_path if socket_path is not None else store.layout.socket
+    )
+    checks.append(daemon)
+    if daemon_stats is not None:
+        checks.append(_check_budget(daemon_stats))
+    checks += [
         _check_start_method(),
         _check_open_files(len(entries)),
         _check_overcommit(),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._units import human_bytes
+
 __all__ = ["EntryInfo", "PlannedEntry", "StoreStats", "entry_info"]
 
 
@@ -47,6 +49,19 @@ class StoreStats:
     budget: int | None
     """The store's ``max_bytes``, or None for no budget."""
     entries: int
+
+    @property
+    def budget_warning(self) -> str | None:
+        """Why the budget cannot work as set, or None: a budget above the file system's
+        size never evicts anything, because the tmpfs fills (and puts fail) first."""
+        if self.budget is None or self.capacity <= 0 or self.budget <= self.capacity:
+            return None
+        return (
+            f"the budget ({human_bytes(self.budget)}) is larger than the file system holding "
+            f"{self.root} ({human_bytes(self.capacity)}): it fills up and puts fail with CacheFullError "
+            "before the budget evicts anything; lower --max-bytes below the size, or enlarge the tmpfs "
+            "(mount -o remount,size=...; Docker: --shm-size)"
+        )
 
 
 @dataclass(frozen=True)
