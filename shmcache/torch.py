@@ -13,7 +13,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # say what to install, not just "No module named 'torch'"
+    raise ModuleNotFoundError(
+        "shmcache.torch needs PyTorch, which is not installed: pip install torch "
+        "(a CPU-only build: pip install torch --index-url https://download.pytorch.org/whl/cpu); "
+        "the rest of shmcache works without it",
+        name="torch",
+    ) from exc
 from torch.utils.data import Dataset, default_collate
 
 from ._api import get_store

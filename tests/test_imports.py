@@ -52,3 +52,15 @@ def test_service_and_client_install_under_shmcache() -> None:
             [sys.executable, "-c", f"import {name}"], cwd="/", capture_output=True, text=True
         )
         assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr
+
+
+def test_shmcache_torch_without_torch_says_what_to_install() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # what Python does for a missing package
+        "import shmcache\n"
+        "try:\n    import shmcache.torch\n"
+        "except ModuleNotFoundError as exc:\n    print(exc.name, '|', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    name, message = out.stdout.split(" | ", 1)
+    assert name == "torch" and "pip install torch" in message and "shmcache.torch needs PyTorch" in message
