@@ -292,6 +292,23 @@ def test_group_is_a_lazy_mapping_of_a_put_directory(store: shmcache.Store, tmp_p
     assert len(pickle.dumps(group)) < 1024 and sorted(clone) == ["a", "sub/b"]
 
 
+def test_a_typo_or_a_group_opened_as_one_entry_says_so(store: shmcache.Store, tmp_path: Path) -> None:
+    for name in ("a", "b", "c", "d"):
+        np.save(tmp_path / f"{name}.npy", np.arange(3))
+    store.put_file("scannet", tmp_path)
+    with pytest.raises(shmcache.KeyNotFoundError, match="no entries under 'scanet/'"):
+        store.open_group("scanet")  # a typo: no silent empty group
+    for open_one in (store.open_array, store.open):
+        with pytest.raises(shmcache.KeyNotFoundError) as caught:
+            open_one("scannet")
+        message = str(caught.value)
+        assert "is a group of 4 entries (scannet/a, scannet/b, scannet/c, ...)" in message
+        assert "open_array('scannet/a')" in message and "open_group('scannet')" in message
+    with pytest.raises(shmcache.KeyNotFoundError, match="put it first"):
+        store.open_array("scanet")
+    assert sorted(store.open_group("scannet/")) == ["a", "b", "c", "d"]
+
+
 def test_share_picks_the_form(store: shmcache.Store) -> None:
     assert isinstance(store.share("a", np.arange(3)), np.ndarray)
     assert isinstance(store.share("s", ["x", "y"]), shmcache.SharedStrings)
@@ -322,6 +339,7 @@ def test_module_level_functions_use_the_default_root(root: Path) -> None:
     assert len(shmcache.open_ragged("g")) == 1
     assert shmcache.open_records("r")[0] == {}
     assert shmcache.open_mapping("m")["k"] == "v"
-    assert sorted(shmcache.open_group("m").keys()) == []
+    with pytest.raises(shmcache.KeyNotFoundError, match="single entry"):
+        shmcache.open_group("m")  # an entry, not a group
     assert list(shmcache.share("t", ["y"])) == ["y"]
     assert (root / "entries" / "s").is_symlink()

@@ -6,11 +6,10 @@ group lists names on demand and opens each entry only when it is looked up.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
-from .._disk.layout import Layout, decode_key, encode_key
+from .._disk.layout import Layout
 from ..errors import InvalidKeyError, KeyNotFoundError
 
 __all__ = ["EntryOpener", "SharedGroup"]
@@ -41,12 +40,7 @@ class SharedGroup(Mapping[str, Any]):
         self._prefix = prefix
 
     def _names(self) -> list[str]:
-        start = encode_key(self._prefix + "/")
-        try:
-            listed = os.listdir(self._store.layout.entries)
-        except FileNotFoundError:
-            return []
-        return sorted(decode_key(name[len(start) :]) for name in listed if name.startswith(start))
+        return self._store.layout.names_under(self._prefix)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())

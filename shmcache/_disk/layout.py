@@ -178,6 +178,16 @@ class Layout:
         """The symlink of a (valid) key (a ``str``: it is on the open hot path)."""
         return self._entries_prefix + key.replace("/", _SEPARATOR_ON_DISK)
 
+    def names_under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix`` (a group), relative to it and sorted: ``["x"]`` for
+        ``prefix/x``. Empty when there are none or no root yet."""
+        start = encode_key(prefix + "/")
+        try:
+            listed = os.listdir(self.entries)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(decode_key(name[len(start) :]) for name in listed if name.startswith(start))
+
     def link_target(self, version: str) -> str:
         """What an entry link to ``version`` contains (relative, so the root can move)."""
         return f"{_OBJECTS_TARGET}{version}"

@@ -168,6 +168,13 @@ class Reader:
     # ------------------------------------------------------------------ housekeeping
 
     def not_found(self, key: str) -> KeyNotFoundError:
+        names = self.layout.names_under(key) if isinstance(key, str) else []
+        if names:  # put_file of a directory made a group of entries, not one entry
+            shown = ", ".join(f"{key}/{name}" for name in names[:3]) + (", ..." if len(names) > 3 else "")
+            return KeyNotFoundError(
+                f"{key!r} is a group of {len(names)} entries ({shown}), not one entry: open one with "
+                f"open_array({key + '/' + names[0]!r}), or all with open_group({key!r})"
+            )
         return KeyNotFoundError(
             f"no entry {key!r} in cache {self._root_str}; put it first "
             "(shmcache.put_array / put_file, or `shmcache put`)"

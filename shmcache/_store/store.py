@@ -132,7 +132,11 @@ class Store:
     def open_group(self, prefix: str) -> SharedGroup:
         """Lazy read-only ``Mapping`` of every entry under ``prefix`` (relative names)."""
         validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
-        return SharedGroup(self, prefix.rstrip("/"))
+        prefix = prefix.rstrip("/")
+        if not self.layout.names_under(prefix):  # a typo would otherwise be an empty group
+            hint = " (it is a single entry: open it with open_array/open)" if self.exists(prefix) else ""
+            raise KeyNotFoundError(f"no entries under {prefix + '/'!r} in cache {self.root}{hint}")
+        return SharedGroup(self, prefix)
 
     def open_version(self, key: str, version: str, kind: str) -> Any:
         """Attach one version of a container entry."""
