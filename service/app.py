@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,13 +26,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shmcache import __version__
 from shmcache.errors import LockTimeoutError, ShmCacheError
 
+from .docs import install_docs
 from .errors import status_of
 from .routes import metrics_router, v1
-from .settings import Settings
+from .settings import Settings, load_settings
 from .sources import is_up_to_date
 from .state import Service
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "openapi_schema"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +74,13 @@ def create_app(settings: Settings, *, service: Service | None = None) -> FastAPI
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # install_docs serves /docs and /redoc without a CDN
+        redoc_url=None,
     )
     app.state.service = service
     app.include_router(v1)
     app.include_router(metrics_router)
+    install_docs(app)
     _install_error_handlers(app)
     app.add_middleware(
         ControlMiddleware,  # type: ignore[arg-type]
@@ -86,6 +91,17 @@ def create_app(settings: Settings, *, service: Service | None = None) -> FastAPI
     if settings.token:
         _document_bearer_auth(app)
     return app
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The schema a daemon with default settings serves at ``/openapi.json``, built without
+    running one (``shmcache api-docs``): on a throwaway root, ignoring ``SHMCACHE_*``."""
+    with tempfile.TemporaryDirectory(prefix="shmcache-api-docs-") as root:
+        app = create_app(load_settings({"root": root}, env={}))
+        try:
+            return app.openapi()
+        finally:
+            app.state.service.close()
 
 
 def _start(service: Service) -> None:

@@ -8,6 +8,7 @@ test_service_daemon.py.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -55,6 +56,21 @@ def test_health_stats_and_docs(client: httpx.Client, api_root: Path) -> None:
     assert client.get("/docs").status_code == 200
     schema = client.get("/openapi.json").json()
     assert "/v1/entries/{key}" in schema["paths"] and "/metrics" in schema["paths"]
+
+
+def test_docs_pages_load_only_assets_the_daemon_serves(client: httpx.Client) -> None:
+    """/docs and /redoc work offline and through the Unix socket: no CDN, every asset answers."""
+    for page in ("/docs", "/redoc"):
+        response = client.get(page)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+        urls = re.findall(r"""(?:src|href|url)\s*[=:]\s*['"]([^'"]+)['"]""", response.text)
+        assert urls, response.text
+        for url in urls:
+            assert url.startswith("/"), f"{page} loads {url} from elsewhere"
+            assert client.get(url).status_code == 200, url
+    assets = re.findall(r"/docs-assets/[\w.-]+", client.get("/docs").text)
+    assert {"/docs-assets/swagger-ui-bundle.js", "/docs-assets/swagger-ui.css"} <= set(assets)
+    assert "/docs-assets/redoc.standalone.js" in client.get("/redoc").text
 
 
 def test_load_a_file_and_open_it_from_another_process(
