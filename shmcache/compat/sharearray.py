@@ -1,29 +1,64 @@
-"""A drop-in for python-sharearray's ``cache``/``free``, built on the shmcache store.
+"""A drop-in for python-sharearray's ``cache``/``decorator``/``free``, built on the shmcache store.
 
 Scripts written against ``sharearray`` keep their calls and gain what the original
 lacks: atomic publish (no partial array after a crash), a lock that dies with its
-holder (``kill -9`` never blocks the next run), and arrays that pickle by reference.
+holder (``kill -9`` never blocks the next run), a loader that really runs once per id
+(the original runs it, and rewrites the file, on every call no other process contends
+for), and arrays that pickle by reference.
 
-Ids may use ``[A-Za-z0-9=+._-]`` as in sharearray; they live in a store rooted at
-``<shm_path>/<prefix>shmcache-<uid>``.
+Where the bytes live: in a store at ``<shm_path>/<prefix>shmcache-<uid>``. The path the
+original used, ``<shm_path>/<prefix><id>.npy``, is a symlink into that store's entry:
+it exists exactly while the id is cached, ``np.load`` reads it, and ``free`` removes it.
+Deleting the link alone frees nothing (``cache`` puts it back); ``free(id)``, or
+``rm -rf <shm_path>/<prefix>*`` for everything, does. There is no ``.lock`` file. Do not
+run the original on the same ids at the same time: it would write through the link.
+
+Differences kept on purpose:
+
+- ``cache`` returns a read-only plain ``np.ndarray`` over the shared mapping, not the
+  ``np.memmap`` the original's ``open_memmap(mode='r')`` gives: the same values, shape,
+  dtype, order and read-only flag, but no ``.filename``/``.offset``/``.mode``, and
+  ``isinstance(a, np.memmap)`` is false. In exchange indexing runs at full ndarray speed
+  and pickling sends a reference, not a copy.
+- What the original refuses with ``ValueError`` (not an ndarray or callable, a callback
+  returning something else, an object dtype) raises :class:`UnsupportedArrayError`, a
+  ``ValueError`` and a :class:`shmcache.UnsupportedDataError`; so does a masked array,
+  which the original stores without its mask.
+- ``verbose`` prints one line, in the process that creates the array.
+- ``TimeoutException`` is :class:`shmcache.LockTimeoutError` (a ``TimeoutError``);
+  ``timeout`` may be fractional.
+- ``free`` of an invalid id raises ``ValueError`` rather than doing nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .._api import get_store
+from .._disk.layout import ARRAY_FILE as _ARRAY_FILE
+from .._disk.layout import encode_key
 from .._store import Store
-from ..errors import InvalidKeyError, KeyNotFoundError, LockTimeoutError
+from ..errors import InvalidKeyError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 
-__all__ = ["TimeoutException", "cache", "free", "valid_id"]
+__all__ = ["TimeoutException", "UnsupportedArrayError", "cache", "decorator", "free", "valid_id"]
 
 TimeoutException = LockTimeoutError
 """sharearray's name for a lock wait that timed out."""
+
+_Loader = Callable[[], np.ndarray]
+
+
+class UnsupportedArrayError(UnsupportedDataError, ValueError):
+    """What sharearray refuses with ``ValueError`` (not an ndarray, object dtype...):
+    still caught by ``except ValueError`` as well as by shmcache's ``UnsupportedDataError``."""
+
 
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789=+._-")
 _KEY_CHARS = _ID_CHARS - {"=", "+"}
@@ -34,10 +69,6 @@ def valid_id(id: str) -> bool:
     return isinstance(id, str) and bool(id) and set(id) <= _ID_CHARS
 
 
-def _store(shm_path: str, prefix: str) -> Store:
-    return Store(os.path.join(shm_path, f"{prefix}shmcache-{os.getuid()}"))
-
-
 def _key(id: str) -> str:
     if not valid_id(id):
         raise InvalidKeyError(f"invalid sharearray id {id!r}: use [A-Za-z0-9=+._-]+")
@@ -46,9 +77,55 @@ def _key(id: str) -> str:
     return f"hex/{id.encode().hex()}"  # '=' and '+' are not key characters
 
 
+def _store_name(prefix: str) -> str:
+    return f"{prefix}shmcache-{os.getuid()}"
+
+
+def _store(shm_path: str, prefix: str) -> Store:
+    return get_store(os.path.join(shm_path, _store_name(prefix)))
+
+
+def _build_path(id: str, prefix: str, shm_path: str) -> tuple[str, str]:
+    """The original's ``(file, lock file)`` paths of ``id``: its users' scripts look there."""
+    path = os.path.join(shm_path, prefix + id + ".npy")
+    return path, path + ".lock"
+
+
+def _link(id: str, key: str, prefix: str, shm_path: str) -> None:
+    """Point ``<shm_path>/<prefix><id>.npy`` at the entry's current file (relative: the link
+    and the store share a directory, since both names start with ``prefix``)."""
+    path = _build_path(id, prefix, shm_path)[0]
+    target = f"{os.path.basename(_store_name(prefix))}/entries/{encode_key(key)}/{_ARRAY_FILE}"
+    try:
+        if os.readlink(path) == target:
+            return
+    except FileNotFoundError:
+        with contextlib.suppress(FileExistsError):  # a concurrent caller made the same link
+            os.symlink(target, path)
+            return
+    except OSError:  # a regular file: what the original wrote; the link replaces it
+        pass
+    staging = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    os.symlink(target, staging)
+    try:
+        os.replace(staging, path)
+    except BaseException:
+        os.unlink(staging)
+        raise
+
+
+def _checked_array(value: object, id: str) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise UnsupportedArrayError(
+            f"the callback for sharearray id {id!r} returned {type(value).__name__}, not a "
+            "numpy.ndarray; return np.asarray(...) of it"
+        )
+    return value
+
+
 def cache(
     id: str,
-    array_or_callback: np.ndarray | Callable[[], np.ndarray],
+    array_or_callback: np.ndarray | _Loader,
     shm_path: str = "/dev/shm",
     prefix: str = "sharearray_",
     timeout: float = -1,
@@ -59,20 +136,73 @@ def cache(
 
     ``array_or_callback`` is the array, or a function returning it that runs at most
     once across all processes. ``timeout`` < 0 waits for another process's load forever.
+    Raises ``ValueError`` for an invalid id and :class:`UnsupportedArrayError` (also a
+    ``ValueError``) for anything but an ndarray of plain values.
     """
-    store = _store(shm_path, prefix)
     key = _key(id)
-    loader = array_or_callback if callable(array_or_callback) else (lambda: array_or_callback)
+    if not (isinstance(array_or_callback, np.ndarray) or callable(array_or_callback)):
+        raise UnsupportedArrayError(
+            f"array_or_callback for sharearray id {id!r} should be a numpy.ndarray or a "
+            f"zero-argument callable, not {type(array_or_callback).__name__}"
+        )
+    store = _store(shm_path, prefix)
+
+    def load() -> np.ndarray:
+        if verbose:
+            (log_func or print)(f"sharearray: {id!r} doesn't exist yet; creating it in {store.root}")
+        if isinstance(array_or_callback, np.ndarray):
+            return array_or_callback
+        return _checked_array(array_or_callback(), id)
+
     try:
-        return store.open_array(key)
-    except KeyNotFoundError:
-        pass
-    if verbose:
-        (log_func or print)(f"sharearray: loading {id!r} into {store.root}")
-    return store.cache(key, loader, timeout=None if timeout < 0 else timeout)
+        array = store.cache(key, load, timeout=None if timeout < 0 else timeout)
+    except UnsupportedArrayError:
+        raise
+    except UnsupportedDataError as exc:  # object dtype, masked array: a ValueError in sharearray
+        raise UnsupportedArrayError(f"sharearray id {id!r}: {exc}") from exc
+    _link(id, key, prefix, shm_path)
+    return array
+
+
+def decorator(
+    id: str,
+    *,
+    shm_path: str = "/dev/shm",
+    prefix: str = "sharearray_",
+    timeout: float = -1,
+    verbose: bool = True,
+    log_func: Callable[[str], Any] | None = None,
+) -> Callable[[_Loader], _Loader]:
+    """``cache`` as a memoizing decorator of a zero-argument function returning the array.
+
+    The function runs at most once across all processes (the original calls it on every
+    call and throws the result away when the id exists). ``id`` is checked now.
+    """
+    _key(id)
+
+    def decorate(function: _Loader) -> _Loader:
+        @functools.wraps(function)
+        def cached() -> np.ndarray:
+            return cache(id, function, shm_path, prefix, timeout, verbose, log_func)
+
+        return cached
+
+    return decorate
 
 
 def free(id: str, shm_path: str = "/dev/shm", prefix: str = "sharearray_") -> None:
-    """Remove ``id`` from shared memory (no error if it is not there)."""
+    """Remove ``id`` from shared memory, and its ``.npy`` link (no error if it is not there).
+
+    Processes that still map the array keep reading it; the memory returns when they let go.
+    A ``.lock`` file left by the original sharearray is removed with a warning, as it does.
+    """
+    key = _key(id)
+    path, lock = _build_path(id, prefix, shm_path)
+    if os.path.lexists(lock):
+        warnings.warn(f"lock still exists: removing {lock} (left by python-sharearray)", stacklevel=2)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
     with contextlib.suppress(KeyNotFoundError):
-        _store(shm_path, prefix).evict(_key(id))
+        _store(shm_path, prefix).evict(key)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
