@@ -7,7 +7,8 @@ encoding of a cache root. Change the format here and nowhere else.
     <root>/entries/<key>         symlink -> ../objects/<version>   ("/" in keys is "~")
     <root>/objects/<version>/    <name>.npy files + meta.json, immutable once published
     <root>/tmp/                  partial writes and the lock of each live writer
-    <root>/locks/                per-key and space locks
+    <root>/locks/space.lock      the root's space-accounting lock
+    <root>/locks/keys/           one lock per key (``<key>.lock``), apart from the root's own
     <root>/daemon.sock           the daemon's control socket (mode 0600)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
 
@@ -171,8 +172,14 @@ class Layout:
     def pid_file(self) -> Path:
         return self.root / PID_NAME
 
+    @property
+    def key_locks(self) -> Path:
+        """Where per-key locks live: a namespace of their own, so that no key (``space``...)
+        can share a lock file with the root's own locks."""
+        return self.locks / "keys"
+
     def directories(self) -> tuple[Path, ...]:
-        return (self.root, self.entries, self.objects, self.tmp, self.locks)
+        return (self.root, self.entries, self.objects, self.tmp, self.locks, self.key_locks)
 
     def entry_link(self, key: str) -> str:
         """The symlink of a (valid) key (a ``str``: it is on the open hot path)."""
@@ -200,7 +207,7 @@ class Layout:
         return object_path(str(self.root), version, filename)
 
     def key_lock(self, key: str) -> Path:
-        return self.locks / f"{encode_key(key)}.lock"
+        return self.key_locks / f"{encode_key(key)}.lock"
 
     @property
     def space_lock(self) -> Path:

@@ -1,6 +1,7 @@
 """Cross-process locks of a root: one per key (publish, evict, ``cache()``), one for
-space accounting. flock-based (``filelock``): the kernel releases them when the holder
-dies, even by ``kill -9``."""
+space accounting, in separate namespaces (``layout``) so that no key shares the root's
+lock. flock-based (``filelock``): the kernel releases them when the holder dies, even
+by ``kill -9``."""
 
 from __future__ import annotations
 
