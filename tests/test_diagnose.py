@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from service_helpers import running_daemon, temporary_root
 
 import shmcache
 from shmcache._diagnose.growth import GROWTH_MIN_BYTES, MAX_FIT_POINTS, judge, theil_sen
+from shmcache._diagnose.procfs import read_memory
 from shmcache._disk.layout import Layout
 
 MiB = 1 << 20
@@ -277,6 +280,151 @@ def test_watch_of_a_missing_command_fails_cleanly(tmp_path: Path) -> None:
     assert result.exit_code == 127 and "cannot run" in result.stderr
 
 
+# A short DataLoader-like run, watched at the default interval. "cow": the main process
+# builds 300k annotation dicts (~80 MiB), forks 2 workers that each read every dict and its
+# path once in 10 batches (~2 s: each read writes reference counts, so pages are copied) and
+# exit, reaped at once as a DataLoader's are.
+# "heap": a lone process, no children. Both main processes also hoard 1 MiB every 0.1 s for
+# 7 s (their own heap), so that their verdict comes from the slope after the warm-up.
+SHORT_WORKLOAD = textwrap.dedent("""
+    import multiprocessing as mp, sys, time
+
+    def load(records):
+        n = len(records)
+        total = 0
+        for batch in range(10):
+            for record in records[batch * n // 10 : (batch + 1) * n // 10]:
+                total += len(record["path"]) + record["label"]
+            time.sleep(0.15)
+
+    if __name__ == "__main__":
+        start = time.monotonic()
+        workers = []
+        if sys.argv[1] == "cow":
+            records = [{"id": i, "path": f"img/{i:08d}.jpg", "label": i % 80} for i in range(300_000)]
+            workers = [mp.get_context("fork").Process(target=load, args=(records,)) for _ in range(2)]
+            for w in workers:
+                w.start()
+        print("workers", *[w.pid for w in workers], flush=True)
+        hoard = []
+        while time.monotonic() < start + 7:
+            hoard.append("x" * (1 << 20))
+            workers = [w for w in workers if w.is_alive()]  # reaps the workers that are done
+            time.sleep(0.1)
+""")
+
+
+@pytest.fixture(scope="module")
+def watched_short(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Watched]:
+    """Both SHORT_WORKLOAD modes watched at the same time, at the default interval."""
+    base = tmp_path_factory.mktemp("watch-short")
+    script = base / "train.py"
+    script.write_text(SHORT_WORKLOAD)
+    out = {mode: base / f"watch-{mode}" for mode in ("cow", "heap")}
+    running = {
+        mode: subprocess.Popen(
+            [*CLI, "watch", "--out", str(out[mode]), "--", sys.executable, str(script), mode],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for mode in out
+    }
+    results = {}
+    for mode, process in running.items():
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0 and "workers" in stdout, stderr
+        workers = [int(pid) for pid in stdout.split("workers", 1)[1].split()]
+        results[mode] = Watched(process.returncode, stderr, workers, out[mode])
+    return results
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    [csv_path] = out.glob("*.csv")
+    with open(csv_path) as fp:
+        return list(csv.DictReader(fp))
+
+
+def test_watch_judges_short_lived_forked_workers_that_copy(watched_short: dict[str, Watched]) -> None:
+    done = watched_short["cow"]
+    verdicts = _verdicts(done.stderr)
+    rows = _rows(done.out)
+    assert len(done.workers) == 2
+    for pid in done.workers:
+        # judged on its short life (too short for a slope), with the numbers
+        assert re.match(r"growing: its private memory rose \+\d+\.\d MiB in its short life "
+                        r"\(\d+ samples over \d+\.\d s\), \d+% of the \d+\.\d MiB it started with",
+                        verdicts[pid]), done.stderr
+        assert "copy-on-write" in verdicts[pid]
+        # sampled faster than the 1 s interval while young: the CSV's own stamps, not a clock
+        times = [float(r["time_s"]) for r in rows if int(r["pid"]) == pid]
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        assert len(times) >= 4 and gaps[len(gaps) // 2] < 0.75, times
+    main = verdicts[done_pid(rows, done.workers)]
+    assert main.startswith("growing at ") and "its forked workers copy pages" in main, done.stderr
+    assert "shmcache.share" in done.stderr and "tracemalloc" not in done.stderr
+
+
+def test_watch_tells_a_lone_process_its_own_heap_grows(watched_short: dict[str, Watched]) -> None:
+    done = watched_short["heap"]
+    verdicts = _verdicts(done.stderr)
+    assert done.workers == [] and len(verdicts) == 1, done.stderr
+    [verdict] = verdicts.values()
+    assert verdict.startswith("growing at ") and "its own heap" in verdict, done.stderr
+    assert "tracemalloc.take_snapshot()" in done.stderr
+    assert "forked workers" not in done.stderr and "shmcache.share" not in done.stderr
+
+
+def test_read_memory_agrees_with_the_kernels_own_sums() -> None:
+    ballast = [{"i": i} for i in range(200_000)]  # a heap of some size, as a worker's would be
+    with open("/proc/self/smaps_rollup", "rb") as fp:
+        lines = fp.read().splitlines()[1:]  # after the header line
+    rollup = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(b":") for line in lines)}
+    memory = read_memory(os.getpid())
+    assert memory is not None and ballast
+    assert abs(memory.rss - rollup[b"Rss"]) < MiB and abs(memory.pss - rollup[b"Pss"]) < MiB
+    assert abs(memory.uss - rollup[b"Private_Clean"] - rollup[b"Private_Dirty"]) < MiB
+    assert 0 < memory.own <= memory.uss
+
+
+def test_a_zombie_has_no_memory_to_read() -> None:
+    # a worker that exited but is not joined yet: zeros in its series would read as a drop
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        for _ in range(1000):
+            with open(f"/proc/{child.pid}/stat", "rb") as fp:
+                if fp.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the child never exited")
+        assert read_memory(child.pid) is None
+    finally:
+        child.wait()
+    assert read_memory(os.getpid()) is not None
+
+
+def test_watch_names_the_plot_extra_when_matplotlib_is_missing(tmp_path: Path) -> None:
+    # sys.modules[name] = None makes ``import matplotlib`` raise ImportError: a real missing import
+    without_matplotlib = "import sys; sys.modules['matplotlib'] = None; from shmcache.cli import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", without_matplotlib, "watch", "--out", str(tmp_path), "--",
+         sys.executable, "-c", "pass"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert ("plot skipped: matplotlib is not installed (pip install 'shmcache[plot]'; "
+            "from a checkout: pip install -e '.[plot]')") in done.stderr
+    assert list(tmp_path.glob("*.csv")) and not list(tmp_path.glob("*.png"))
+
+
+def test_the_plot_extra_is_declared_and_in_dev() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert any(r.startswith("matplotlib>=3.7") for r in extras["plot"])
+    dev_self = next(r for r in extras["dev"] if r.startswith("shmcache["))
+    assert "plot" in dev_self[len("shmcache[") : dev_self.index("]")].split(",")
+
+
 # ---------------------------------------------------------------------- the verdict itself
 
 
@@ -299,6 +447,28 @@ def test_judge_separates_growth_from_noise() -> None:
     assert judge(1, times, step).state == "flat"  # a parent building its Dataset
     stepped = judge(2, times, step, forked=True)  # a forked worker that copied 200 MiB
     assert stepped.state == "stepped" and "+200.0 MiB" in stepped.describe()
+
+
+def test_judge_a_life_too_short_for_a_slope() -> None:
+    times = [i * 0.2 for i in range(10)]  # 1.8 s: no span left after the warm-up
+    copying = [2 * MiB + t * 20 * MiB for t in times]  # +36 MiB
+    jitter = [2 * MiB + (i % 3) * MiB for i in range(len(times))]
+    start = 200 * MiB  # its RSS at the first sample, shared with its parent
+    verdict = judge(2, times, copying, forked=True, start=start)
+    assert verdict.state == "growing" and verdict.whole_life
+    text = verdict.describe()
+    assert "rose +36.0 MiB in its short life (10 samples over 1.8 s), 18% of the 200.0 MiB" in text
+    two = judge(2, [0.0, 0.2], [2 * MiB, 40 * MiB], forked=True, start=start)  # two samples suffice
+    assert two.state == "growing"
+    assert judge(2, times, jitter, forked=True, start=start).state == "flat"
+    assert judge(2, times, copying, forked=True, start=1000 * MiB).state == "flat"  # 3.6 % of what it has
+    step = [2 * MiB, *[90 * MiB] * 9]  # a copy bigger than STEP_MIN_BYTES counts whatever it started with
+    assert judge(2, times, step, forked=True, start=4000 * MiB).state == "growing"
+    # not forked: an early rise may be its start-up (imports, loading data); flat is still flat
+    unforked = judge(1, times, copying, start=start)
+    assert unforked.state == "short" and "too short to tell start-up" in unforked.describe()
+    assert judge(1, times, jitter).state == "flat"
+    assert judge(1, times[:3], jitter[:3]).describe() == "too short to judge (3 samples over 0.4 s)"
 
 
 def test_long_traces_are_thinned_before_the_fit() -> None:

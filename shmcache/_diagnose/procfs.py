@@ -4,9 +4,20 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 __all__ = ["Memory", "command_line", "parent_pid", "process_tree", "read_memory"]
+
+_SMAPS_LINE = re.compile(
+    rb"^(?:[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+ *(.*)"
+    rb"|(Rss|Pss|Private_Clean|Private_Dirty|Anonymous): +(\d+))",
+    re.MULTILINE,
+)
+"""The lines of ``/proc/PID/smaps`` that matter: a mapping's header "start-end perms offset
+dev inode [path]" (its path), and the five sizes summed. Matching only those, rather than
+splitting every line, reads a 330 MiB Python process in ~9 ms instead of ~15 (the kernel's
+part is ~6): ``watch`` reads a young process five times a second."""
 
 
 @dataclass(frozen=True)
@@ -27,50 +38,44 @@ class Memory:
 
 
 def read_memory(pid: int, cache_root: str | os.PathLike[str] | None = None) -> Memory | None:
-    """Memory of ``pid`` from ``/proc/PID/smaps``; None if it is gone or not ours to read.
+    """Memory of ``pid`` from ``/proc/PID/smaps``; None if it is gone (a zombie too) or not ours to read.
 
     ``cache_pss`` counts mappings of files under ``cache_root`` (symlinks resolved).
     """
     prefix = (os.path.realpath(cache_root) + "/").encode() if cache_root is not None else None
-    rss = pss = uss = own = cache_pss = 0
-    m_private = m_anon = m_pss = 0
-    m_file = m_cache = False
-
-    def close_mapping() -> None:
-        nonlocal own, cache_pss
-        own += min(m_private, m_anon) if m_file else m_private
-        if m_cache:
-            cache_pss += m_pss
-
     try:
         with open(f"/proc/{pid}/smaps", "rb") as smaps:
             data = smaps.read()
     except OSError:  # exited, or another user's process
         return None
-    for line in data.split(b"\n"):
-        name, colon, rest = line.partition(b":")
-        if not colon:
-            continue
-        if b" " in name:  # a mapping's header: "start-end perms offset dev inode [path]"
-            close_mapping()
-            fields = line.split(maxsplit=5)
-            path = fields[5] if len(fields) == 6 else b""
+    if not data:  # no address space: a zombie (a worker not joined yet) or a kernel thread
+        return None
+    rss = pss = uss = own = cache_pss = 0
+    m_private = m_anon = m_pss = 0
+    m_file = m_cache = False
+    for path, name, kib in _SMAPS_LINE.findall(data):
+        if not name:  # the next mapping's header: close the one before
+            own += min(m_private, m_anon) if m_file else m_private
+            if m_cache:
+                cache_pss += m_pss
             m_file = path.startswith(b"/")
             m_cache = prefix is not None and path.startswith(prefix)
             m_private = m_anon = m_pss = 0
             continue
+        value = int(kib) * 1024
         if name == b"Rss":
-            rss += int(rest.split()[0]) * 1024
+            rss += value
         elif name == b"Pss":
-            m_pss = int(rest.split()[0]) * 1024
-            pss += m_pss
-        elif name == b"Private_Clean" or name == b"Private_Dirty":
-            value = int(rest.split()[0]) * 1024
+            m_pss = value
+            pss += value
+        elif name == b"Anonymous":
+            m_anon = value
+        else:  # Private_Clean, Private_Dirty
             uss += value
             m_private += value
-        elif name == b"Anonymous":
-            m_anon = int(rest.split()[0]) * 1024
-    close_mapping()
+    own += min(m_private, m_anon) if m_file else m_private
+    if m_cache:
+        cache_pss += m_pss
     return Memory(rss=rss, pss=pss, uss=uss, own=own, cache_pss=cache_pss)
 
 
