@@ -30,6 +30,11 @@ __all__ = ["register"]
 
 _Snapshot = Callable[[], tuple[list[str], list[tuple[str, ...]], str]]
 _README_FIX = 'README, "Fixing DataLoader memory growth": keep big Python lists/dicts in shmcache.share(...)'
+_TRACEMALLOC_HINT = (
+    "For Python objects, tracemalloc says which lines allocated what stays: tracemalloc.start() "
+    "(or PYTHONTRACEMALLOC=1), take tracemalloc.take_snapshot() twice and print "
+    "later.compare_to(earlier, 'lineno')[:10]"
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -148,9 +153,11 @@ def watch(
     """Run COMMAND and sample the memory of its whole process tree (DataLoader workers too).
 
     Writes a CSV (time_s, pid, ppid, cmd, rss, pss, uss, own, cache_pss; bytes) while it runs and a
-    PNG of USS/PSS per process at the end, then prints a verdict per process: flat, or
-    growing at N MiB/min (judged on `own`, private anonymous memory, after a 3 s warm-up:
-    growing means >= 2 MiB/min and >= 8 MiB in total). The exit code is COMMAND's; Ctrl+C
+    PNG of USS/PSS per process at the end (with matplotlib), then prints a verdict per
+    process: flat, or growing at N MiB/min (judged on `own`, private anonymous memory, after a
+    3 s warm-up: growing means >= 2 MiB/min and >= 8 MiB in total). Each process is sampled
+    every 0.2 s in its first 3 s, so a short-lived forked worker is judged on its whole life:
+    growing if it copied a tenth of what it inherited. The exit code is COMMAND's; Ctrl+C
     reaches COMMAND. Example: shmcache watch -- python train.py
     """
     from .._diagnose.growth import GROWTH_MIN_BYTES, SLOPE_MIN_BYTES_PER_MIN, WARMUP_S
@@ -166,13 +173,14 @@ def watch(
         typer.echo(f"error: cannot run {command[0]!r}: {exc.strerror or exc}", err=True)
         raise typer.Exit(127 if isinstance(exc, FileNotFoundError) else 126) from None
     started = time.monotonic()
-    recorder = WatchRecorder(csv_path, started, Store(root).root)
+    recorder = WatchRecorder(csv_path, started, Store(root).root, interval)
     previous = _forward_signals(child)
     try:
         while True:
-            recorder.sample(child.pid, time.monotonic())
-            try:
-                child.wait(timeout=interval)
+            now = time.monotonic()
+            recorder.sample(child.pid, now)
+            try:  # at least as long as the round took: the reads never take more than half a core
+                child.wait(timeout=max(recorder.tick, time.monotonic() - now))
                 break
             except subprocess.TimeoutExpired:
                 continue
@@ -186,17 +194,26 @@ def watch(
     def say(text: str) -> None:
         typer.echo(f"shmcache watch: {text}", err=True)
 
+    fast = f" (every {recorder.tick:g} s in its first {WARMUP_S:g} s)" if recorder.tick < interval else ""
     say(f"{' '.join(command)} exited with {code} after {elapsed:.1f} s; "
-        f"{len(recorder.series)} processes sampled every {interval:g} s")
-    growing = 0
+        f"{len(recorder.series)} processes, each sampled every {interval:g} s{fast}")
+    copying = own_heap = 0
     for series, verdict in sorted(recorder.verdicts(), key=lambda sv: sv[0].pid):
         role = "main" if series.pid == child.pid else f"child of {series.ppid}"
         peak = max(m.uss for m in series.memories)
         say(f"pid {series.pid} ({role}, peak USS {human_bytes(peak)}): {verdict.describe()}")
-        growing += verdict.state in ("growing", "stepped")
-    if growing:
-        say(f"{growing} growing or grown: private memory that rises while a DataLoader iterates is usually "
+        if verdict.state in ("growing", "stepped"):
+            if verdict.forked or verdict.workers_copied:
+                copying += 1
+            else:
+                own_heap += 1
+    if copying:
+        say(f"{copying} growing or grown: private memory that rises while a DataLoader iterates is usually "
             f"copy-on-write of Python objects in the Dataset. Fix: {_README_FIX}")
+    if own_heap:
+        say(f"{own_heap} growing on {'its' if own_heap == 1 else 'their'} own heap, with no forked worker "
+            f"copying from {'it' if own_heap == 1 else 'them'}: a leak in the program, not copy-on-write. "
+            f"{_TRACEMALLOC_HINT}")
     say(f"csv: {csv_path}")
     if recorder.plot(png_path, " ".join(command)):
         say(f"plot: {png_path}")

@@ -1,20 +1,30 @@
 """``shmcache watch``'s recorder: samples a process tree into a CSV, keeps the series for
-the growth verdict, and plots USS/PSS per process (matplotlib, when installed)."""
+the growth verdict, and plots USS/PSS per process (matplotlib, when installed).
+
+Each process is sampled every FAST_INTERVAL_S during its warm-up, then at the configured
+interval: a DataLoader worker of a short epoch may live two seconds, and those samples are
+all the verdict will have of it."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .growth import Verdict, judge
+from .growth import WARMUP_S, Verdict, judge
 from .procfs import Memory, command_line, parent_pid, process_tree, read_memory
 
-__all__ = ["CSV_HEADER", "Series", "WatchRecorder"]
+__all__ = ["CSV_HEADER", "FAST_INTERVAL_S", "Series", "WatchRecorder"]
 
 MiB = 1 << 20
 CSV_HEADER = ("time_s", "pid", "ppid", "cmd", "rss", "pss", "uss", "own", "cache_pss")
+FAST_INTERVAL_S = 0.2
+"""How often a process is sampled in its first WARMUP_S seconds, and how often the tree is
+walked for new workers. One smaps read of a process with a few hundred MiB costs ~10-20 ms,
+so the recorder also waits at least as long as its last round took (at most half a core)."""
 _LEGEND_MAX = 12
 
 
@@ -33,10 +43,15 @@ class WatchRecorder:
     """Samples a process tree into a CSV (one row per process per sample) and keeps the
     series for the verdict and the plot."""
 
-    def __init__(self, csv_path: Path, started: float, cache_root: Path | None = None) -> None:
+    def __init__(
+        self, csv_path: Path, started: float, cache_root: Path | None = None, interval: float = 1.0
+    ) -> None:
         self.csv_path = csv_path
         self.cache_root = cache_root
         self.started = started
+        self.interval = interval
+        self.tick = min(interval, FAST_INTERVAL_S)
+        """How often :meth:`sample` should be called."""
         self.series: dict[int, Series] = {}
         self.root_pid = -1
         self._file = open(csv_path, "w", newline="")  # noqa: SIM115 - closed in close()
@@ -44,17 +59,21 @@ class WatchRecorder:
         self._writer.writerow(CSV_HEADER)
 
     def sample(self, root_pid: int, now: float) -> int:
-        """One sample of ``root_pid`` and its descendants; returns how many were read."""
+        """Walk ``root_pid``'s tree (call every ``tick`` seconds) and read the processes that are
+        new, in their warm-up, or due at the interval; returns how many were read."""
         seen = 0
         self.root_pid = root_pid
         elapsed = now - self.started
         for pid in process_tree(root_pid):
+            series = self.series.get(pid)
+            if series is not None and not self._due(series, elapsed):
+                continue
             memory = read_memory(pid, self.cache_root)
             if memory is None:
                 continue
-            series = self.series.get(pid)
             if series is None:
                 series = self.series[pid] = Series(pid, parent_pid(pid), command_line(pid, 120))
+            elapsed = time.monotonic() - self.started  # a round of reads takes a while: stamp each
             series.times.append(elapsed)
             series.memories.append(memory)
             self._writer.writerow(
@@ -65,18 +84,31 @@ class WatchRecorder:
         self._file.flush()
         return seen
 
+    def _due(self, series: Series, elapsed: float) -> bool:
+        """In its warm-up (sampled every tick), or an interval since its last sample."""
+        if elapsed - series.times[0] < WARMUP_S:
+            return True
+        return elapsed - series.times[-1] >= self.interval - self.tick / 2
+
     def close(self) -> None:
         self._file.close()
 
     def verdicts(self) -> list[tuple[Series, Verdict]]:
         """Each process's series with its verdict; a child with its parent's command line
-        counts as forked (a DataLoader worker under fork)."""
-        out = []
+        counts as forked (a DataLoader worker under fork), and a parent learns whether any
+        of its forked workers grew (then its own growth may be pages they copied)."""
+        judged = {}
         for s in self.series.values():
             parent = self.series.get(s.ppid)
             forked = s.pid != self.root_pid and parent is not None and parent.command == s.command
-            out.append((s, judge(s.pid, s.times, [m.own for m in s.memories], forked=forked)))
-        return out
+            owns = [m.own for m in s.memories]
+            judged[s.pid] = judge(s.pid, s.times, owns, forked=forked, start=s.memories[0].rss)
+        grew = ("growing", "stepped")
+        copied_from = {self.series[pid].ppid for pid, v in judged.items() if v.forked and v.state in grew}
+        return [
+            (s, dataclasses.replace(judged[s.pid], workers_copied=s.pid in copied_from))
+            for s in self.series.values()
+        ]
 
     def plot(self, png_path: Path, title: str) -> bool:
         """USS and PSS per process over time; False (nothing written) without matplotlib."""
