@@ -20,7 +20,7 @@ from urllib.parse import quote
 import httpx
 
 from shmcache import EntryInfo, default_root, validate_key
-from shmcache._disk.layout import ENV_SOCKET, ENV_TOKEN, Layout
+from shmcache._disk.layout import ENV_ROOT, ENV_SOCKET, ENV_TOKEN, Layout
 from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
 from ._errors import JobCancelledError, error_from_body
@@ -125,9 +125,15 @@ class Client:
                 f"cannot reach the shmcache daemon at {self.url} ({exc or type(exc).__name__}): is "
                 "`shmcache serve --host H --port P` running there, and the address right?"
             )
+        if _denied(self.socket_path, exc):  # another user's root: its daemon serves only that user
+            return DaemonUnavailableError(
+                f"cannot open the daemon's socket {self.socket_path}: permission denied (it, or the "
+                "directory it is in, belongs to another user, and a daemon serves only its own user): "
+                f"use a root of your own (--root, {ENV_ROOT}) or run as the daemon's user"
+            )
         if isinstance(exc, httpx.TimeoutException):
             reason = f"no answer within {self.timeout:g} s"
-        elif not self.socket_path.exists():
+        elif not os.path.lexists(self.socket_path):
             reason = "no socket there"
         else:
             reason = str(exc) or type(exc).__name__
@@ -322,6 +328,25 @@ def _outcome(job: Job) -> Job:
     if job.error is not None:
         raise error_from_body(job.error.type, job.error.detail)
     return job
+
+
+def _denied(path: Path, exc: Exception) -> bool:
+    """Whether connecting to ``path`` failed for want of permission (``Path.exists`` would
+    raise ``PermissionError`` itself when the socket's directory is another user's)."""
+    cause: BaseException | None = exc
+    for _ in range(8):  # httpx -> httpcore -> the OSError of connect()
+        if cause is None:
+            break
+        if isinstance(cause, PermissionError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    try:
+        os.stat(path)
+    except PermissionError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _entry_path(key: str) -> str:

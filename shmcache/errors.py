@@ -122,7 +122,8 @@ class CorruptEntryError(ShmCacheError, ValueError):
 
 
 class CacheRootError(ShmCacheError, PermissionError):
-    """The cache root is unusable: owned by another user, not a directory..."""
+    """The cache root is unusable: a symlink, another user's, writable by others, not a
+    directory... (refused on reads as on writes: another user could have planted it)."""
 
 
 class UnauthorizedError(ShmCacheError, PermissionError):

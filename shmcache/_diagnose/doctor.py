@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from .._disk.fs import free_bytes, total_bytes
 from .._disk.layout import ENV_ROOT, SHM_DIR
+from .._disk.trust import untrusted_reason
 from .._store import Store, StoreStats
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError, ShmCacheError
@@ -186,23 +187,13 @@ def _check_root(root: Path) -> Check:
     except OSError as exc:
         return Check("root", "fail", f"cannot stat {root}: {exc.strerror}", "pick another root", details)
     details.update(uid=st.st_uid, mode=oct(stat.S_IMODE(st.st_mode)))
-    if stat.S_ISLNK(st.st_mode):
-        return Check(
-            "root", "fail", f"{root} is a symlink (someone could plant one in /dev/shm)",
-            f"use the real path {os.path.realpath(root)}, or remove the link", details,
-        )
-    if not stat.S_ISDIR(st.st_mode):
-        return Check("root", "fail", f"{root} is not a directory", "remove it or pick another root", details)
-    if st.st_uid != os.geteuid():
-        return Check(
-            "root", "fail", f"{root} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})",
-            f"pick another root with --root / {ENV_ROOT} (someone may have planted it), or run as "
-            f"uid {st.st_uid}", details,
-        )
+    untrusted = untrusted_reason(root, st)  # what makes every read and write refuse the root
+    if untrusted is not None:
+        return Check("root", "fail", *untrusted, details)
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
+    if mode & 0o077:  # writable by others fails above; readable only leaks the data
         return Check(
-            "root", "warn", f"{root} is mode {mode:04o}: other users may read or change the cache",
+            "root", "warn", f"{root} is mode {mode:04o}: other users may read the cache",
             f"chmod 700 {root} (unless you shared it with a group on purpose)", details,
         )
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import tempfile
 import warnings
 import zlib
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CacheRootError
+from .trust import refuse_untrusted
 
 __all__ = [
     "ARRAY_FILE",
@@ -193,6 +193,8 @@ class Layout:
             listed = os.listdir(self.entries)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except PermissionError as exc:  # another user's root
+            raise CacheRootError(f"cannot read cache root {self.root}: {exc.strerror}") from exc
         return sorted(decode_key(name[len(start) :]) for name in listed if name.startswith(start))
 
     def link_target(self, version: str) -> str:
@@ -214,40 +216,32 @@ class Layout:
         return self.locks / "space.lock"
 
 
-def _mkdir_private(path: Path) -> None:
+def _mkdir_private(path: Path, what: str) -> None:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     except OSError as exc:
-        raise CacheRootError(f"cannot create cache directory {path}: {exc.strerror}") from exc
+        raise CacheRootError(f"cannot create {what} {path}: {exc.strerror}") from exc
     try:
         st = os.lstat(path)
     except OSError as exc:
-        raise CacheRootError(f"cannot use cache directory {path}: {exc.strerror}") from exc
-    if stat.S_ISLNK(st.st_mode):
-        raise CacheRootError(
-            f"{path} is a symlink; shmcache does not follow symlinks in its root (someone "
-            f"could plant one in /dev/shm): use the real path {os.path.realpath(path)}"
-        )
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheRootError(f"{path} exists but is not a directory; remove it or pick another root")
-    if st.st_uid != os.geteuid():  # e.g. planted in world-writable /dev/shm; root included
-        raise CacheRootError(
-            f"cache directory {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
-            "pick another root with root= or SHMCACHE_ROOT"
-        )
+        raise CacheRootError(f"cannot use {what} {path}: {exc.strerror}") from exc
+    refuse_untrusted(path, st, what)  # a symlink, another user's, or writable by others
 
 
 def prepare_root(root: Path) -> Layout:
-    """Create the root and its sub-directories (mode 0700) if needed; return the layout."""
+    """Create the root and its sub-directories (mode 0700) if needed; return the layout.
+
+    Refuses (``CacheRootError``) a root or sub-directory that is a symlink, another
+    user's, or writable by others (``trust``)."""
     layout = Layout(root)
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CacheRootError(f"cannot create the parent of cache root {root}: {exc.strerror}") from exc
     for directory in layout.directories():
-        _mkdir_private(directory)
+        _mkdir_private(directory, "cache root" if directory == root else "cache directory")
     _prepare_generation(layout)
     return layout
 

@@ -4,6 +4,10 @@ Each process keeps what it attached, per key, with the key's generation slot val
 the time (see ``_disk/generations``). A warm open compares that one mapped slot and
 returns the same object in well under a microsecond; a publish or evict of the key
 changes its slot, and only that key's next open goes back to the disk.
+
+Nothing is read from a root that another user could have planted (``_disk/trust``): the
+first slow open checks the root once and keeps its inode; the sweep notices a root
+replaced under us and has it checked again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .._disk.generations import map_generations
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, Layout, generation_slot, read_version
 from .._disk.meta import read_meta
+from .._disk.trust import check_root
 from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
 
 __all__ = ["Reader", "forget_attachments"]
@@ -42,6 +47,7 @@ class Reader:
         self._root_str = str(layout.root)
         self._table: memoryview | None = None
         self._table_inode = -1
+        self._root_id: tuple[int, int] | None = None  # (device, inode) of the root once trusted
         self._arrays: dict[str, _Hit] = {}
         self._handles: dict[str, _Hit] = {}
         self._last_sweep = 0.0
@@ -106,6 +112,7 @@ class Reader:
         """A writable copy-on-write array of ``key`` with one mapping (for tensors):
         reads share the cache's pages, writes stay in this process."""
         validate_key(key)
+        self.trust_root()
         link = self.layout.entry_link(key)
         for _ in range(_RESOLVE_RETRIES):
             version = read_version(link)
@@ -180,6 +187,12 @@ class Reader:
             "(shmcache.put_array / put_file, or `shmcache put`)"
         )
 
+    def trust_root(self) -> None:
+        """Refuse (``CacheRootError``) a root that is a symlink, another user's, or writable
+        by others, before anything is read from it. Checked once per root directory."""
+        if self._root_id is None:
+            self._root_id = check_root(self._root_str)
+
     def _generation_table(self) -> memoryview | None:
         if self._table is None:
             mapped = map_generations(self.layout)
@@ -189,12 +202,19 @@ class Reader:
 
     def check_root_identity(self) -> bool:
         """Start afresh if the root was deleted and recreated under us (the mapped
-        generation table would otherwise never change again); True if it was."""
+        generation table would otherwise never change again, and whoever recreated it
+        must be checked again); True if it was."""
+        root_id: tuple[int, int] | None = None
+        inode = -1
         try:
+            st = os.lstat(self._root_str)
+            root_id = (st.st_dev, st.st_ino)
             inode = os.stat(self.layout.generation).st_ino
         except OSError:  # missing, or the root is not a directory (prepare explains)
-            inode = -1
-        if self._table is not None and inode != self._table_inode:
+            pass
+        replaced = self._root_id is not None and root_id != self._root_id
+        if replaced or (self._table is not None and inode != self._table_inode):
+            self._root_id = None
             self._table = None
             self.forget()
             return True
@@ -205,6 +225,8 @@ class Reader:
         in ``cache`` when there is one) and its link; sweeps stale attachments now and then."""
         if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
             self._sweep_stale()
+        if self._root_id is None:
+            self.trust_root()
         table = self._table if self._table is not None else self._generation_table()
         stale = cache.get(key)
         slot = stale[2] if stale is not None else generation_slot(key)

@@ -58,6 +58,9 @@ _PAGE = 4096  # reserved per file beyond its bytes: headers, meta.json, director
 class Store:
     """A cache root: put, open, evict, list, stats, cleanup.
 
+    Nothing is read from, or written to, a root that is a symlink, another user's, or
+    writable by others: :class:`CacheRootError` says why and what to do.
+
     ``max_bytes`` is this store's budget: a put that would exceed it first evicts
     least-recently-used entries that are neither pinned nor mapped by a live process.
     ``lock_timeout`` bounds waits on other processes' locks (None waits forever).
@@ -133,6 +136,7 @@ class Store:
         """Lazy read-only ``Mapping`` of every entry under ``prefix`` (relative names)."""
         validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
         prefix = prefix.rstrip("/")
+        self._reader.trust_root()
         if not self.layout.names_under(prefix):  # a typo would otherwise be an empty group
             hint = " (it is a single entry: open it with open_array/open)" if self.exists(prefix) else ""
             raise KeyNotFoundError(f"no entries under {prefix + '/'!r} in cache {self.root}{hint}")
@@ -144,6 +148,7 @@ class Store:
 
     def exists(self, key: str) -> bool:
         validate_key(key)
+        self._reader.trust_root()
         return os.path.lexists(self.layout.entry_link(key))
 
     # ------------------------------------------------------------------ writing
@@ -397,6 +402,7 @@ class Store:
         system when the last of them lets go.
         """
         validate_key(key)
+        self._reader.trust_root()
         version = read_version(self.layout.entry_link(key))
         freed = None if version is None else self._evict_version(key, version)
         if freed is None:
@@ -430,12 +436,14 @@ class Store:
             validate_key(prefix)  # raises InvalidKeyError naming the type
         if prefix:
             validate_key(prefix.rstrip("/"))
+        self._reader.trust_root()
         return sorted(
             (e for e in iter_infos(self.layout) if key_in_prefix(e.key, prefix)), key=lambda e: e.key
         )
 
     def info(self, key: str) -> EntryInfo:
         validate_key(key)
+        self._reader.trust_root()
         version = read_version(self.layout.entry_link(key))
         info = None if version is None else info_of(self.layout, version)
         if info is None:
@@ -452,6 +460,7 @@ class Store:
         return scan_mappings(self.layout.objects)
 
     def stats(self) -> StoreStats:
+        self._reader.trust_root()
         return store_stats(self.layout, builtins.list(iter_infos(self.layout)), self.max_bytes)
 
     # ------------------------------------------------------------------ cleanup, verify
