@@ -35,6 +35,7 @@ _TRACEMALLOC_HINT = (
     "(or PYTHONTRACEMALLOC=1), take tracemalloc.take_snapshot() twice and print "
     "later.compare_to(earlier, 'lineno')[:10]"
 )
+_PLOT_INSTALL = "pip install 'shmcache[plot]'; from a checkout: pip install -e '.[plot]'"
 
 
 def register(app: typer.Typer) -> None:
@@ -153,7 +154,7 @@ def watch(
     """Run COMMAND and sample the memory of its whole process tree (DataLoader workers too).
 
     Writes a CSV (time_s, pid, ppid, cmd, rss, pss, uss, own, cache_pss; bytes) while it runs and a
-    PNG of USS/PSS per process at the end (with matplotlib), then prints a verdict per
+    PNG of USS/PSS per process at the end (needs the plot extra), then prints a verdict per
     process: flat, or growing at N MiB/min (judged on `own`, private anonymous memory, after a
     3 s warm-up: growing means >= 2 MiB/min and >= 8 MiB in total). Each process is sampled
     every 0.2 s in its first 3 s, so a short-lived forked worker is judged on its whole life:
@@ -218,7 +219,7 @@ def watch(
     if recorder.plot(png_path, " ".join(command)):
         say(f"plot: {png_path}")
     else:
-        say("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        say(f"plot skipped: matplotlib is not installed ({_PLOT_INSTALL})")
     say(f"(thresholds: growing = slope >= {SLOPE_MIN_BYTES_PER_MIN >> 20} MiB/min and >= "
         f"{GROWTH_MIN_BYTES >> 20} MiB after a {WARMUP_S:g} s warm-up, on private anonymous memory)")
     raise typer.Exit(code)
