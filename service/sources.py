@@ -1,7 +1,8 @@
 """Checking a load's source before it is queued: absolute, resolved, allowed, loadable.
 
 Paths are resolved with ``realpath`` (symlinks and ``..``) before the ``--allow-source``
-check, so a symlink inside an allowed directory cannot point the daemon elsewhere.
+check, so a symlink inside an allowed directory cannot point the daemon elsewhere; a refusal
+names the source as given, never what it resolves to.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def resolve_source(source: str, allowed: Sequence[Path]) -> Path:
     except OSError as exc:  # e.g. a symlink loop
         raise InvalidSourceError(f"source {source} cannot be resolved: {exc.strerror or exc}") from None
     if allowed and not any(real == top or real.is_relative_to(top) for top in allowed):
+        # Never where it resolves to: a link to /proc/self/cwd would map the daemon's files for a TCP client.
         shown = ", ".join(str(p) for p in allowed)
-        via = f" (it resolves to {real})" if str(real) != os.path.normpath(source) else ""
         raise SourceNotAllowedError(
-            f"source {source}{via} is outside the directories this daemon may load from: {shown}. "
+            f"source {source} is outside the directories this daemon may load from: {shown}. "
             "Move the data there, or start the daemon with --allow-source for its directory"
         )
     if not real.exists():
@@ -55,10 +56,7 @@ def check_loadable(
     The store validates again when it loads; this only turns bad input into an immediate
     HTTP error instead of a failed job.
     """
-    plan = store.plan_file(key, source)  # reads headers only
-    if allowed:  # a directory may hold symlinks to files elsewhere
-        for item in plan:
-            resolve_source(item.file, allowed)
+    plan = store.plan_file(key, source, allowed_dirs=allowed)  # headers only; links out refused
     keys = [item.key for item in plan]
     needed = sum(item.size for item in plan)
     if store.max_bytes is not None and needed > store.max_bytes:

@@ -297,3 +297,18 @@ def test_a_load_that_cannot_fit_is_507(client: httpx.Client, data_dir: Path) -> 
         )
     finally:
         huge.unlink()
+
+
+def test_a_refused_source_does_not_say_where_a_link_points(client: httpx.Client, data_dir: Path) -> None:
+    """SourceNotAllowedError says only that the source is outside the allowed directories: a
+    link to /proc/self/cwd (or anywhere) must not tell a TCP client the daemon's file system."""
+    for target in ("/proc/self/cwd", "/proc/self/fd/0", "/etc/hostname"):
+        link = data_dir / unique("link")
+        link.symlink_to(target)
+        for source in (link, link / "x.npy"):
+            response = client.put(f"/v1/entries/{unique('k')}", json={"source": str(source)})
+            assert error_of(response) == (400, "SourceNotAllowedError")
+            detail = response.json()["detail"]
+            assert str(source) in detail and "outside the directories" in detail
+            resolved = os.path.realpath(source)
+            assert resolved not in detail and "resolves to" not in detail, detail
