@@ -30,7 +30,7 @@ from .._disk.meta import read_meta
 from .._disk.trust import check_root
 from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
 
-__all__ = ["Reader", "forget_attachments"]
+__all__ = ["Reader", "forget_attachments", "release_version"]
 
 _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
@@ -57,6 +57,13 @@ class Reader:
         """Drop every cached attachment (only arrays the program still holds stay mapped)."""
         self._arrays.clear()
         self._handles.clear()
+
+    def release(self, key: str, version: str) -> None:
+        """Drop the cached attachment of ``key`` if it is of ``version`` (just evicted)."""
+        for cache in (self._arrays, self._handles):
+            hit = cache.get(key)
+            if hit is not None and hit[3] == version:
+                del cache[key]
 
     # ------------------------------------------------------------------ arrays
 
@@ -246,6 +253,15 @@ class Reader:
 
 
 _READERS: weakref.WeakSet[Reader] = weakref.WeakSet()
+
+
+def release_version(root: Path, key: str, version: str) -> None:
+    """Drop every reader's cached attachment of ``key`` at ``version`` in this process, once
+    that version is evicted: its memory returns as soon as the program holds none of its
+    arrays, not at some later open."""
+    for reader in list(_READERS):
+        if reader.layout.root == root:
+            reader.release(key, version)
 
 
 def forget_attachments(root: Path) -> None:

@@ -42,7 +42,7 @@ from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, Unsuppo
 from .catalog import info_of, iter_infos, store_stats
 from .locks import key_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
-from .reading import Reader
+from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
 from .space import reserve
@@ -399,7 +399,8 @@ class Store:
         """Remove an entry (pinned or not); returns the bytes released.
 
         Processes that map it keep reading their version; its memory returns to the
-        system when the last of them lets go.
+        system when the last of them lets go. This process lets go at once of what it
+        kept attached: only arrays the program still holds keep the version mapped.
         """
         validate_key(key)
         self._reader.trust_root()
@@ -426,7 +427,9 @@ class Store:
                 return None
             os.unlink(link)
             bump_generations(self.layout, [key])
-            return remove_tree(self.layout.version_dir(version))
+            freed = remove_tree(self.layout.version_dir(version))
+            release_version(self.root, key, version)  # this process lets go at once
+            return freed
         finally:
             lock.__exit__(None, None, None)
 
