@@ -8,7 +8,8 @@ encoding of a cache root. Change the format here and nowhere else.
     <root>/objects/<version>/    <name>.npy files + meta.json, immutable once published
     <root>/tmp/                  partial writes and the lock of each live writer
     <root>/locks/space.lock      the root's space-accounting lock
-    <root>/locks/keys/           one lock per key (``<key>.lock``), apart from the root's own
+    <root>/locks/keys/           one lock per key (``<key>.lock``), apart from the root's own,
+                                 and the key's last failed ``cache()`` load (``<key>.failed``)
     <root>/daemon.sock           the daemon's control socket (mode 0600)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
 
@@ -210,6 +211,11 @@ class Layout:
 
     def key_lock(self, key: str) -> Path:
         return self.key_locks / f"{encode_key(key)}.lock"
+
+    def key_failure(self, key: str) -> Path:
+        """The record of the key's last failed ``cache()`` load (JSON), for the callers
+        that waited for it."""
+        return self.key_locks / f"{encode_key(key)}.failed"
 
     @property
     def space_lock(self) -> Path:

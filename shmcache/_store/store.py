@@ -40,6 +40,7 @@ from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._disk.writer import VersionWriter
 from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 from .catalog import info_of, iter_infos, store_stats
+from .loading import last_failure, recording_failure
 from .locks import key_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .reading import Reader, release_version
@@ -331,19 +332,27 @@ class Store:
         """Get-or-create: open ``key``, or run ``loader`` once across all processes.
 
         Concurrent callers wait on the key's lock and then open what the first one
-        published. If the loading process dies, the kernel releases its lock and the
-        next waiter loads instead; nothing partial is ever visible.
+        published. If the load fails (the loader raises, or its result cannot be
+        stored), the callers that were waiting for it raise the same error, caused by
+        the loader's traceback, rather than each running it again; a later call tries
+        again. If the loading process dies, the kernel releases its lock and the next
+        waiter loads instead; nothing partial is ever visible.
         """
         try:
             return self.open_array(key)
         except KeyNotFoundError:
             pass
+        seen = last_failure(self.layout, key)  # a different one after the wait failed meanwhile
         with self._key_lock(key, timeout):
             try:
                 return self.open_array(key)
             except KeyNotFoundError:
                 pass
-            self.put_array(key, loader())
+            failed = last_failure(self.layout, key)
+            if failed is not None and (seen is None or failed.id != seen.id):
+                raise failed.error(key)
+            with recording_failure(self.layout, key):
+                self.put_array(key, loader())
         return self.open_array(key)
 
     def _refuse_existing(self, keys: builtins.list[str], overwrite: bool) -> None:
