@@ -63,7 +63,13 @@ def get_store(root: str | os.PathLike[str] | None = None) -> Store:
 
 
 def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.ndarray:
-    """Read-only array over the shared entry ``key`` (pickles by reference)."""
+    """Read-only array over the shared entry ``key`` (pickles by reference).
+
+    The mapping itself is read-only: ``torch.from_numpy`` of it makes a tensor that kills
+    the process with SIGSEGV on its first in-place write (torch ignores numpy's read-only
+    flag). For tensors use ``shmcache.torch.as_tensor(key)``: the same shared pages, with
+    writes private to the process.
+    """
     return get_store(root).open_array(key)
 
 

@@ -36,6 +36,10 @@ Root = str | os.PathLike[str] | None
 def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Tensor:
     """A CPU tensor over a cached array: no copy, writable, private on write.
 
+    The way to make tensors of entries: ``torch.from_numpy(shmcache.open_array(key))``
+    sits on the read-only shared mapping, and its first in-place write kills the process
+    with SIGSEGV.
+
     Do not keep such tensors in a Dataset that is pickled to spawn/forkserver workers
     (torch would copy them into its own shared memory); keep keys or shmcache arrays
     and convert in the worker, as :class:`CachedDataset` does.

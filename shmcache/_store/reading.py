@@ -68,7 +68,10 @@ class Reader:
     # ------------------------------------------------------------------ arrays
 
     def open_array(self, key: str) -> np.ndarray:
-        """The read-only array of ``key`` (the same object while the key is unchanged)."""
+        """The read-only array of ``key`` (the same object while the key is unchanged).
+
+        Never written through: a ``torch.from_numpy`` tensor of it dies with SIGSEGV on a
+        write (``Store.open_array``); ``open_private_array`` is the writable one."""
         try:
             hit = self._arrays.get(key)
         except TypeError:  # unhashable: let validation explain

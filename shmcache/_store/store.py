@@ -104,7 +104,9 @@ class Store:
         """A read-only array over the entry's shared mapping (a plain ``ndarray``).
 
         Repeated opens in one process return the attached array in well under a
-        microsecond until this key is published or evicted again.
+        microsecond until this key is published or evicted again. The mapping is
+        read-only: a ``torch.from_numpy`` tensor of it kills the process with SIGSEGV on
+        its first in-place write; ``shmcache.torch.as_tensor`` makes writable tensors.
         """
         return self._reader.open_array(key)
 
