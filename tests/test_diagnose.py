@@ -285,7 +285,8 @@ def test_watch_of_a_missing_command_fails_cleanly(tmp_path: Path) -> None:
 # path once in 10 batches (~2 s: each read writes reference counts, so pages are copied) and
 # exit, reaped at once as a DataLoader's are.
 # "heap": a lone process, no children. Both main processes also hoard 1 MiB every 0.1 s for
-# 7 s (their own heap), so that their verdict comes from the slope after the warm-up.
+# 9 s (their own heap), so that their verdict comes from the slope after the warm-up: at 1 s
+# intervals, 7 s left a loaded machine 3 samples after it, one short of a slope.
 SHORT_WORKLOAD = textwrap.dedent("""
     import multiprocessing as mp, sys, time
 
@@ -307,7 +308,7 @@ SHORT_WORKLOAD = textwrap.dedent("""
                 w.start()
         print("workers", *[w.pid for w in workers], flush=True)
         hoard = []
-        while time.monotonic() < start + 7:
+        while time.monotonic() < start + 9:
             hoard.append("x" * (1 << 20))
             workers = [w for w in workers if w.is_alive()]  # reaps the workers that are done
             time.sleep(0.1)
