@@ -24,6 +24,7 @@ from shmcache._disk.layout import ENV_ROOT, ENV_SOCKET, ENV_TOKEN, Layout
 from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
 from ._errors import JobCancelledError, error_from_body
+from ._liveness import LiveDaemon, live_daemon
 from ._records import EntryDetail, Health, Job, ServiceStats, entry_from_json
 
 if TYPE_CHECKING:
@@ -131,12 +132,17 @@ class Client:
                 "directory it is in, belongs to another user, and a daemon serves only its own user): "
                 f"use a root of your own (--root, {ENV_ROOT}) or run as the daemon's user"
             )
-        if isinstance(exc, httpx.TimeoutException):
+        timed_out = isinstance(exc, httpx.TimeoutException)
+        if timed_out:
             reason = f"no answer within {self.timeout:g} s"
         elif not os.path.lexists(self.socket_path):
             reason = "no socket there"
         else:
             reason = str(exc) or type(exc).__name__
+        live = live_daemon(self.root)
+        if live is not None:  # alive but not answering: say so, never suggest starting another
+            message = _not_answering(live, self.root, self.socket_path, reason, timed_out)
+            return DaemonUnavailableError(message)
         start = f"shmcache serve --root {self.root}"
         if self.socket_path != Layout(self.root).socket:
             start += f" --socket {self.socket_path}"
@@ -328,6 +334,28 @@ def _outcome(job: Job) -> Job:
     if job.error is not None:
         raise error_from_body(job.error.type, job.error.detail)
     return job
+
+
+def _not_answering(live: LiveDaemon, root: Path, socket_path: Path, reason: str, timed_out: bool) -> str:
+    """Why a daemon that lives (its pid file is locked) does not answer, and what to do."""
+    pid = str(live.pid) if live.pid is not None else f"$(cat {live.pid_file})"
+    if not timed_out:
+        return (
+            f"the shmcache daemon {live} of {root} is running but does not accept connections on "
+            f"{socket_path} ({reason}): it is starting or stopping, or listens on another socket "
+            f"(started with --socket: pass that path as socket= or in ${ENV_SOCKET})"
+        )
+    if live.stopped:
+        state = f"it is stopped (SIGSTOP or Ctrl+Z): `kill -CONT {pid}` resumes it"
+    else:
+        state = (
+            f"it is hung or overloaded: see its log, or restart it (`kill -TERM {pid}`, then "
+            f"`shmcache serve --root {root}`)"
+        )
+    return (
+        f"the shmcache daemon {live} of {root} does not answer on {socket_path} ({reason}); {state}. "
+        "Working on the root without it (shmcache.Store; the CLI's --local) bypasses its budget"
+    )
 
 
 def _denied(path: Path, exc: Exception) -> bool:

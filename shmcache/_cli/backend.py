@@ -1,15 +1,19 @@
 """Which cache a command works on, chosen once per command: the daemon's
-(:class:`shmcache.client.Client`) when a daemon serving that root answers on its socket,
-else this process's (:class:`shmcache.Store`). Both satisfy
-:class:`shmcache._control.CacheControl`, so most commands do not care which they got.
+(:class:`shmcache.client.Client`) when a daemon serves that root, else this process's
+(:class:`shmcache.Store`). Both satisfy :class:`shmcache._control.CacheControl`, so most
+commands do not care which they got.
 
-Through the daemon, its budget applies and its loads are shared; a stale socket or a
-daemon serving another root does not count. httpx is imported only when a socket exists.
+Through the daemon, its budget applies and its loads are shared. A stale socket or a
+daemon serving another root does not count; but a daemon that lives (it holds the root's
+pid file locked) and does not answer is an error within a few seconds, never a reason
+to work on the root behind its back: ``--local`` does that, and only when asked. httpx is
+imported only when a socket or a pid file exists.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,49 +23,84 @@ import typer
 
 from .._disk.layout import ENV_SOCKET, Layout, default_root
 from .._store import Store
-from ..errors import ShmCacheError
+from ..errors import DaemonUnavailableError, ShmCacheError
+from .common import fail
 
 if TYPE_CHECKING:
     from ..client import Client
 
-__all__ = ["DAEMON_TIMEOUT_S", "daemon_client", "open_backend", "resolve_root"]
+__all__ = ["DAEMON_TIMEOUT_S", "PROBE_TIMEOUT_S", "daemon_client", "open_backend", "resolve_root"]
 
 DAEMON_TIMEOUT_S = 30.0
+"""How long an operation through the daemon may take to answer."""
+PROBE_TIMEOUT_S = 5.0
+"""How long a live daemon has to answer its health check before the command gives up."""
+_RETRY_S = 0.1
+
 
 def resolve_root(root: Path | None) -> Path:
     """The absolute root a command works on (``--root``, else ``$SHMCACHE_ROOT`` or the default)."""
     return Path(os.path.abspath(root if root is not None else default_root()))
 
 
-def daemon_client(root: Path | None) -> Client | None:
-    """A client of the daemon serving this root, or None when none answers there.
+def daemon_client(root: Path | None, local: bool = False) -> Client | None:
+    """A client of the daemon serving this root, or None when no daemon lives there (or
+    with ``local``).
 
-    The socket is ``$SHMCACHE_SOCKET`` or the root's, as for ``shmcache serve``.
+    The socket is ``$SHMCACHE_SOCKET`` or the root's, as for ``shmcache serve``. Raises
+    :class:`~shmcache.DaemonUnavailableError` when a daemon lives but does not answer
+    within :data:`PROBE_TIMEOUT_S` (one that is still starting gets that long to).
     """
-    resolved = resolve_root(root)
-    socket_path = os.environ.get(ENV_SOCKET) or str(Layout(resolved).socket)
-    if not os.path.exists(socket_path):  # cheap test first: no httpx import, no connection
+    if local:
         return None
+    resolved = resolve_root(root)
+    layout = Layout(resolved)
+    socket_path = os.environ.get(ENV_SOCKET) or str(layout.socket)
+    if not os.path.exists(socket_path) and not os.path.exists(layout.pid_file):
+        return None  # cheap test first: no httpx import, no connection
     try:
         from ..client import Client
+        from ..client._liveness import live_daemon
     except ImportError:  # pragma: no cover - httpx is a dependency; a --no-deps install
         typer.echo(f"notice: httpx is not installed, so not talking to the daemon on {resolved}", err=True)
         return None
-    client = Client(resolved, timeout=DAEMON_TIMEOUT_S)
-    try:
-        served: str | None = client.health().root
-    except ShmCacheError:
-        served = None
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while True:
+        probe = Client(resolved, timeout=round(max(0.5, deadline - time.monotonic()), 1))
+        try:
+            served = probe.health().root
+        except DaemonUnavailableError:
+            if live_daemon(resolved) is None:
+                return None  # a stale socket, or the daemon just stopped
+            if time.monotonic() + _RETRY_S >= deadline:
+                raise
+            time.sleep(_RETRY_S)  # starting (no socket yet) or stopping
+            continue
+        except ShmCacheError:  # an error status: not a shmcache daemon of this version
+            served = None
+        finally:
+            probe.close()
+        break
     if served is None or os.path.abspath(served) != str(resolved):
-        client.close()
+        live = live_daemon(resolved)
+        if live is not None:
+            raise DaemonUnavailableError(
+                f"the shmcache daemon {live} serves {resolved}, but {socket_path} is not its socket "
+                f"({'a daemon of ' + served if served else 'no shmcache daemon'} answers there): unset "
+                f"${ENV_SOCKET} or point it at that daemon's socket, or pass --local"
+            )
         return None
-    return client
+    return Client(resolved, timeout=DAEMON_TIMEOUT_S)
 
 
 @contextmanager
-def open_backend(root: Path | None) -> Iterator[Store | Client]:
-    """The daemon's client if one serves ``root``, else a local Store; closed afterwards."""
-    client = daemon_client(root)
+def open_backend(root: Path | None, local: bool = False) -> Iterator[Store | Client]:
+    """The daemon's client if one serves ``root`` (and not ``local``), else a local Store;
+    closed afterwards. A live daemon that does not answer ends the command (exit 1)."""
+    try:
+        client = daemon_client(root, local)
+    except DaemonUnavailableError as exc:
+        raise fail(exc) from None
     if client is None:
         yield Store(resolve_root(root))
         return

@@ -32,7 +32,7 @@ from ..errors import (
 )
 from .backend import open_backend, resolve_root
 from .common import fail, failures_exit_1, print_table, warn_or_raise
-from .options import JsonOption, RootOption
+from .options import JsonOption, LocalOption, RootOption
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -81,21 +81,22 @@ def put(
         typer.Option("--progress/--no-progress", help="Byte progress bar on stderr (default: on a terminal).",
                      show_default=False),
     ] = None,
+    local: LocalOption = False,
 ) -> None:
     """Load PATH into the cache under KEY and print the keys published.
 
     Through the daemon when one serves the root (its budget applies;
-    Ctrl+C cancels the load), else in this process, with a notice.
-    Nothing partial is ever published.
+    Ctrl+C cancels the load), else (or with --local) in this process, with
+    a notice. Nothing partial is ever published.
     """
     with failures_exit_1():
         sources = _sources(path, key)
     bar, title = _progress_bar(progress), f"put {key}"
     try:
-        with open_backend(root) as control:
+        with open_backend(root, local) as control:
             if isinstance(control, Store):
                 with failures_exit_1():
-                    published = _put_here(control, sources, pin, overwrite, bar, title)
+                    published = _put_here(control, sources, pin, overwrite, bar, title, local)
             else:
                 with failures_exit_1():
                     jobs = _put_through(control, sources, pin, overwrite, bar, title)
@@ -169,7 +170,13 @@ def _progress_bar(enabled: bool | None) -> Progress:
 
 
 def _put_here(
-    store: Store, sources: list[tuple[str, Path]], pin: bool, overwrite: bool, bar: Progress, title: str
+    store: Store,
+    sources: list[tuple[str, Path]],
+    pin: bool,
+    overwrite: bool,
+    bar: Progress,
+    title: str,
+    local: bool = False,
 ) -> list[str]:
     """Validate every source first (nothing is copied if one is bad), then put them."""
     plans = [(key, source, store.plan_file(key, source)) for key, source in sources]
@@ -181,7 +188,8 @@ def _put_here(
                         f"entry {entry.key!r} already exists; pass --overwrite to replace it, "
                         "or evict it first"
                     )
-    typer.echo(f"notice: no daemon on {store.root}; loading in this process", err=True)
+    why = "--local" if local else "no daemon"
+    typer.echo(f"notice: {why} on {store.root}; loading in this process", err=True)
     published: list[str] = []
     with bar:
         task = bar.add_task(title, total=sum(entry.size for _, _, plan in plans for entry in plan))
@@ -294,9 +302,10 @@ def list_command(
     ] = None,
     root: RootOption = None,
     as_json: JsonOption = False,
+    local: LocalOption = False,
 ) -> None:
     """List entries: key, kind, dtype, shape, size, pinned, mapped by (PIDs), age."""
-    with open_backend(root) as control, failures_exit_1():
+    with open_backend(root, local) as control, failures_exit_1():
         entries = control.list(prefix)
     mapped = _mapped_by(resolve_root(root))
     if as_json:
@@ -315,9 +324,10 @@ def list_command(
 def info(
     key: Annotated[str, typer.Argument(help="The entry's key.", show_default=False, metavar="KEY")],
     root: RootOption = None,
+    local: LocalOption = False,
 ) -> None:
     """Show one entry's metadata as JSON, with mapped_by: PIDs of live processes mapping it."""
-    with open_backend(root) as control, failures_exit_1():
+    with open_backend(root, local) as control, failures_exit_1():
         detail: dict[str, Any] = {**asdict(control.info(key)), "mapped_by": control.mapped_by(key)}
     typer.echo(json.dumps(detail, indent=1))
 
@@ -332,10 +342,11 @@ def evict(
     prefix: Annotated[
         bool, typer.Option("--prefix", help="Evict every entry that is KEY or lies under KEY/.")
     ] = False,
+    local: LocalOption = False,
 ) -> None:
     """Remove entries; processes that mapped them keep reading their version."""
     failed = False
-    with open_backend(root) as control:
+    with open_backend(root, local) as control:
         for key in keys:
             try:
                 if prefix:
@@ -354,16 +365,16 @@ def evict(
         raise typer.Exit(1)
 
 
-def cleanup(root: RootOption = None) -> None:
+def cleanup(root: RootOption = None, local: LocalOption = False) -> None:
     """Remove partial writes and orphans left by dead writers."""
-    with open_backend(root) as control, failures_exit_1():
+    with open_backend(root, local) as control, failures_exit_1():
         freed = control.cleanup()
     typer.echo(f"freed {human_bytes(freed)}")
 
 
-def stats(root: RootOption = None, as_json: JsonOption = False) -> None:
+def stats(root: RootOption = None, as_json: JsonOption = False, local: LocalOption = False) -> None:
     """Capacity, use, budget and entry count of the cache root (and the daemon's jobs)."""
-    with open_backend(root) as control, failures_exit_1():
+    with open_backend(root, local) as control, failures_exit_1():
         daemon = not isinstance(control, Store)
         result: StoreStats = control.stats()
     if as_json:
@@ -372,7 +383,7 @@ def stats(root: RootOption = None, as_json: JsonOption = False) -> None:
         return
     budget = human_bytes(result.budget) if result.budget is not None else "none"
     typer.echo(f"root:     {result.root}")
-    typer.echo(f"daemon:   {'running' if daemon else 'not running'}")
+    typer.echo(f"daemon:   {'running' if daemon else 'not used (--local)' if local else 'not running'}")
     typer.echo(f"entries:  {result.entries}")
     typer.echo(f"used:     {human_bytes(result.used)}  (budget {budget})")
     typer.echo(f"free:     {human_bytes(result.free)} of {human_bytes(result.capacity)}")

@@ -9,7 +9,7 @@ import typer
 
 from .._disk.layout import ENV_ROOT, ENV_SOCKET, SHM_DIR, SOCKET_NAME
 
-__all__ = ["JsonOption", "RootOption", "SocketOption"]
+__all__ = ["JsonOption", "LocalOption", "RootOption", "SocketOption"]
 
 RootOption = Annotated[
     Path | None,
@@ -21,6 +21,14 @@ RootOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+LocalOption = Annotated[
+    bool,
+    typer.Option(
+        "--local",
+        help="Work on the root in this process even if a daemon serves it (its budget does not "
+        "apply). Without it, a daemon that does not answer is an error.",
+    ),
+]
 SocketOption = Annotated[
     Path | None,
     typer.Option(

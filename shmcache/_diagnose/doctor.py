@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._disk.fs import free_bytes, total_bytes
-from .._disk.layout import ENV_ROOT, SHM_DIR
+from .._disk.layout import ENV_ROOT, SHM_DIR, Layout
 from .._disk.trust import untrusted_reason
 from .._store import Store, StoreStats
 from .._units import human_bytes
@@ -204,27 +204,54 @@ def _check_root(root: Path) -> Check:
 
 
 def _check_daemon(root: Path, socket_path: Path) -> tuple[Check, StoreStats | None]:
-    """The daemon's health, and its stats (budget included) when it answers."""
+    """The daemon's health, and its stats (budget included) when it answers. A daemon that
+    holds the root's pid file locked lives, even when it does not answer: that fails."""
     details: dict[str, Any] = {"socket": str(socket_path)}
-    if not socket_path.exists():
-        return Check(
-            "daemon", "ok",
-            f"no daemon on {socket_path} (optional: reads never need it; `shmcache serve` shares loads)",
-            "", details,
-        ), None
-    try:
-        from ..client import Client  # httpx: only when there is a socket to probe
+    none = Check(
+        "daemon", "ok",
+        f"no daemon on {socket_path} (optional: reads never need it; `shmcache serve` shares loads)",
+        "", details,
+    ), None
+    if not socket_path.exists() and not os.path.exists(Layout(root).pid_file):
+        return none
+    try:  # httpx: only when there is a socket or a pid file to probe
+        from ..client import Client
+        from ..client._liveness import live_daemon
     except ImportError as exc:  # pragma: no cover - httpx is a dependency; a --no-deps install
         return Check(
             "daemon", "warn", f"{socket_path} exists, but it cannot be probed ({exc.name} is missing)",
             "pip install httpx", details,
         ), None
+    live = live_daemon(root)
+    if live is not None:
+        details["pid"] = live.pid
+    if live is not None and not socket_path.exists():
+        return Check(
+            "daemon", "fail", f"daemon {live} lives (it holds {live.pid_file} locked) but has no socket "
+            f"at {socket_path}",
+            "it is starting or stopping, or listens on another socket (started with --socket): pass that "
+            "path with --socket", details,
+        ), None
+    if not socket_path.exists():
+        return none  # only a pid file a killed daemon left
     restart = "check the daemon's log; restart it with `shmcache serve`"
     try:
         with Client(root, timeout=_PROBE_TIMEOUT_S, socket=socket_path) as client:
             health = client.health()
             stats = client.stats()
     except DaemonUnavailableError as exc:
+        if live is not None:
+            pid = live.pid if live.pid is not None else f"$(cat {live.pid_file})"
+            stopped = live.stopped
+            return Check(
+                "daemon", "fail",
+                f"daemon {live} lives (it holds {live.pid_file} locked) but does not answer on {socket_path} "
+                f"within {_PROBE_TIMEOUT_S:g} s" + (": it is stopped (SIGSTOP or Ctrl+Z)" if stopped else ""),
+                (f"resume it: kill -CONT {pid}" if stopped else
+                 f"it is hung or overloaded: check its log, or restart it (kill -TERM {pid}, then "
+                 "`shmcache serve`)") + "; until then shmcache commands fail (--local works without it, "
+                "outside its budget)", details,
+            ), None
         return Check(
             "daemon", "warn", f"{socket_path} exists but nothing answers ({exc.__cause__ or exc})",
             "a daemon died without cleaning up: start it again with `shmcache serve` "
