@@ -3,6 +3,9 @@
 The lifespan cleans what dead writers left in the root, preloads the config file's
 ``[[datasets]]`` and, on shutdown, cancels running loads (nothing partial is
 published) and with ``cleanup_on_exit`` evicts every entry.
+
+Request bodies are capped (``MAX_BODY_BYTES``; the largest valid one is a few KiB), and
+every error body and log line carries at most a shortened copy of what a client sent.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import hmac
 import logging
 import tempfile
 import time
+import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,15 +31,18 @@ from shmcache import __version__
 from shmcache.errors import LockTimeoutError, ShmCacheError
 
 from .docs import install_docs
-from .errors import status_of
+from .errors import short, status_of
 from .routes import metrics_router, v1
 from .settings import Settings, load_settings
 from .sources import is_up_to_date
 from .state import Service
 
-__all__ = ["create_app", "openapi_schema"]
+__all__ = ["MAX_BODY_BYTES", "create_app", "openapi_schema"]
 
 logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 10
+"""Largest request body read: a load request is a few KiB (its ``source`` at most 4096 characters)."""
 
 _HTTP_ERROR_NAMES = {
     400: "BadRequestError",
@@ -82,6 +89,7 @@ def create_app(settings: Settings, *, service: Service | None = None) -> FastAPI
     app.include_router(metrics_router)
     install_docs(app)
     _install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)  # type: ignore[arg-type]
     app.add_middleware(
         ControlMiddleware,  # type: ignore[arg-type]
         service=service,
@@ -150,7 +158,17 @@ def _stop(service: Service) -> None:
 
 
 def _error(status: int, error: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+    """The JSON error body; ``detail`` shortened, and UTF-8 even where it quotes undecodable bytes."""
+    text = short(detail, 1000).encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse({"error": error, "detail": text}, status_code=status, headers=headers)
+
+
+def _too_large(limit: int) -> StarletteHTTPException:
+    return StarletteHTTPException(
+        413,
+        f"the request body is larger than {limit} bytes, the most this daemon reads",
+        headers={"Connection": "close"},  # do not read the rest only to discard it
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -158,7 +176,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def shmcache_error(request: Request, exc: ShmCacheError) -> JSONResponse:
         status = status_of(exc)
         if status >= 500:
-            logger.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+            logger.error(
+                "%s %s: %s: %s", request.method, short(request.url.path), type(exc).__name__, short(str(exc))
+            )
         headers = {"Retry-After": "1"} if isinstance(exc, LockTimeoutError) else None
         return _error(status, type(exc).__name__, str(exc), headers)
 
@@ -173,8 +193,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return _error(500, "InternalError", f"{type(exc).__name__}: {exc}")
+        # The traceback without the exception's own text, which may quote a client's input whole.
+        where = "".join(traceback.format_tb(exc.__traceback__))
+        message = short(str(exc))
+        logger.error(
+            "%s %s failed: %s: %s\n%s",
+            request.method,
+            short(request.url.path),
+            type(exc).__name__,
+            message,
+            where.rstrip(),
+        )
+        return _error(500, "InternalError", f"{type(exc).__name__}: {message}")
 
 
 def _describe_validation(exc: RequestValidationError) -> str:
@@ -209,6 +239,48 @@ def _document_bearer_auth(app: FastAPI) -> None:
 
 
 # ---------------------------------------------------------------------- middleware
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``limit`` bytes with 413: one whose Content-Length says so
+    before a byte of it is read, a chunked one as soon as it passes the limit. Without it a
+    300 MB body is buffered, parsed and echoed in an error (gigabytes of daemon memory)."""
+
+    def __init__(self, app: ASGIApp, *, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if _content_length(scope) > self.limit:
+            too_large = _too_large(self.limit)
+            response = _error(413, "PayloadTooLargeError", too_large.detail, dict(too_large.headers or {}))
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _too_large(self.limit)  # the route reading the body answers 413
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _content_length(scope: Scope) -> int:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0  # the HTTP parser refuses a malformed one before the app sees it
+    return 0
 
 
 class ControlMiddleware:

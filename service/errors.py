@@ -2,7 +2,8 @@
 
 Response bodies are ``{"error": <type>, "detail": <message>}`` where ``type`` is the
 exception's class name (``KeyNotFoundError``...), so a client can re-raise the same
-``shmcache`` exception. Bad input is never a 500.
+``shmcache`` exception. Bad input is never a 500, and no message or log line carries
+a client's input whole: :func:`short` cuts it.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ __all__ = [
     "JobFinishedError",
     "JobNotFoundError",
     "SourceNotAllowedError",
+    "short",
     "status_of",
 ]
+
+_SHORT = 240
 
 
 # Most specific first: the first matching class decides the status.
@@ -59,3 +63,13 @@ def status_of(exc: BaseException) -> int:
         if isinstance(exc, cls):
             return status
     return 500
+
+
+def short(text: str, limit: int = _SHORT) -> str:
+    """``text`` if it is at most ``limit`` characters, else its start and end around the
+    number of characters left out: a 300 MB path must not be echoed back or logged whole."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 40, 2)
+    head, tail = text[: keep * 2 // 3], text[len(text) - keep // 3 :]
+    return f"{head}...[{len(text) - len(head) - len(tail)} characters]...{tail}"

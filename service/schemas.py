@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "MAX_SOURCE_LENGTH",
     "CleanupResult",
     "Entry",
     "EntryDetail",
@@ -19,6 +20,9 @@ __all__ = [
     "LoadRequest",
     "Stats",
 ]
+
+MAX_SOURCE_LENGTH = 4096
+"""PATH_MAX: no longer path can name a file; a longer ``source`` is refused before it is used."""
 
 class ErrorBody(BaseModel):
     """Every error response: the exception's type and a message that says what to do."""
@@ -75,7 +79,11 @@ class LoadRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(min_length=1, description="Absolute path on the daemon's machine.")
+    source: str = Field(
+        min_length=1,
+        max_length=MAX_SOURCE_LENGTH,
+        description=f"Absolute path on the daemon's machine (at most {MAX_SOURCE_LENGTH} characters).",
+    )
     pin: bool = Field(default=False, description="Never evict it to stay within the budget.")
     overwrite: bool = Field(default=False, description="Replace existing entries.")
 

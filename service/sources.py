@@ -2,51 +2,104 @@
 
 Paths are resolved with ``realpath`` (symlinks and ``..``) before the ``--allow-source``
 check, so a symlink inside an allowed directory cannot point the daemon elsewhere; a refusal
-names the source as given, never what it resolves to.
+names the source as given, never what it resolves to. Whatever the kernel refuses about a path
+(too long, a lone surrogate, a loop, no permission) is the client's error (4xx), and messages
+carry long paths shortened.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from shmcache import Store
 from shmcache._units import human_bytes
-from shmcache.errors import CacheFullError, InvalidSourceError, KeyExistsError, SourceNotFoundError
+from shmcache.errors import (
+    CacheFullError,
+    InvalidSourceError,
+    KeyExistsError,
+    ShmCacheError,
+    SourceNotFoundError,
+)
 
-from .errors import SourceNotAllowedError
+from .errors import SourceNotAllowedError, short
 
 __all__ = ["check_loadable", "is_up_to_date", "resolve_source"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_NOT_FOUND = (errno.ENOENT, errno.ENOTDIR)
 
 
 def resolve_source(source: str, allowed: Sequence[Path]) -> Path:
     """The real path of ``source``, if it is absolute, exists and lies in ``allowed``
     (an empty ``allowed`` allows everything the daemon can read)."""
+    given = short(source)
     if "\x00" in source:
         raise InvalidSourceError("the source path contains a NUL character")
+    try:
+        os.fsencode(source)
+    except UnicodeEncodeError:
+        raise InvalidSourceError(
+            f"source {given!a} is not a file name this machine can encode (a lone surrogate?)"
+        ) from None
     if not os.path.isabs(source):
         raise InvalidSourceError(
-            f"source {source!r} is not an absolute path; the daemon does not share your working "
+            f"source {given!r} is not an absolute path; the daemon does not share your working "
             "directory, so resolve it first (e.g. os.path.abspath)"
         )
     # Check the resolved path before its existence: nobody may probe outside the allowed dirs.
     try:
         real = Path(os.path.realpath(source))
     except OSError as exc:  # e.g. a symlink loop
-        raise InvalidSourceError(f"source {source} cannot be resolved: {exc.strerror or exc}") from None
+        raise _unusable(given, exc) from None
     if allowed and not any(real == top or real.is_relative_to(top) for top in allowed):
         # Never where it resolves to: a link to /proc/self/cwd would map the daemon's files for a TCP client.
-        shown = ", ".join(str(p) for p in allowed)
         raise SourceNotAllowedError(
-            f"source {source} is outside the directories this daemon may load from: {shown}. "
+            f"source {given} is outside the directories this daemon may load from: "
+            f"{', '.join(str(p) for p in allowed)}. "
             "Move the data there, or start the daemon with --allow-source for its directory"
         )
-    if not real.exists():
-        raise SourceNotFoundError(f"source {source} does not exist on the daemon's machine")
+    try:
+        os.stat(real)
+    except OSError as exc:
+        raise _unusable(given, exc) from None
     return real
 
 
+def _unusable(shown: str, exc: OSError) -> InvalidSourceError:
+    """The client's error for a path the kernel refused (never a 500, never the path whole)."""
+    if exc.errno in _NOT_FOUND:
+        return SourceNotFoundError(f"source {shown} does not exist on the daemon's machine")
+    if exc.errno == errno.ENAMETOOLONG:
+        return InvalidSourceError(
+            f"source {shown} is too long: a path is at most 4095 bytes and each name in it 255"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return InvalidSourceError(f"the daemon's user may not read source {shown} (permission denied)")
+    return InvalidSourceError(f"source {shown} cannot be used: {exc.strerror or type(exc).__name__}")
+
+
+def _as_source_errors(check: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``check`` with the kernel's refusals of a source's files turned into client errors."""
+
+    @functools.wraps(check)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return check(*args, **kwargs)
+        except ShmCacheError:
+            raise  # already says what is wrong (some are OSErrors too: KeyExistsError, CacheFullError)
+        except OSError as exc:
+            raise _unusable(short(str(exc.filename or "")), exc) from None
+
+    return checked
+
+
+@_as_source_errors
 def check_loadable(
     store: Store, key: str, source: Path, overwrite: bool, allowed: Sequence[Path] = ()
 ) -> list[str]:

@@ -7,6 +7,8 @@ test_service_daemon.py.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import subprocess
@@ -312,3 +314,38 @@ def test_a_refused_source_does_not_say_where_a_link_points(client: httpx.Client,
             assert str(source) in detail and "outside the directories" in detail
             resolved = os.path.realpath(source)
             assert resolved not in detail and "resolves to" not in detail, detail
+
+
+def test_oversized_and_unusable_sources_are_4xx_short_and_logged_short(
+    client: httpx.Client, data_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No input gets a 5xx, an answer that echoes it whole, or a log line of its size: bodies
+    over 64 KiB are 413 before they are read, ``source`` is at most 4096 characters, and paths
+    the kernel refuses (ENAMETOOLONG, a lone surrogate) are InvalidSourceError."""
+    caplog.set_level(logging.DEBUG)
+    put = lambda **request: client.put(f"/v1/entries/{unique('k')}", **request)  # noqa: E731
+    huge = "/" + "a" * (4 << 20)
+
+    declared = put(json={"source": huge})  # Content-Length says it all: refused unread
+    assert error_of(declared) == (413, "PayloadTooLargeError") and len(declared.content) < 1000
+    assert declared.headers["connection"] == "close"
+    body = json.dumps({"source": huge}).encode()
+    chunked = put(content=(body[i : i + 65536] for i in range(0, len(body), 65536)))  # no length
+    assert error_of(chunked) == (413, "PayloadTooLargeError") and len(chunked.content) < 1000
+
+    over_schema = put(json={"source": "/" + "a" * 5000})
+    assert error_of(over_schema) == (422, "InvalidRequestError") and len(over_schema.content) < 1000
+    assert "4096" in over_schema.json()["detail"]
+
+    base = f"{data_dir}/"
+    path_max = base + "d/" * ((4096 - len(base)) // 2) + "d" * ((4096 - len(base)) % 2)
+    assert len(path_max) == 4096  # the schema's limit; one byte over PATH_MAX with its NUL
+    for source in (str(data_dir / ("x" * 300)), path_max, str(data_dir / ("n" * 300) / "x.npy")):
+        response = put(json={"source": source})
+        assert error_of(response) == (400, "InvalidSourceError"), response.text
+        assert len(response.content) < 1000 and "too long" in response.json()["detail"]
+    surrogate = put(content=b'{"source": "/a\\ud800b.npy"}', headers={"content-type": "application/json"})
+    assert error_of(surrogate) in {(400, "InvalidSourceError"), (422, "InvalidRequestError")}
+
+    assert max(len(record.getMessage()) for record in caplog.records) < 2000
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[:2000]

@@ -8,12 +8,14 @@ lock, signals, kill -9 and restart, a real TCP port) runs it as a subprocess and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +223,58 @@ def test_tcp_token_on_a_real_port(daemon: Daemon) -> None:
         assert tcp.get("/v1/stats", headers=BEARER).status_code == 200
     with daemon.client() as local:  # the Unix socket authenticates by uid instead
         assert local.get("/v1/stats").status_code == 200
+
+
+def peak_rss_mib(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def raw_exchange(path: Path, head: bytes, body: Iterator[bytes], timeout: float = 30) -> bytes:
+    """Send ``head`` and as much of ``body`` as the daemon takes on its Unix socket; its answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        sock.sendall(head)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for chunk in body:
+                sock.sendall(chunk)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):
+                answer += chunk
+        return answer
+
+
+@pytest.mark.integration
+def test_a_300_mb_request_is_refused_unread(daemon: Daemon) -> None:
+    """A 300 MB ``source`` (declared or chunked) is a short 413 at once: the daemon does not
+    buffer it (peak memory), echo it or log it."""
+    size, megabyte = 300_000_000, b"a" * (1 << 20)
+    start = b'{"source": "/'
+    put = b"PUT /v1/entries/huge HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+    peak, logged = peak_rss_mib(daemon.pid), len(daemon.log)
+
+    def body() -> Iterator[bytes]:
+        yield start
+        for _ in range(size // len(megabyte)):
+            yield megabyte
+        yield b'"}'
+
+    declared = put + f"content-length: {len(start) + size + 2}\r\n\r\n".encode()
+    chunked = put + b"transfer-encoding: chunked\r\n\r\n"
+    framed = (b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in body())
+    for head, chunks in ((declared, body()), (chunked, framed)):
+        answer = raw_exchange(daemon.socket_path, head, chunks)
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert len(answer) < 1000 and b"PayloadTooLargeError" in answer
+    assert peak_rss_mib(daemon.pid) < peak + 64
+    assert len(daemon.log) - logged < 500, daemon.log[logged:][:500]
+    with daemon.client() as client:
+        assert client.get("/v1/health").status_code == 200
 
 
 @pytest.mark.integration
