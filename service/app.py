@@ -33,7 +33,7 @@ from shmcache.errors import LockTimeoutError, ShmCacheError
 from .docs import install_docs
 from .errors import short, status_of
 from .routes import metrics_router, v1
-from .settings import Settings, load_settings
+from .settings import Settings, load_settings, normal_host
 from .sources import is_up_to_date
 from .state import Service
 
@@ -94,10 +94,10 @@ def create_app(settings: Settings, *, service: Service | None = None) -> FastAPI
         ControlMiddleware,  # type: ignore[arg-type]
         service=service,
         token=settings.token,
+        hosts=settings.host_names,
         unix_socket=str(settings.socket_path),
     )
-    if settings.token:
-        _document_bearer_auth(app)
+    _document_guards(app, settings)
     return app
 
 
@@ -215,23 +215,33 @@ def _describe_validation(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _document_bearer_auth(app: FastAPI) -> None:
+def _document_guards(app: FastAPI, settings: Settings) -> None:
+    """Add to the schema what the middlewares answer before any route: 413 where a body is
+    taken, 421 for a foreign Host header and 401 without the token (when those checks run)."""
+
+    def error(description: str) -> dict[str, Any]:
+        schema = {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
+        return {"description": description, "content": {"application/json": schema}}
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
-            schema.setdefault("components", {})["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"}
-            }
-            schema["security"] = [{"bearer": []}]
-            unauthorized = {
-                "description": "Missing or wrong token",
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
-            }
+            if settings.token:
+                schema.setdefault("components", {})["securitySchemes"] = {
+                    "bearer": {"type": "http", "scheme": "bearer"}
+                }
+                schema["security"] = [{"bearer": []}]
             for path in schema["paths"].values():
                 for operation in path.values():
-                    operation.setdefault("responses", {})["401"] = unauthorized
+                    responses = operation.setdefault("responses", {})
+                    if "requestBody" in operation:
+                        responses["413"] = error(f"Request body over {MAX_BODY_BYTES} bytes")
+                    if settings.host_names is not None:
+                        responses["421"] = error("Host header not a name of this daemon (TCP)")
+                    if settings.token:
+                        responses["401"] = error("Missing or wrong token")
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -284,11 +294,25 @@ def _content_length(scope: Scope) -> int:
 
 
 class ControlMiddleware:
-    """Bearer-token check (TCP only: Unix-socket peers are checked by uid) and latency metrics."""
+    """Host-header and bearer-token checks (TCP only: Unix-socket peers are checked by uid)
+    and latency metrics.
 
-    def __init__(self, app: ASGIApp, *, service: Service, token: str | None, unix_socket: str) -> None:
+    The Host check stops DNS rebinding: a web page whose name was re-pointed at 127.0.0.1
+    reaches a loopback daemon from the browser of anyone on this machine, but its requests
+    still carry the page's name, which is not one of ``hosts``."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        service: Service,
+        token: str | None,
+        hosts: frozenset[str] | None,
+        unix_socket: str,
+    ) -> None:
         self.app = app
         self.token = token.encode() if token else None
+        self.hosts = hosts
         self.unix_socket = unix_socket
         self.histogram = service.metrics.requests
 
@@ -306,7 +330,18 @@ class ControlMiddleware:
             await send(message)
 
         try:
-            if self.token is not None and not self._via_unix_socket(scope) and not self._authorized(scope):
+            tcp = not self._via_unix_socket(scope)
+            if tcp and self.hosts is not None and (host := _host_header(scope)) not in self.hosts:
+                response = _error(
+                    421,
+                    "MisdirectedRequestError",
+                    f"Host {host!r} is not a name of this daemon: over TCP use localhost, 127.0.0.1 or "
+                    "[::1] (or a name the daemon was started with --allow-host for); other names are "
+                    "refused so that no web page can reach the daemon by DNS rebinding",
+                )
+                await response(scope, receive, send_with_status)
+                return
+            if self.token is not None and tcp and not self._authorized(scope):
                 response = _error(
                     401,
                     "UnauthorizedError",
@@ -333,3 +368,11 @@ class ControlMiddleware:
                 scheme, _, credentials = value.partition(b" ")
                 return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.token)
         return False
+
+
+def _host_header(scope: Scope) -> str | None:
+    """The request's Host as :func:`normal_host` compares it (None: absent or malformed)."""
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return normal_host(value.decode("latin-1"))
+    return None

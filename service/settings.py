@@ -52,6 +52,8 @@ __all__ = [
     "given",
     "is_loopback",
     "load_settings",
+    "loopback_names",
+    "normal_host",
     "parse_size",
     "takes_text",
 ]
@@ -60,6 +62,8 @@ DEFAULT_LOAD_WORKERS = 2
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*", re.IGNORECASE)
 _BUDGET = ("max_bytes", "max_fraction")
 _MIN_TOKEN = 16
+_HOST_RE = re.compile(r"[a-z0-9_.-]+|[0-9a-f:.]*:[0-9a-f:.]*")  # a name, an IPv4 or an IPv6 address
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class SettingsError(ValueError):
@@ -172,6 +176,17 @@ def _long_enough(token: str | None) -> str | None:
     return token
 
 
+def _host_name(value: str) -> str:
+    name = normal_host(value)
+    with_port = "]:" in value or value.count(":") == 1
+    if name is None or with_port or name.isdigit() or not _HOST_RE.fullmatch(name):
+        raise ValueError(
+            f"{value!r} is not a host name or address; give it without a port or scheme "
+            "(e.g. cache.example or 10.0.0.5)"
+        )
+    return name
+
+
 def _dataset_tables(value: object) -> object:
     """``[[datasets]]`` as TOML gives it: an array of tables with key, source and maybe pin."""
     if not isinstance(value, (list, tuple)):
@@ -237,6 +252,14 @@ class Settings(BaseSettings):
         description="Bearer token TCP clients must send (16 characters or more); prefer the "
         "environment variable: a flag is visible in ps.",
     )
+    allow_host: Annotated[
+        tuple[Annotated[str, AfterValidator(_host_name)], ...], BeforeValidator(_one_or_many)
+    ] = Field(
+        (),
+        description="Host name TCP clients may send in the Host header besides localhost, 127.0.0.1, "
+        "[::1] and the --host address (repeatable; no port). Any other Host is refused (421): this "
+        "stops DNS rebinding.",
+    )
     allow_source: Annotated[
         tuple[Annotated[Path, AfterValidator(_directory)], ...], BeforeValidator(_one_or_many)
     ] = Field(
@@ -282,6 +305,8 @@ class Settings(BaseSettings):
             raise ValueError("set max_bytes or max_fraction, not both")
         if self.port is not None and self.host is None:
             raise ValueError(f"{port} needs {host} (TCP is opt-in; the default is the Unix socket)")
+        if self.allow_host and self.host is None:
+            raise ValueError(f"{flag_name('allow_host')} needs {host}: it names the daemon over TCP")
         if self.host is not None:
             if self.port is None:
                 raise ValueError(f"{host} needs {port} (0 picks a free port)")
@@ -309,6 +334,16 @@ class Settings(BaseSettings):
     @property
     def uses_tcp(self) -> bool:
         return self.host is not None
+
+    @property
+    def host_names(self) -> frozenset[str] | None:
+        """The names a TCP request's Host header may give (without port), or None to take any:
+        checked when the daemon listens on loopback (a browser on this machine could be pointed
+        at it by DNS rebinding) or ``allow_host`` names some."""
+        if self.host is None or not (is_loopback(self.host) or self.allow_host):
+            return None
+        own = normal_host(self.host)
+        return loopback_names() | set(self.allow_host) | ({own} if own else set())
 
     def budget_bytes(self, capacity: int) -> int | None:
         """The byte budget, given the capacity of the root's file system."""
@@ -532,3 +567,26 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: assume it is reachable from outside
+
+
+def loopback_names() -> frozenset[str]:
+    """Host names that always mean this machine (``localhost``, ``127.0.0.1``, ``::1``)."""
+    return _LOOPBACK_NAMES
+
+
+def normal_host(host: str) -> str | None:
+    """``host`` as a Host header names it, compared as such: lower case, without port, IPv6
+    brackets or a trailing dot; None when it is malformed (a bare IPv6 address with a port...)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, bracket, rest = host[1:].partition("]")
+        if not bracket or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+            return None
+    elif host.count(":") == 1:
+        name, _, port = host.partition(":")
+        if not port.isdigit():
+            return None
+    else:
+        name = host  # a name, an IPv4 address or a bare IPv6 address (no port to split off)
+    name = name.rstrip(".")
+    return name or None

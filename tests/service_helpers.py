@@ -276,5 +276,5 @@ def app_client(
     from shmcache.service import create_app, load_settings
 
     settings = load_settings({"root": root, **flags}, env=env or {}, config_file=config_file)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), base_url="http://localhost") as client:  # a loopback Host
         yield client

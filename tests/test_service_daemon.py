@@ -221,8 +221,11 @@ def test_tcp_token_on_a_real_port(daemon: Daemon) -> None:
         assert response.status_code == 401 and response.json()["error"] == "UnauthorizedError"
         assert response.headers["www-authenticate"] == "Bearer"
         assert tcp.get("/v1/stats", headers=BEARER).status_code == 200
+        rebound = tcp.get("/v1/stats", headers={**BEARER, "Host": "evil.example"})  # even with the token
+        assert rebound.status_code == 421 and rebound.json()["error"] == "MisdirectedRequestError"
     with daemon.client() as local:  # the Unix socket authenticates by uid instead
         assert local.get("/v1/stats").status_code == 200
+        assert local.get("/v1/stats", headers={"Host": "evil.example"}).status_code == 200  # no Host check
 
 
 def peak_rss_mib(pid: int) -> int:
@@ -319,6 +322,38 @@ def test_tcp_token_is_checked_on_every_request(root: Path, data: Path) -> None:
         assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
+def test_tcp_host_header_must_name_this_machine(root: Path, data: Path) -> None:
+    """On loopback TCP (here without a token, as DNS rebinding finds it) the Host header must be
+    a loopback name or an --allow-host one, with or without port; anything else is 421."""
+    foreign = ("evil.example", "evil.example:8765", "127.0.0.1.evil.example", "localhost.evil:80", "[::2]:1")
+    with app_client(root, host="127.0.0.1", port=0, allow_source=[data]) as client:
+        for host in (
+            "localhost",
+            "localhost:8765",
+            "127.0.0.1",
+            "127.0.0.1:8765",
+            "[::1]:8765",
+            "LocalHost.",
+        ):
+            assert client.get("/v1/stats", headers={"Host": host}).status_code == 200, host
+        for host in (*foreign, "cache.example:8765"):
+            response = client.get("/v1/stats", headers={"Host": host})
+            assert response.status_code == 421, host
+            assert (
+                response.json()["error"] == "MisdirectedRequestError"
+                and "--allow-host" in response.json()["detail"]
+            )
+        assert "421" in client.get("/openapi.json").json()["paths"]["/v1/stats"]["get"]["responses"]
+    with app_client(
+        root, host="127.0.0.1", port=0, allow_source=[data], allow_host=["Cache.Example"]
+    ) as client:
+        assert client.get("/v1/stats", headers={"Host": "cache.example:8765"}).status_code == 200
+        assert client.get("/v1/stats", headers={"Host": "localhost:8765"}).status_code == 200
+        assert client.get("/v1/stats", headers={"Host": "evil.example:8765"}).status_code == 421
+    with app_client(root) as client:  # no TCP: the Host of an in-process or socket request is not checked
+        assert client.get("/v1/stats", headers={"Host": "evil.example"}).status_code == 200
+
+
 def test_config_file_preloads_datasets_and_flags_override_it(
     root: Path, data: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -386,6 +421,7 @@ def test_serve_help_lists_every_option() -> None:
         "--host",
         "--port",
         "--token",
+        "--allow-host",
         "--allow-source",
         "--cleanup-on-exit",
         "--load-workers",

@@ -30,7 +30,7 @@ from shmcache.service import create_app, load_settings  # noqa: E402
 from shmcache._disk.layout import ENV_TOKEN  # noqa: E402
 
 TOKEN = "schemathesis-token-0123456789"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Host": "localhost"}  # a TCP client on this machine
 MAX_EXAMPLES = 50  # per operation and mode: bounded so CI stays well under 2 minutes
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

@@ -97,6 +97,9 @@ def test_flags_beat_env_beat_config(tmp_path: Path) -> None:
         ({"log_level": "loud"}, "--log-level must be one of 'debug', 'info', 'warning' or 'error'"),
         ({"token": "short"}, "--token is too short"),
         ({"allow_source": ["/no/such/dir"]}, "/no/such/dir, which is not a directory"),
+        ({"allow_host": ["cache.example"]}, "--allow-host needs --host"),
+        ({"host": "127.0.0.1", "port": 0, "allow_host": ["cache.example:8765"]}, "without a port"),
+        ({"host": "127.0.0.1", "port": 0, "allow_host": ["http://x.example"]}, "without a port or scheme"),
     ],
 )
 def test_unsafe_or_contradictory_settings_are_refused(
@@ -109,7 +112,7 @@ def test_unsafe_or_contradictory_settings_are_refused(
 def test_config_file_errors_name_the_problem(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text("max_byte = 1\n")
-    with pytest.raises(SettingsError, match=r"unknown setting\(s\) max_byte; known: allow_source, "):
+    with pytest.raises(SettingsError, match=r"unknown setting\(s\) max_byte; known: allow_host, allow_sou"):
         load_settings({}, env={}, config_file=config)
     config.write_text("config = 'other.toml'\n")  # flags and environment only
     with pytest.raises(SettingsError, match=r"unknown setting\(s\) config"):
@@ -206,6 +209,25 @@ def test_environment_lists_relative_paths_and_the_highest_budget(
     flagged = load_settings({"max_bytes": "2MiB", "cleanup_on_exit": False}, env=env)
     assert flagged.max_bytes == 2 << 20 and flagged.max_fraction is None
     assert flagged.cleanup_on_exit  # an on/off flag left off does not turn it off
+
+
+def test_allowed_host_names_from_flag_env_and_config(tmp_path: Path) -> None:
+    """--allow-host, SHMCACHE_ALLOW_HOST (':'-separated) and allow_host in the file, normalised
+    (lower case, no trailing dot or brackets); the Host check runs on loopback or when named."""
+    tcp = {"host": "127.0.0.1", "port": 0, "allow_source": [tmp_path]}
+    config = tmp_path / "c.toml"
+    config.write_text('allow_host = ["From.File."]\n')
+    assert load_settings(tcp, env={}, config_file=config).allow_host == ("from.file",)
+    from_env = load_settings(tcp, env={env_name("allow_host"): "a.example:B.example"}, config_file=config)
+    assert from_env.allow_host == ("a.example", "b.example")
+    flagged = load_settings({**tcp, "allow_host": ["b.example", "[FE80::1]"]}, env={}, config_file=config)
+    assert flagged.allow_host == ("b.example", "fe80::1")
+    assert flagged.host_names == {"localhost", "127.0.0.1", "::1", "b.example", "fe80::1"}
+    assert load_settings({"root": tmp_path}, env={}).host_names is None  # no TCP
+    public = {"host": "0.0.0.0", "port": 0, "allow_source": [tmp_path], "token": TOKEN}
+    assert load_settings(public, env={}).host_names is None  # the token guards a public address
+    named = load_settings({**public, "allow_host": ["c.example"]}, env={}).host_names
+    assert named == {"localhost", "127.0.0.1", "::1", "0.0.0.0", "c.example"}
 
 
 def test_settings_read_the_process_environment_by_default(
