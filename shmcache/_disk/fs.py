@@ -12,7 +12,8 @@ import fcntl
 import os
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "FileLockProbe",
     "copy_range",
     "free_bytes",
+    "full_is_cache_full",
     "remove_tree",
     "total_bytes",
     "try_lock_exclusive",
@@ -34,11 +36,41 @@ _CHUNK = 64 << 20
 
 
 def _full(path: str | Path, exc: OSError) -> CacheFullError:
+    if _out_of_inodes(Path(path)):
+        return CacheFullError(
+            f"no space left on the cache's file system while creating {path}: it has no free "
+            "inodes (files) left; evict entries (`shmcache evict`/`cleanup`), or remount the tmpfs "
+            "with more (mount -o remount,nr_inodes=...)"
+        )
     return CacheFullError(
         f"no space left on the cache's file system while writing {path} ({exc.strerror}); "
         "free space with `shmcache evict`/`cleanup`, or enlarge /dev/shm "
         "(Docker: --shm-size or --ipc=host)"
     )
+
+
+def _out_of_inodes(path: Path) -> bool:
+    for where in (path, *path.parents):
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            continue
+        return st.f_files > 0 and st.f_favail == 0
+    return False
+
+
+@contextmanager
+def full_is_cache_full(path: str | Path) -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT from creating or writing ``path`` (a file, directory, link or
+    lock: out of blocks or out of inodes) into :class:`CacheFullError`."""
+    try:
+        yield
+    except CacheFullError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _full(path, exc) from exc
+        raise
 
 
 def write_all(fd: int, data: Buffer, path: str | Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .fs import remove_tree, write_all
+from .fs import full_is_cache_full, remove_tree, write_all
 from .layout import META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
 
@@ -38,7 +38,9 @@ def writer_of(name: str) -> str:
 class VersionWriter:
     """Creates version directories in ``tmp/`` under a writer lock; a context manager.
 
-    On an exception every unpublished version of this writer is removed.
+    On an exception every unpublished version of this writer is removed. Running out of
+    space or inodes while creating anything (lock, directory, file, link) is a
+    :class:`~shmcache.errors.CacheFullError`.
     """
 
     def __init__(self, layout: Layout) -> None:
@@ -48,7 +50,8 @@ class VersionWriter:
         self._pending: list[str] = []
         # Lock under a temporary name, then rename: the lock file never appears unlocked.
         staging = layout.tmp / f"{self.writer_id}{STAGING_SUFFIX}"
-        self._lock_fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with full_is_cache_full(staging):
+            self._lock_fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             self.lock_path = layout.tmp / f"{self.writer_id}.lock"
@@ -59,14 +62,16 @@ class VersionWriter:
 
     def reserve(self, nbytes: int) -> None:
         """Record the bytes this writer is about to write (counted against the budget)."""
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, str(nbytes).encode(), 0)
+        with full_is_cache_full(self.lock_path):
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, str(nbytes).encode(), 0)
 
     def new_version(self) -> str:
         """Create ``tmp/<version>/`` and return the version name."""
         self._count += 1
         version = f"{self.writer_id}.{self._count}"
-        os.mkdir(self.layout.tmp / version, 0o700)
+        with full_is_cache_full(self.layout.tmp / version):
+            os.mkdir(self.layout.tmp / version, 0o700)
         self._pending.append(version)
         return version
 
@@ -74,9 +79,9 @@ class VersionWriter:
         return self.layout.tmp / version / filename
 
     def create_file(self, version: str, filename: str) -> int:
-        return os.open(
-            self.path(version, filename), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
-        )
+        path = self.path(version, filename)
+        with full_is_cache_full(path):
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
     def write_array(self, version: str, filename: str, array: np.ndarray) -> tuple[int, NpyHeader]:
         """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping);
@@ -120,7 +125,8 @@ class VersionWriter:
         """Point ``key``'s entry link at a promoted ``version`` with one atomic rename: a
         reader sees the old version or the new one, never a partial one."""
         staged = self.layout.tmp / f"{version}.link"
-        os.symlink(self.layout.link_target(version), staged)
+        with full_is_cache_full(staged):
+            os.symlink(self.layout.link_target(version), staged)
         os.replace(staged, self.layout.entry_link(key))
         self.mark_published(version)
 

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Collection
 from contextlib import suppress
 
-from .._disk.fs import FileLockProbe, free_bytes, total_bytes
+from .._disk.fs import FileLockProbe, free_bytes, full_is_cache_full, total_bytes
 from .._disk.layout import Layout
 from .._disk.procmaps import mapped_versions
 from .._disk.writer import VersionWriter
@@ -41,7 +41,7 @@ def reserve(
     Entries under ``replacing`` keys are about to be replaced: their bytes do not count
     against the budget.
     """
-    with space_lock(layout, lock_timeout):
+    with full_is_cache_full(layout.space_lock), space_lock(layout, lock_timeout):
         if budget is not None:
             _make_room_in_budget(layout, writer, nbytes, budget, set(replacing), evict_version)
         free = free_bytes(layout.root)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._disk.checksum import format_checksums
-from .._disk.fs import remove_tree
+from .._disk.fs import full_is_cache_full, remove_tree
 from .._disk.generations import bump_generations
 from .._disk.layout import Layout, read_version
 from .._disk.meta import META_FORMAT
@@ -68,7 +68,7 @@ def publish(
     replaced: list[str] = []
     try:
         for key, version in versions:
-            with key_lock(layout, key, lock_timeout):
+            with full_is_cache_full(layout.key_lock(key)), key_lock(layout, key, lock_timeout):
                 writer.promote(version)
                 old = read_version(layout.entry_link(key))
                 if old is not None and not overwrite:

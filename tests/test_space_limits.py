@@ -1,0 +1,127 @@
+"""Room on small tmpfs mounts of their own (needs root; skipped otherwise): running out of
+inodes is a CacheFullError wherever it happens (issue 10, item 11)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmcache import CacheFullError, Store
+
+WAIT_S = 60.0
+MiB = 1 << 20
+
+
+@contextmanager
+def _tmpfs(mountpoint: Path, options: str) -> Iterator[Path]:
+    """A tmpfs of its own at ``mountpoint``; unmounted afterwards whatever happens."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mountpoint.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)],
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        if subprocess.run(["umount", str(mountpoint)], capture_output=True, timeout=WAIT_S).returncode:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=WAIT_S)
+
+
+# ---------------------------------------------------------------------- out of inodes
+
+
+@pytest.fixture
+def few_inodes(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs with room for bytes but for 64 files only."""
+    with _tmpfs(tmp_path / "few-inodes", "size=32m,nr_inodes=64") as mountpoint:
+        yield mountpoint
+
+
+def _free_inodes(path: Path) -> int:
+    return os.statvfs(path).f_favail
+
+
+def _leave_free(fillers: Path, inodes: int) -> None:
+    """Fill the file system with empty files until exactly ``inodes`` are free."""
+    fillers.mkdir(exist_ok=True)
+    count = len(os.listdir(fillers))
+    while _free_inodes(fillers) > inodes:
+        (fillers / str(count)).touch()
+        count += 1
+    while _free_inodes(fillers) < inodes:
+        count -= 1
+        (fillers / str(count)).unlink()
+
+
+def _what(message: str, root: Path) -> str:
+    """What a CacheFullError says it was creating."""
+    path = Path(message.split(" while creating ", 1)[1].split(": it has no free inodes", 1)[0])
+    if path.name.endswith(".lock.new"):
+        return "writer lock"
+    if path.name.endswith(".link"):
+        return "entry link"
+    if path.name in ("data.npy", "meta.json"):
+        return path.name
+    if path.parent == root / "tmp":
+        return "version directory"
+    if path.name.endswith(".lock") and root / "locks" in path.parents:
+        return "key lock"
+    return str(path)
+
+
+def _put_array(store: Store, key: str, _source: Path) -> None:
+    store.put_array(key, np.arange(1000))
+
+
+def _put_file(store: Store, key: str, source: Path) -> None:
+    store.put_file(key, source)
+
+
+@pytest.mark.parametrize("put", [_put_array, _put_file], ids=["put_array", "put_file"])
+def test_running_out_of_inodes_is_cache_full(
+    few_inodes: Path, tmp_path: Path, put: Callable[[Store, str, Path], None]
+) -> None:
+    """With 0, 1, 2... inodes free, a put fails at each of the files it creates (writer lock,
+    version directory, data, meta.json, key lock, entry link), always with CacheFullError
+    and nothing left behind, until there are enough."""
+    root = few_inodes / "cache"
+    store = Store(root)
+    store.put_array("first", np.arange(3))
+    source = tmp_path / "x.npy"  # on another file system
+    np.save(source, np.arange(1000))
+    fillers = few_inodes / "fillers"
+    failures = []
+    for inodes in range(12):
+        _leave_free(fillers, inodes)
+        key = f"k{inodes}"
+        try:
+            put(store, key, source)
+        except CacheFullError as exc:
+            failures.append(str(exc))
+            assert "inodes" in str(exc) and "nr_inodes" in str(exc)
+            assert os.listdir(root / "tmp") == []
+            assert [e.key for e in store.list()] == ["first"]
+            assert not store.exists(key)
+            continue
+        assert store.open_array(key)[-1] == 999
+        break
+    else:
+        pytest.fail(f"no put succeeded with up to 11 free inodes: {failures[-1]}")
+    assert {_what(message, root) for message in failures} == {
+        "writer lock", "version directory", "data.npy", "meta.json", "key lock", "entry link"
+    }
