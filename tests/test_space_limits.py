@@ -1,19 +1,24 @@
 """Room on small tmpfs mounts of their own (needs root; skipped otherwise): running out of
-inodes is a CacheFullError wherever it happens (issue 10, item 11)."""
+inodes is a CacheFullError wherever it happens, and a free-space check counts what other
+live writers reserved and have not written yet (issue 10, items 11 and 12)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from shmcache import CacheFullError, Store
 
+CTX = multiprocessing.get_context("fork")
 WAIT_S = 60.0
 MiB = 1 << 20
 
@@ -125,3 +130,67 @@ def test_running_out_of_inodes_is_cache_full(
     assert {_what(message, root) for message in failures} == {
         "writer lock", "version directory", "data.npy", "meta.json", "key lock", "entry link"
     }
+
+
+# ---------------------------------------------------------------------- other writers' reservations
+
+
+@pytest.fixture
+def eight_mib(tmp_path: Path) -> Iterator[Path]:
+    with _tmpfs(tmp_path / "eight-mib", "size=8m") as mountpoint:
+        yield mountpoint
+
+
+def _load_and_hold(root: str, source: str, reserved: Event, go: Event, results: Any) -> None:
+    """Load ``source``; after the room check (the first progress call), wait for ``go``."""
+
+    def progress(done: int, _total: int) -> None:
+        if done == 0:
+            reserved.set()
+            go.wait(WAIT_S)
+
+    try:
+        Store(root).put_file("first", source, progress=progress)
+    except BaseException as exc:
+        results.put(("first", type(exc).__name__, str(exc)))
+    else:
+        results.put(("first", "ok", ""))
+
+
+def _put_now(root: str, results: Any) -> None:
+    try:
+        Store(root).put_array("second", np.ones(5 * MiB, np.uint8))
+    except BaseException as exc:
+        results.put(("second", type(exc).__name__, str(exc)))
+    else:
+        results.put(("second", "ok", ""))
+
+
+def test_free_space_check_counts_other_writers(eight_mib: Path, tmp_path: Path) -> None:
+    """Two real processes, no budget, 8 MiB: each 5 MiB load fits alone, not both. The
+    second is refused at its check while the first, which checked first, is still writing;
+    the first then completes (before: the second wrote, and the first failed midway)."""
+    root = eight_mib / "cache"
+    Store(root).prepare()
+    source = tmp_path / "first.npy"  # on another file system
+    np.save(source, np.full(5 * MiB, 7, np.uint8))
+    reserved, go, results = CTX.Event(), CTX.Event(), CTX.Queue()
+    first = CTX.Process(target=_load_and_hold, args=(str(root), str(source), reserved, go, results))
+    first.start()
+    try:
+        assert reserved.wait(WAIT_S), "the first load never reached its copy"
+        second = CTX.Process(target=_put_now, args=(str(root), results))
+        second.start()
+        second.join(WAIT_S)
+        outcome = dict((who, (name, message)) for who, name, message in [results.get(timeout=WAIT_S)])
+    finally:
+        go.set()
+        first.join(WAIT_S)
+    outcome |= dict((who, (name, message)) for who, name, message in [results.get(timeout=WAIT_S)])
+    assert outcome["second"][0] == "CacheFullError", outcome
+    assert "reserved by writers still writing" in outcome["second"][1]
+    assert outcome["first"] == ("ok", ""), outcome
+    store = Store(root)
+    assert [e.key for e in store.list()] == ["first"]
+    assert int(store.open_array("first")[-1]) == 7
+    assert os.listdir(root / "tmp") == []

@@ -13,7 +13,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ Buffer = Any  # anything with the buffer protocol (bytes, memoryview, ndarray)
 
 __all__ = [
     "FileLockProbe",
+    "allocated_bytes",
     "copy_range",
     "free_bytes",
     "full_is_cache_full",
@@ -138,6 +139,16 @@ def total_bytes(path: Path) -> int:
     return st.f_blocks * st.f_frsize
 
 
+def allocated_bytes(path: Path) -> int:
+    """Bytes the files under the directory ``path`` take; links are not followed."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            with suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
 def remove_tree(path: Path) -> int:
     """Remove a directory tree, file or symlink; return the bytes its files held.
 
@@ -153,13 +164,7 @@ def remove_tree(path: Path) -> int:
         except FileNotFoundError:
             return 0
         return st.st_blocks * 512
-    freed = 0
-    for dirpath, _, filenames in os.walk(path):
-        for name in filenames:
-            try:
-                freed += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass
+    freed = allocated_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
     return freed
 

@@ -1,5 +1,9 @@
 """Space: check room before a write, and keep a byte budget by evicting least-recently-used
-entries that are neither pinned nor mapped by a live process."""
+entries that are neither pinned nor mapped by a live process.
+
+Every writer records what it is about to write on its lock file before it writes; a check
+counts what live writers have reserved and not written yet, so two loads that each fit
+alone cannot both start and both fail midway."""
 
 from __future__ import annotations
 
@@ -7,10 +11,10 @@ import logging
 from collections.abc import Callable, Collection
 from contextlib import suppress
 
-from .._disk.fs import FileLockProbe, free_bytes, full_is_cache_full, total_bytes
+from .._disk.fs import FileLockProbe, allocated_bytes, free_bytes, full_is_cache_full, total_bytes
 from .._disk.layout import Layout
 from .._disk.procmaps import mapped_versions
-from .._disk.writer import VersionWriter
+from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
 from ..errors import CacheFullError
 from .catalog import iter_infos
@@ -42,28 +46,31 @@ def reserve(
     against the budget.
     """
     with full_is_cache_full(layout.space_lock), space_lock(layout, lock_timeout):
+        others = _live_reservations(layout, writer)
         if budget is not None:
-            _make_room_in_budget(layout, writer, nbytes, budget, set(replacing), evict_version)
+            _make_room_in_budget(layout, nbytes, budget, set(replacing), evict_version, others)
         free = free_bytes(layout.root)
-        if nbytes > free:
+        pending = sum(max(0, reserved - written) for reserved, written in others)
+        if nbytes > free - pending:
+            held = f", {human_bytes(pending)} of it reserved by writers still writing" if pending else ""
             raise CacheFullError(
                 f"need {human_bytes(nbytes)} but the file system of {layout.root} has only "
-                f"{human_bytes(free)} free (of {human_bytes(total_bytes(layout.root))}); evict entries "
-                "(`shmcache evict`) or enlarge /dev/shm (Docker: --shm-size or --ipc=host)"
+                f"{human_bytes(free)} free (of {human_bytes(total_bytes(layout.root))}){held}; evict "
+                "entries (`shmcache evict`) or enlarge /dev/shm (Docker: --shm-size or --ipc=host)"
             )
         writer.reserve(nbytes)
 
 
 def _make_room_in_budget(
     layout: Layout,
-    writer: VersionWriter,
     nbytes: int,
     budget: int,
     replacing: set[str],
     evict_version: EvictVersion,
+    others: list[tuple[int, int]],
 ) -> None:
     entries = [e for e in iter_infos(layout) if e.key not in replacing]
-    used = sum(e.size for e in entries) + _reserved_by_others(layout, writer)
+    used = sum(e.size for e in entries) + sum(reserved for reserved, _ in others)
     excess = used + nbytes - budget
     if excess <= 0:
         return
@@ -97,14 +104,26 @@ def _make_room_in_budget(
         )
 
 
-def _reserved_by_others(layout: Layout, writer: VersionWriter) -> int:
-    reserved = 0
+def _live_reservations(layout: Layout, writer: VersionWriter) -> list[tuple[int, int]]:
+    """``(bytes reserved, bytes already written)`` of every other live writer (the
+    file system's free space already lacks what they wrote)."""
+    found = []
     for lock in layout.tmp.glob("*.lock"):
         if lock == writer.lock_path or not FileLockProbe.holder_alive(lock):
             continue
         with suppress(OSError, ValueError):
-            reserved += int(lock.read_text() or 0)
-    return reserved
+            found.append((int(lock.read_text() or 0), _written_by(layout, writer_of(lock.name))))
+    return found
+
+
+def _written_by(layout: Layout, writer_id: str) -> int:
+    """Bytes allocated so far by a writer's versions, in ``tmp/`` or promoted to ``objects/``."""
+    return sum(
+        allocated_bytes(version)
+        for folder in (layout.tmp, layout.objects)
+        for version in folder.glob(f"{writer_id}.*")
+        if version.name[len(writer_id) + 1 :].isdigit()
+    )
 
 
 def _names(keys: list[str]) -> str:
