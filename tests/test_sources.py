@@ -135,10 +135,14 @@ def _truncated(path: Path) -> None:
     os.truncate(path, path.stat().st_size - 100)
 
 
-def _npy_with_header(path: Path, header: bytes, payload: bytes = bytes(64)) -> None:
+def _npy_bytes(header: bytes, payload: bytes = bytes(64)) -> bytes:
     """A version 1.0 ``.npy`` with an arbitrary header text, padded as numpy pads it."""
     header += b" " * (-(10 + len(header) + 1) % 64) + b"\n"
-    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + payload)
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + payload
+
+
+def _npy_with_header(path: Path, header: bytes, payload: bytes = bytes(64)) -> None:
+    path.write_bytes(_npy_bytes(header, payload))
 
 
 def _garbage_header(path: Path) -> None:
@@ -147,6 +151,25 @@ def _garbage_header(path: Path) -> None:
 
 def _negative_shape(path: Path) -> None:
     _npy_with_header(path, b"{'descr': '<i8', 'shape': (-3,), 'fortran_order': False}")
+
+
+# No element, so no byte: numpy itself refuses to make an array of such a shape.
+_BEYOND_INTP = f"{{'descr': '<i8', 'shape': (0, {10**30}), 'fortran_order': False}}".encode()
+_BYTES_BEYOND_INTP = f"{{'descr': '<i8', 'shape': (0, {2**62}, 4), 'fortran_order': False}}".encode()
+
+
+def _empty_shape_beyond_intp(path: Path) -> None:
+    _npy_with_header(path, _BEYOND_INTP, b"")
+
+
+def _empty_shape_bytes_beyond_intp(path: Path) -> None:
+    _npy_with_header(path, _BYTES_BEYOND_INTP, b"")
+
+
+def _npz_with_empty_shape_beyond_intp(path: Path) -> None:
+    np.savez(path, good=np.arange(3))
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("bad.npy", _npy_bytes(_BEYOND_INTP, b""))
 
 
 def _bad_descr(path: Path) -> None:
@@ -192,6 +215,8 @@ BAD_SOURCES: dict[str, tuple[str, Callable[[Path], None], type[Exception]]] = {
     "header-only-npy": ("a.npy", _header_only, CorruptSourceError),
     "garbage-header-npy": ("a.npy", _garbage_header, CorruptSourceError),
     "negative-shape-npy": ("a.npy", _negative_shape, CorruptSourceError),
+    "empty-shape-beyond-intp-npy": ("a.npy", _empty_shape_beyond_intp, CorruptSourceError),
+    "empty-shape-bytes-beyond-intp-npy": ("a.npy", _empty_shape_bytes_beyond_intp, CorruptSourceError),
     "bad-descr-npy": ("a.npy", _bad_descr, CorruptSourceError),
     "garbage-npy": ("a.npy", _garbage, CorruptSourceError),
     "empty-npy": ("a.npy", _empty, CorruptSourceError),
@@ -199,6 +224,7 @@ BAD_SOURCES: dict[str, tuple[str, Callable[[Path], None], type[Exception]]] = {
     "not-npy": ("a.txt", _not_npy, CorruptSourceError),
     "corrupt-npz": ("a.npz", _corrupt_npz, CorruptSourceError),
     "truncated-npz": ("a.npz", _truncated_npz, CorruptSourceError),
+    "empty-shape-beyond-intp-npz": ("a.npz", _npz_with_empty_shape_beyond_intp, CorruptSourceError),
     "object-member-npz": ("a.npz", _npz_with_objects, UnsupportedDataError),
 }
 BUILTIN: dict[type[Exception], type[Exception]] = {

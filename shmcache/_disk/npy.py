@@ -39,6 +39,7 @@ _CANONICAL_HEADER = re.compile(
     rb"\{'descr': '([^']+)', 'fortran_order': (False|True), 'shape': \(([0-9, ]*)\), \} *\n\Z"
 )
 _MEMO_LIMIT = 4096
+_INTP_MAX = int(np.iinfo(np.intp).max)
 _DTYPES: dict[bytes, np.dtype] = {}  # descr text -> dtype
 _SHAPES: dict[bytes, tuple[int, ...]] = {}  # shape text -> shape
 
@@ -165,9 +166,19 @@ def _read_header(fp: BinaryIO) -> NpyHeader:
         raise
     except Exception as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}") from exc
+    _check_shape(tuple(shape), dtype)
+    return NpyHeader(dtype, tuple(shape), bool(fortran), fp.tell())
+
+
+def _check_shape(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Refuse what numpy cannot make an array of, even an empty one: a negative dimension,
+    one beyond ``intp``, or a size in bytes beyond it (zero dimensions aside)."""
     if any(d < 0 for d in shape):
         raise ValueError(f"negative dimension in shape {shape}")
-    return NpyHeader(dtype, tuple(shape), bool(fortran), fp.tell())
+    if any(d > _INTP_MAX for d in shape):
+        raise ValueError(f"shape {shape} has a dimension beyond {_INTP_MAX}, numpy's largest")
+    if math.prod(d for d in shape if d) * max(dtype.itemsize, 1) > _INTP_MAX:
+        raise ValueError(f"shape {shape} of {dtype} would be more than {_INTP_MAX} bytes")
 
 
 def read_source_header(fp: BinaryIO, size: int, where: str) -> NpyHeader:
