@@ -1,6 +1,8 @@
 """Background loads: a bounded pool of threads running ``Store.put_file``, one job per key.
 
 A second request for a key whose load is queued or running gets the same job back.
+A load from inside the ``--allow-source`` directories opens its files without following
+links out of them: a file swapped for a symlink after the request was checked fails the job.
 Cancelling sets a flag that the load's progress callback checks after every chunk; it
 raises, the store discards the partial write, and nothing is published.
 
@@ -15,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,8 +93,10 @@ class JobManager:
         workers: int,
         max_load_rate: int | None = None,
         on_finish: Callable[[LoadJob], None] | None = None,
+        allowed_dirs: Sequence[Path] = (),
     ) -> None:
         self.store = store
+        self.allowed_dirs = tuple(allowed_dirs)
         self.workers = workers
         self.max_load_rate = max_load_rate
         self._on_finish = on_finish
@@ -199,6 +203,7 @@ class JobManager:
                 overwrite=job.overwrite,
                 pin=job.pin,
                 progress=self._progress_of(job, start),
+                allowed_dirs=self._confinement(job.source),
             )
         except JobCancelledError as exc:
             self._finish_locked(job, "cancelled", type(exc).__name__, str(exc))
@@ -222,6 +227,12 @@ class JobManager:
                 job.bytes_done,
                 elapsed,
             )
+
+    def _confinement(self, source: Path) -> tuple[Path, ...]:
+        """The allowed directories, for a source inside one of them (every API load; a
+        config preload from elsewhere is the operator's choice and loads unconfined)."""
+        inside = any(source == top or source.is_relative_to(top) for top in self.allowed_dirs)
+        return self.allowed_dirs if inside else ()
 
     def _progress_of(self, job: LoadJob, start: float) -> Callable[[int, int], None]:
         rate = self.max_load_rate

@@ -109,10 +109,7 @@ def check_loadable(
     The store validates again when it loads; this only turns bad input into an immediate
     HTTP error instead of a failed job.
     """
-    plan = store.plan_file(key, source)  # reads headers only
-    if allowed:  # a directory may hold symlinks to files elsewhere
-        for item in plan:
-            resolve_source(item.file, allowed)
+    plan = store.plan_file(key, source, allowed_dirs=allowed)  # headers only; links out refused
     keys = [item.key for item in plan]
     needed = sum(item.size for item in plan)
     if store.max_bytes is not None and needed > store.max_bytes:

@@ -126,6 +126,7 @@ class Service:
             workers=settings.load_workers,
             max_load_rate=settings.max_load_rate,
             on_finish=self._job_finished,
+            allowed_dirs=settings.allow_source,
         )
         self.readers = ReaderScan(store)
         self.started = time.time()

@@ -10,15 +10,18 @@ import os
 import threading
 import zlib
 
-__all__ = ["BackgroundCrc", "crc_of_range", "format_checksums", "parse_checksums"]
+__all__ = ["TrailingCrc", "crc_of_range", "format_checksums", "parse_checksums"]
 
 _CHUNK = 16 << 20
+_TRAILING_CHUNK = 1 << 20
 
 
-def crc_of_range(fd: int, offset: int, count: int, crc: int = 0) -> int:
+def crc_of_range(fd: int, offset: int, count: int, crc: int = 0, buffer: bytearray | None = None) -> int:
     """CRC-32 of ``count`` bytes of ``fd`` from ``offset``, read with ``pread`` (never
-    through a mapping: a file truncated meanwhile must not SIGBUS us)."""
-    buffer = bytearray(min(_CHUNK, max(count, 1)))
+    through a mapping: a file truncated meanwhile must not SIGBUS us) into ``buffer``
+    (default: a new one)."""
+    if buffer is None:
+        buffer = bytearray(min(_CHUNK, max(count, 1)))
     view = memoryview(buffer)
     end = offset + count
     while offset < end:
@@ -30,31 +33,64 @@ def crc_of_range(fd: int, offset: int, count: int, crc: int = 0) -> int:
     return crc
 
 
-class BackgroundCrc:
-    """Checksum a file range on another thread while the kernel copies it."""
+class TrailingCrc:
+    """CRC-32 of a file being written, computed on another thread that reads the bytes
+    already written while the kernel copies the rest: the checksum is that of the bytes
+    published, whatever the source did meanwhile.
 
-    def __init__(self, path: str, offset: int, count: int) -> None:
-        self.value: int | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(path, offset, count), daemon=True)
+    The writer reports each chunk with :meth:`advance`; :meth:`result` waits for the
+    reader to catch up; :meth:`close` stops it (always call it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._written = 0
+        self._stopping = False
+        self._value: int | None = None
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _run(self, path: str, offset: int, count: int) -> None:
+    def advance(self, nbytes: int) -> None:
+        with self._changed:
+            self._written += nbytes
+            self._changed.notify()
+
+    def _run(self) -> None:
+        crc = done = 0
+        buffer = bytearray(_TRAILING_CHUNK)  # small: what it reads was just written, still in cache
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                self.value = crc_of_range(fd, offset, count)
-            finally:
-                os.close(fd)
+            while True:
+                with self._changed:
+                    while self._written == done and not self._stopping:
+                        self._changed.wait()
+                    written, stopping = self._written, self._stopping
+                if written > done:
+                    crc = crc_of_range(self._fd, done, written - done, crc, buffer)
+                    done = written
+                elif stopping:
+                    self._value = crc
+                    return
         except BaseException as exc:  # reported by result()
-            self.error = exc
+            self._error = exc
 
     def result(self) -> int:
+        """The CRC-32 of every byte reported written."""
+        self.close()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+    def close(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
         self._thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.value is not None
-        return self.value
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def format_checksums(crcs: dict[str, int]) -> str:

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 _CHUNK = 64 << 20
+_COPY_CHUNK = 2 << 20  # a checksum thread reads each copied chunk while it is still in cache
 
 
 def _full(path: str | Path, exc: OSError) -> CacheFullError:
@@ -105,7 +106,7 @@ def copy_range(
     try:
         try:
             while offset < end:
-                copied = os.copy_file_range(src_fd, dst_fd, min(end - offset, _CHUNK), offset)
+                copied = os.copy_file_range(src_fd, dst_fd, min(end - offset, _COPY_CHUNK), offset)
                 if copied == 0:
                     raise EOFError(f"source ended at byte {offset}, expected {end}")
                 offset += copied
@@ -116,7 +117,7 @@ def copy_range(
             if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
         while offset < end:  # across file systems on kernels that refuse copy_file_range
-            sent = os.sendfile(dst_fd, src_fd, offset, min(end - offset, _CHUNK))
+            sent = os.sendfile(dst_fd, src_fd, offset, min(end - offset, _COPY_CHUNK))
             if sent == 0:
                 raise EOFError(f"source ended at byte {offset}, expected {end}")
             offset += sent

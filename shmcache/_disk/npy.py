@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 import zipfile
 import zlib
@@ -20,7 +21,7 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 import numpy.lib.format as npy_format
 
-from ..errors import CorruptEntryError, CorruptSourceError, InvalidSourceError, UnsupportedDataError
+from ..errors import CorruptEntryError, CorruptSourceError, UnsupportedDataError
 
 __all__ = [
     "NpyHeader",
@@ -209,9 +210,8 @@ class NpzMember:
     """Offset of the member's ``.npy`` in the zip file when stored uncompressed, else None."""
 
 
-def _local_data_offset(raw: BinaryIO, info: zipfile.ZipInfo) -> int:
-    raw.seek(info.header_offset)
-    local = raw.read(30)
+def _local_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
+    local = os.pread(fd, 30, info.header_offset)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {info.filename}")
     name_len = int.from_bytes(local[26:28], "little")
@@ -219,10 +219,11 @@ def _local_data_offset(raw: BinaryIO, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def iter_npz_members(path: str) -> Iterator[NpzMember]:
-    """Validate every ``.npy`` member of an ``.npz`` (non-``.npy`` members are skipped)."""
+def iter_npz_members(fp: BinaryIO, path: str) -> Iterator[NpzMember]:
+    """Validate every ``.npy`` member of the ``.npz`` open as ``fp`` (a file; non-``.npy``
+    members are skipped); errors name ``path``."""
     try:
-        with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+        with zipfile.ZipFile(fp) as archive:
             for info in archive.infolist():
                 if info.is_dir() or not info.filename.endswith(".npy"):
                     continue
@@ -231,12 +232,9 @@ def iter_npz_members(path: str) -> Iterator[NpzMember]:
                     header = read_source_header(member, info.file_size, where)  # type: ignore[arg-type]
                 stored = None
                 if info.compress_type == zipfile.ZIP_STORED:
-                    stored = _local_data_offset(raw, info)
+                    stored = _local_data_offset(fp.fileno(), info)
                 yield NpzMember(info.filename[: -len(".npy")], header, stored)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as exc:
         raise CorruptSourceError(f"{path}: not a valid .npz archive ({exc})") from exc
     except NotImplementedError as exc:  # unsupported compression method
         raise CorruptSourceError(f"{path}: {exc}") from exc
-    except PermissionError as exc:
-        raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
-

@@ -1,21 +1,24 @@
-"""Sources of ``put_file``: validate every file before any byte is copied, then copy each
-with the kernel (``copy_file_range``) while another thread checksums it; compressed
-``.npz`` members are inflated."""
+"""Sources of ``put_file``: every file is checked before any byte is copied (a regular file,
+beneath the allowed directories if any are given, a valid header), then reopened as the
+same file and copied by the kernel (``copy_file_range``) while another thread checksums the
+bytes written; a file that changes meanwhile fails the load. Compressed ``.npz`` members
+are inflated."""
 
 from __future__ import annotations
 
+import io
 import os
 import zipfile
 import zlib
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._disk.checksum import BackgroundCrc
+from .._disk.checksum import TrailingCrc
 from .._disk.fs import copy_range, write_all
 from .._disk.keys import validate_key
 from .._disk.npy import NpyHeader, iter_npz_members, read_source_header
+from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
 
 __all__ = ["Planned", "copy_planned", "plan_sources"]
@@ -32,20 +35,24 @@ class Planned:
     key: str
     header: NpyHeader
     source: str
-    fingerprint: dict[str, int]
-    copy_from: str
+    file: SourceFile
     copy_offset: int | None  # None: the member is compressed and must be inflated
     member: str | None = None
     version: str = field(default="")
 
+    @property
+    def fingerprint(self) -> dict[str, int]:
+        return self.file.fingerprint
 
-def _fingerprint(st: os.stat_result) -> dict[str, int]:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    @property
+    def copy_from(self) -> str:
+        return self.file.path
 
 
-def plan_sources(key: str, path: Path) -> list[Planned]:
+def plan_sources(key: str, path: Path, allowed: Sequence[str | os.PathLike[str]] = ()) -> list[Planned]:
     """Validate every source file under ``path`` and name the entries they become
-    (``key`` must be valid already)."""
+    (``key`` must be valid already). With ``allowed`` directories, every file must lie
+    beneath one of them once links are resolved, and is later opened without following any."""
     path = Path(os.path.abspath(path))
     try:
         st = path.stat()
@@ -53,7 +60,8 @@ def plan_sources(key: str, path: Path) -> list[Planned]:
         raise SourceNotFoundError(f"source {path} does not exist") from None
     except OSError as exc:
         raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
-    plan = _plan_sources_unchecked(key, path, st)
+    tops = tuple(os.path.realpath(top) for top in allowed)
+    plan = _plan_sources_unchecked(key, path, st, tops)
     seen: dict[str, str] = {}
     for item in plan:
         if item.key in seen:
@@ -65,17 +73,17 @@ def plan_sources(key: str, path: Path) -> list[Planned]:
     return plan
 
 
-def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result) -> list[Planned]:
+def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result, tops: tuple[str, ...]) -> list[Planned]:
     if path.is_dir():
         plan: list[Planned] = []
         for file in sorted(path.rglob("*")):
             if file.suffix in (".npy", ".npz") and file.is_file():
                 relative = file.relative_to(path).with_suffix("").as_posix()
-                plan.extend(_plan_file(_child_key(key, relative, file), file))
+                plan.extend(_plan_file(_child_key(key, relative, file), file, tops))
         if not plan:
             raise InvalidSourceError(f"directory {path} holds no .npy or .npz files")
         return plan
-    return _plan_file(key, path, st)
+    return _plan_file(key, path, tops)
 
 
 def _child_key(key: str, relative: str, file: Path) -> str:
@@ -86,59 +94,78 @@ def _child_key(key: str, relative: str, file: Path) -> str:
         raise type(exc)(f"{file}: its path does not make a valid key ({exc})") from None
 
 
-def _plan_file(key: str, path: Path, st: os.stat_result | None = None) -> list[Planned]:
-    st = st or path.stat()
-    if path.suffix == ".npz":
+def _plan_file(key: str, path: Path, tops: tuple[str, ...]) -> list[Planned]:
+    if path.suffix not in (".npy", ".npz"):
+        raise CorruptSourceError(f"{path}: not a .npy or .npz file (or a directory of them)")
+    fd, file = open_checked(str(path), tops)
+    with open(fd, "rb") as fp:  # closes fd
+        if path.suffix == ".npy":
+            header = read_source_header(fp, file.size, str(path))
+            return [Planned(key, header, str(path), file, 0)]
         members = [
             Planned(
                 key=_child_key(key, member.name, path),
                 header=member.header,
                 source=f"{path}[{member.name}.npy]",
-                fingerprint=_fingerprint(st),
-                copy_from=str(path),
+                file=file,
                 copy_offset=member.stored_offset,
                 member=member.name,
             )
-            for member in iter_npz_members(str(path))
+            for member in iter_npz_members(fp, str(path))
         ]
-        if not members:
-            raise InvalidSourceError(f"{path}: the .npz archive holds no .npy arrays")
-        return members
-    if path.suffix != ".npy":
-        raise CorruptSourceError(f"{path}: not a .npy or .npz file (or a directory of them)")
-    try:
-        with open(path, "rb") as fp:
-            header = read_source_header(fp, st.st_size, str(path))
-    except PermissionError as exc:
-        raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
-    return [Planned(key, header, str(path), _fingerprint(st), str(path), 0)]
+    if not members:
+        raise InvalidSourceError(f"{path}: the .npz archive holds no .npy arrays")
+    return members
 
 
 def copy_planned(item: Planned, dst: int, target: Path, advance: Callable[[int], None]) -> int:
-    """Copy one planned ``.npy`` to the end of ``dst``; returns its CRC-32."""
-    if item.copy_offset is None:
-        return _inflate_member(item, dst, target, advance)
-    # The kernel copies while another thread checksums the same (cached) bytes.
-    crc = BackgroundCrc(item.copy_from, item.copy_offset, item.header.file_size)
-    src = os.open(item.copy_from, os.O_RDONLY | os.O_CLOEXEC)
+    """Copy one planned ``.npy`` to the end of ``dst`` from the very file that was checked;
+    returns the CRC-32 of the bytes written. A source that changed since it was checked,
+    or while it was copied, raises :class:`CorruptSourceError`."""
+    src = reopen(item.file)
     try:
-        copy_range(src, dst, item.copy_offset, item.header.file_size, target, advance)
-        return crc.result()
-    except EOFError as exc:
-        raise CorruptSourceError(f"{item.source}: {exc} (did it change while loading?)") from exc
+        if item.copy_offset is None:
+            crc = _inflate_member(item, src, dst, target, advance)
+        else:
+            crc = _copy_file(item, src, dst, target, advance)
+        check_unchanged(src, item.file)
     finally:
         os.close(src)
-        with suppress(BaseException):
-            crc.result()
+    _check_written_header(item, target)
+    return crc
 
 
-def _inflate_member(item: Planned, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+def _copy_file(item: Planned, src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+    """The kernel copies while another thread checksums what it has written so far."""
+    assert item.copy_offset is not None
+    crc = TrailingCrc(target)
+
+    def copied(nbytes: int) -> None:
+        crc.advance(nbytes)
+        advance(nbytes)
+
+    try:
+        copy_range(src, dst, item.copy_offset, item.header.file_size, target, copied)
+        return crc.result()
+    except EOFError as exc:
+        raise CorruptSourceError(
+            f"{item.source} changed while loading ({exc}); nothing was published, load it again"
+        ) from exc
+    finally:
+        crc.close()
+
+
+def _inflate_member(item: Planned, src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
     """Copy a compressed ``.npz`` member (zipfile checks its CRC while inflating);
     returns the CRC-32 of what was written."""
     written = 0
     crc = 0
     try:
-        with zipfile.ZipFile(item.copy_from) as archive, archive.open(f"{item.member}.npy") as member:
+        with (
+            open(os.dup(src), "rb") as fp,
+            zipfile.ZipFile(fp) as archive,
+            archive.open(f"{item.member}.npy") as member,
+        ):
             while chunk := member.read(16 << 20):
                 piece = chunk[: item.header.file_size - written]
                 write_all(dst, piece, target)
@@ -154,3 +181,17 @@ def _inflate_member(item: Planned, dst: int, target: Path, advance: Callable[[in
     return crc
 
 
+def _check_written_header(item: Planned, target: Path) -> None:
+    """The header written is the one the metadata is built from (a rewrite of the source
+    between the checks and the copy could otherwise publish bytes meta.json misdescribes)."""
+    fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, item.header.data_offset, 0)
+    finally:
+        os.close(fd)
+    try:
+        written = read_source_header(io.BytesIO(head), item.header.file_size, item.source)
+    except ShmCacheError:
+        written = None
+    if written != item.header:
+        raise CorruptSourceError(f"{item.source} changed while loading; nothing was published, load it again")

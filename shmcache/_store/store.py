@@ -265,6 +265,7 @@ class Store:
         overwrite: bool = False,
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        allowed_dirs: Collection[str | os.PathLike[str]] = (),
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
         directory of them (as ``key/<relative path without suffix>``).
@@ -274,9 +275,13 @@ class Store:
         kernel, never through Python memory. ``progress(bytes_done, bytes_total)`` is
         called as data is copied; an exception it raises cancels the load, and nothing
         is published. Returns the published keys.
+
+        With ``allowed_dirs``, every file must lie beneath one of them (links resolved) and
+        is opened without following any link: what the daemon loads for ``--allow-source``.
+        A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
-        plan = plan_sources(key, Path(path))
+        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs))
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
         total = sum(item.header.file_size for item in plan)
@@ -316,13 +321,19 @@ class Store:
         logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
         return keys
 
-    def plan_file(self, key: str, path: str | os.PathLike[str]) -> builtins.list[PlannedEntry]:
+    def plan_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        allowed_dirs: Collection[str | os.PathLike[str]] = (),
+    ) -> builtins.list[PlannedEntry]:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
         return [
             PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
-            for p in plan_sources(key, Path(path))
+            for p in plan_sources(key, Path(path), builtins.list(allowed_dirs))
         ]
 
     def prepare(self) -> None:

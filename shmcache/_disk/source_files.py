@@ -1,0 +1,231 @@
+"""Opening the files a ``put_file`` copies from, so that what is copied is what was checked.
+
+A source is opened without blocking (a FIFO named ``*.npy`` would wait forever for a
+writer) and ``fstat``-ed: anything but a regular file is refused at once. With allowed
+directories (the daemon's ``--allow-source``), the file's real path is checked to lie
+beneath one of them and is then opened relative to that directory without following any
+link (``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``, else ``O_NOFOLLOW`` one
+component at a time): a file or directory swapped for a symlink between the check and
+the copy cannot point the copy elsewhere. Every later open is compared with the
+device/inode, size and mtime seen when the file was checked, and :func:`check_unchanged`
+compares them again after the copy, so a file rewritten or replaced meanwhile fails the
+load instead of being published mixed.
+
+What no check sees: writes through a shared mapping of a tmpfs file update no time
+stamp. The checksum recorded is then still that of the bytes published.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError
+
+__all__ = ["SourceFile", "check_unchanged", "open_checked", "openat2_available", "reopen"]
+
+_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_DIRECTORY = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+_SYS_OPENAT2 = 437  # the same on every architecture Linux added it to (5.6) but alpha
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+_LINK_ERRNOS = (errno.ELOOP, errno.EXDEV, errno.ENOTDIR)  # a link met, or a way out
+_RETRIES = 8  # openat2 answers EAGAIN when a rename raced its path walk
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_syscall: Any = None  # libc's syscall(), loaded on first use
+_have_openat2: bool | None = None  # None: not probed yet
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A source file as it was checked: where to open it from, and which file it was."""
+
+    path: str
+    """The path as given (for messages)."""
+    target: str
+    """What every open walks: the real path when checked if confined to ``top`` (no link
+    is followed then), else the absolute path as given."""
+    top: str | None
+    """The allowed directory ``target`` lies beneath; None when any readable file may be loaded."""
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @property
+    def fingerprint(self) -> dict[str, int]:
+        """What ``meta.json`` records to tell later whether the source changed."""
+        return {"size": self.size, "mtime_ns": self.mtime_ns}
+
+
+def open_checked(path: str, allowed: Sequence[str] = ()) -> tuple[int, SourceFile]:
+    """Open a regular file for reading, beneath one of ``allowed`` (real paths) if any
+    are given; returns the descriptor and what was opened."""
+    target = os.path.realpath(path) if allowed else os.path.abspath(path)
+    top = None
+    if allowed:
+        top = next((d for d in allowed if target == d or target.startswith(d.rstrip("/") + "/")), None)
+        if top is None:
+            raise SourceNotAllowedError(f"source {path} is outside the directories it may be loaded from")
+    fd = _open(path, target, top)
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, SourceFile(path, target, top, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def reopen(source: SourceFile) -> int:
+    """Open ``source`` again the way it was checked; raises if it is no longer that file,
+    or no longer the same size and modification time."""
+    fd = _open(source.path, source.target, source.top)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (
+            source.dev,
+            source.ino,
+            source.size,
+            source.mtime_ns,
+        ):
+            raise _changed(source, "after it was checked")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_unchanged(fd: int, source: SourceFile) -> None:
+    """After a copy from ``fd``: the file kept its size and time stamps, and its path still
+    names it; else the copy may mix old and new bytes."""
+    st = os.fstat(fd)
+    if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (source.size, source.mtime_ns, source.ctime_ns):
+        raise _changed(source, "while loading")
+    try:
+        again = _open(source.path, source.target, source.top)
+    except InvalidSourceError:
+        raise _changed(source, "while loading (it was removed or replaced)") from None
+    try:
+        st = os.fstat(again)
+    finally:
+        os.close(again)
+    if (st.st_dev, st.st_ino) != (source.dev, source.ino):
+        raise _changed(source, "while loading (it was replaced)")
+
+
+def _changed(source: SourceFile, when: str) -> CorruptSourceError:
+    return CorruptSourceError(f"{source.path} changed {when}; nothing was published, load it again")
+
+
+def _open(path: str, target: str, top: str | None) -> int:
+    """Open ``target`` (beneath ``top`` without following links, if given); refuse anything
+    but a regular file. Errors name ``path``."""
+    try:
+        fd = os.open(target, _READ) if top is None else _open_beneath(top, os.path.relpath(target, top))
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"source {path} does not exist") from None
+    except OSError as exc:
+        if top is not None and exc.errno in _LINK_ERRNOS:
+            raise SourceNotAllowedError(
+                f"source {path} changed after it was checked: it no longer lies inside the "
+                "directories this daemon may load from without following links"
+            ) from None
+        if exc.errno == errno.ENXIO:
+            raise InvalidSourceError(f"source {path} is not a regular file (a socket, or a device)") from None
+        raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise InvalidSourceError(f"source {path} is not a regular file (it is {_kind(mode)})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _open_beneath(top: str, relative: str) -> int:
+    dirfd = os.open(top, _DIRECTORY)
+    try:
+        if openat2_available():
+            return _openat2(dirfd, relative, _READ, _RESOLVE)
+        return _open_nofollow(dirfd, relative)
+    finally:
+        os.close(dirfd)
+
+
+def _open_nofollow(dirfd: int, relative: str) -> int:
+    """Walk ``relative`` from ``dirfd`` one component at a time, following no link."""
+    *parents, name = relative.split("/")
+    if any(part in ("", ".", "..") for part in (*parents, name)):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), relative)
+    current = os.dup(dirfd)
+    try:
+        for part in parents:
+            step = os.open(part, _DIRECTORY | os.O_NOFOLLOW, dir_fd=current)
+            os.close(current)
+            current = step
+        return os.open(name, _READ | os.O_NOFOLLOW, dir_fd=current)
+    finally:
+        os.close(current)
+
+
+def openat2_available() -> bool:
+    """Whether the kernel (and any seccomp filter) lets us call ``openat2``; probed once."""
+    global _have_openat2
+    if _have_openat2 is None:
+        try:
+            os.close(_openat2(-100, "/", os.O_PATH | os.O_CLOEXEC, 0))  # AT_FDCWD
+            _have_openat2 = True
+        except OSError:
+            _have_openat2 = False
+    return _have_openat2
+
+
+def _openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
+    global _syscall
+    if _syscall is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _syscall = libc.syscall
+        _syscall.restype = ctypes.c_long
+    how = _OpenHow(flags, 0, resolve)
+    encoded = os.fsencode(path)
+    for _ in range(_RETRIES):
+        fd = _syscall(
+            ctypes.c_long(_SYS_OPENAT2),
+            ctypes.c_int(dirfd),
+            ctypes.c_char_p(encoded),
+            ctypes.byref(how),
+            ctypes.c_size_t(ctypes.sizeof(how)),
+        )
+        if fd >= 0:
+            return int(fd)
+        code = ctypes.get_errno()
+        if code != errno.EAGAIN:
+            break
+    raise OSError(code, os.strerror(code), path)
