@@ -42,6 +42,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "DEFAULT_LOAD_WORKERS",
+    "DEFAULT_REQUEST_TIMEOUT",
     "ENV_PREFIX",
     "DatasetSpec",
     "Given",
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 DEFAULT_LOAD_WORKERS = 2
+DEFAULT_REQUEST_TIMEOUT = 10.0
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*", re.IGNORECASE)
 _BUDGET = ("max_bytes", "max_fraction")
 _MIN_TOKEN = 16
@@ -266,6 +268,13 @@ class Settings(BaseSettings):
         (),
         description="Directory the API may load from (repeatable; symlinks and .. are resolved "
         "first). Default: anything the daemon can read.",
+    )
+    request_timeout: float = Field(
+        DEFAULT_REQUEST_TIMEOUT,
+        gt=0,
+        description="Seconds a connection has to send a whole request (line, headers and body) once "
+        "it opens or starts one; slower ones are closed (slow or idle clients must not hold the "
+        "daemon's descriptors).",
     )
     cleanup_on_exit: bool = Field(False, description="Evict every entry when stopping.")
     load_workers: int = Field(DEFAULT_LOAD_WORKERS, ge=1, description="Loads that run at once.")

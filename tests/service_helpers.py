@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -116,9 +117,16 @@ def serve_command(root: Path, *args: str) -> list[str]:
 
 class Daemon:
     """A ``shmcache serve`` subprocess without inherited ``SHMCACHE_*`` settings (``env`` adds
-    some); its stderr is collected in ``log``, its TCP address (if any) in ``tcp_url``."""
+    some); its stderr is collected in ``log``, its TCP address (if any) in ``tcp_url``.
+    ``nofile`` starts it under that (soft, hard) descriptor limit."""
 
-    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        nofile: tuple[int, int] | None = None,
+    ) -> None:
         self.root = root
         self.args = args
         self.log = ""
@@ -129,6 +137,7 @@ class Daemon:
             stderr=subprocess.PIPE,
             text=True,
             env=clean_env(env),
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile),
         )
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_log, daemon=True)
@@ -188,8 +197,10 @@ class Daemon:
 
 
 @contextmanager
-def running_daemon(root: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Daemon]:
-    daemon = Daemon(root, *args, env=env).wait_ready()
+def running_daemon(
+    root: Path, *args: str, env: dict[str, str] | None = None, nofile: tuple[int, int] | None = None
+) -> Iterator[Daemon]:
+    daemon = Daemon(root, *args, env=env, nofile=nofile).wait_ready()
     try:
         yield daemon
     finally:

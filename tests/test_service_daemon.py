@@ -15,8 +15,10 @@ import signal
 import socket
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -241,8 +243,8 @@ def raw_exchange(path: Path, head: bytes, body: Iterator[bytes], timeout: float 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(str(path))
-        sock.sendall(head)
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it may answer and close early
+            sock.sendall(head)
             for chunk in body:
                 sock.sendall(chunk)
         answer = b""
@@ -278,6 +280,82 @@ def test_a_300_mb_request_is_refused_unread(daemon: Daemon) -> None:
     assert len(daemon.log) - logged < 500, daemon.log[logged:][:500]
     with daemon.client() as client:
         assert client.get("/v1/health").status_code == 200
+
+
+def soft_nofile(pid: int) -> int:
+    """The process's soft descriptor limit, as /proc reports it."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no descriptor limit for pid {pid}")
+
+
+def closed_by_daemon(sock: socket.socket, deadline: float) -> bool:
+    """Whether the daemon closes ``sock`` (after any answer) before ``deadline`` (monotonic)."""
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(1 << 16):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        pass
+    return False
+
+
+@pytest.mark.integration
+def test_idle_tcp_connections_do_not_lock_out_the_socket_or_token_holders(root: Path, data: Path) -> None:
+    """Started under a descriptor limit of 64 (hard 256), the daemon raises it to 256, keeps at
+    most a quarter for TCP, and 600 TCP connections that never send a request neither keep the
+    Unix socket nor a token holder waiting: the longest-waiting one makes room, the rest are
+    closed after --request-timeout, and the log says so."""
+    timeout = 2.0
+    tcp = ("--host", "127.0.0.1", "--port", "0", "--allow-source", str(data))
+    args = (*tcp, "--request-timeout", str(timeout))
+    with running_daemon(root, *args, env={ENV_TOKEN: TOKEN}, nofile=(64, 256)) as daemon:
+        assert daemon.tcp_url is not None
+        url = urlsplit(daemon.tcp_url)
+        idle: list[socket.socket] = []
+        try:
+            for _ in range(600):
+                idle.append(socket.create_connection((url.hostname, url.port), timeout=5))
+            with daemon.client(timeout=5) as local:
+                assert local.get("/v1/health").status_code == 200
+            with httpx.Client(base_url=daemon.tcp_url, timeout=5) as tcp:
+                assert tcp.get("/v1/stats", headers=BEARER).status_code == 200
+            deadline = time.monotonic() + timeout + 5
+            assert all(closed_by_daemon(sock, deadline) for sock in idle)
+            wait_for(lambda: "shedding load" in daemon.log, what="the log line about shed connections")
+        finally:
+            for sock in idle:
+                sock.close()
+        assert "waiting longest for a request" in daemon.log and "no whole request within 2 s" in daemon.log
+        assert "at most 64 TCP connections" in daemon.log
+        assert soft_nofile(daemon.pid) == 256
+
+
+@pytest.mark.integration
+def test_slow_or_oversized_request_heads_are_cut_off(root: Path, data: Path) -> None:
+    """A head sent a byte at a time is closed at --request-timeout however it trickles, and a
+    head over 64 KiB is a short 431 (not buffered: a 1 MiB URL); whole requests still work."""
+    with running_daemon(root, "--allow-source", str(data), "--request-timeout", "1") as daemon:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+            slow.connect(str(daemon.socket_path))
+            started = time.monotonic()
+            slow.sendall(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n")
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                while time.monotonic() - started < 5:
+                    slow.sendall(b"X")  # a header that never ends
+                    time.sleep(0.2)
+            assert closed_by_daemon(slow, started + 5) and time.monotonic() - started < 3
+        huge = b"GET /v1/entries/" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        answer = raw_exchange(daemon.socket_path, huge, iter(()))
+        assert answer.startswith(b"HTTP/1.1 431 ") and b"RequestHeadTooLargeError" in answer, answer[:200]
+        assert len(answer) < 1000
+        with daemon.client() as client:
+            assert client.get("/v1/health").status_code == 200
+        wait_for(lambda: "refused request heads over 65536 bytes" in daemon.log, what="the 431 logged")
 
 
 @pytest.mark.integration
@@ -426,6 +504,7 @@ def test_serve_help_lists_every_option() -> None:
         "--cleanup-on-exit",
         "--load-workers",
         "--max-load-rate",
+        "--request-timeout",
         "--log-level",
     ):
         assert option in out, option

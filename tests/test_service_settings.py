@@ -94,6 +94,7 @@ def test_flags_beat_env_beat_config(tmp_path: Path) -> None:
         ({"load_workers": 0}, "--load-workers must be >= 1, got 0"),
         ({"port": 70000, "host": "127.0.0.1"}, "--port must be in 0..65535"),
         ({"max_load_rate": 0}, "--max-load-rate must be > 0"),
+        ({"request_timeout": 0}, "--request-timeout must be > 0"),
         ({"log_level": "loud"}, "--log-level must be one of 'debug', 'info', 'warning' or 'error'"),
         ({"token": "short"}, "--token is too short"),
         ({"allow_source": ["/no/such/dir"]}, "/no/such/dir, which is not a directory"),
