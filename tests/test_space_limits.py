@@ -97,7 +97,11 @@ def _put_file(store: Store, key: str, source: Path) -> None:
     store.put_file(key, source)
 
 
-@pytest.mark.parametrize("put", [_put_array, _put_file], ids=["put_array", "put_file"])
+def _cache(store: Store, key: str, _source: Path) -> None:
+    store.cache(key, lambda: np.arange(1000))  # its key lock is the first file it creates
+
+
+@pytest.mark.parametrize("put", [_put_array, _put_file, _cache], ids=["put_array", "put_file", "cache"])
 def test_running_out_of_inodes_is_cache_full(
     few_inodes: Path, tmp_path: Path, put: Callable[[Store, str, Path], None]
 ) -> None:

@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager, contextmanager
 from filelock import FileLock
 from filelock import Timeout as FileLockTimeout
 
+from .._disk.fs import full_is_cache_full
 from .._disk.layout import Layout
 from ..errors import LockTimeoutError
 
@@ -21,7 +22,8 @@ __all__ = ["key_lock", "space_lock"]
 def _acquired(lock: FileLock, timeout: float | None, what: str) -> Iterator[None]:
     wait = -1 if timeout is None else timeout
     try:
-        lock.acquire(timeout=wait)
+        with full_is_cache_full(lock.lock_file):  # creating the lock file can run out of inodes
+            lock.acquire(timeout=wait)
     except FileLockTimeout:
         raise LockTimeoutError(
             f"gave up after {wait:g} s waiting for the lock on {what} held by another "
