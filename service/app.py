@@ -40,6 +40,8 @@ from .state import Service
 __all__ = ["MAX_BODY_BYTES", "create_app", "openapi_schema"]
 
 logger = logging.getLogger(__name__)
+_CANCEL_WAIT_S = 3.0
+"""On stop, how long cancelled loads get to notice (each checks between 2 MiB chunks)."""
 
 MAX_BODY_BYTES = 64 << 10
 """Largest request body read: a load request is a few KiB (its ``source`` at most 4096 characters)."""
@@ -140,7 +142,7 @@ def _stop(service: Service) -> None:
     running = [job for job in service.jobs.list() if job.active]
     if running:
         logger.info("cancelling %d load(s)", len(running))
-    service.jobs.shutdown()
+    service.jobs.shutdown(timeout=_CANCEL_WAIT_S)  # a load stuck on a lock must not hold up the stop
     if service.settings.cleanup_on_exit:
         evicted = freed = 0
         for entry in service.store.list():

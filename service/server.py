@@ -20,6 +20,7 @@ import signal
 import socket
 import stat
 import struct
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _SHUTDOWN_GRACE_S = 5
+_STUCK_THREAD_WAIT_S = 1.0
+"""After a stop signal and the loads' cancellation, how long threads that still run get."""
 _KEEP_ALIVE_S = 5  # uvicorn closes a connection idle this long between requests
 _MAX_TCP_CONNECTIONS = 1024
 _NOFILE_IF_UNLIMITED = 1 << 20
@@ -401,9 +404,39 @@ def serve(settings: Settings) -> int:
         finally:
             pid_file.release()
             logger.info("stopped (pid %d)", os.getpid())
+            if stop_requested:
+                _exit_now_if_threads_are_stuck()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _exit_now_if_threads_are_stuck() -> None:
+    """After a stop signal, end the process even if a load thread cannot be interrupted
+    (waiting on another process's key lock, or blocked in a system call on a hung file
+    system): the interpreter would otherwise wait for it at exit, for as long as it takes.
+
+    Everything is cleaned up by now (socket and pid file gone); what such a thread was
+    writing sits in ``tmp/`` under its flock, which the exit releases, and the next start's
+    cleanup frees it, as after a ``kill -9``.
+    """
+    deadline = time.monotonic() + _STUCK_THREAD_WAIT_S
+    while True:
+        stuck = [
+            t for t in threading.enumerate()
+            if t is not threading.main_thread() and not t.daemon and t.is_alive()
+        ]
+        if not stuck:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    logger.warning(
+        "exiting without waiting for %d thread(s) that do not stop (%s); what they were loading "
+        "is freed by the next start's cleanup", len(stuck), ", ".join(t.name for t in stuck)
+    )
+    logging.shutdown()
+    os._exit(0)
 
 
 def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) -> int:

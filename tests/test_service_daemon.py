@@ -15,6 +15,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,7 @@ from service_helpers import (
 from shmcache.service import SettingsError, load_settings
 from typer.testing import CliRunner
 
+import shmcache
 from shmcache._disk.layout import ENV_TOKEN, Layout
 
 TOKEN = "s3cret-token-0123456789"
@@ -193,6 +195,38 @@ def test_sigterm_cancels_running_loads_and_removes_socket(root: Path, data: Path
     assert not layout.socket.exists() and not layout.pid_file.exists()
     assert os.listdir(layout.entries) == [] and os.listdir(layout.objects) == []
     assert os.listdir(layout.tmp) == []
+
+
+@pytest.mark.integration
+def test_sigterm_ends_the_daemon_even_when_a_load_cannot_be_interrupted(root: Path, data: Path) -> None:
+    """A load waiting on a key lock that another process holds (60 s for loads) cannot see
+    its cancellation; SIGTERM must still end the daemon within seconds, leaving nothing."""
+    layout = Layout(root)
+    np.save(data / "k.npy", np.arange(1000))
+    holder = subprocess.Popen(  # cache() holds the key's lock while its loader runs
+        [sys.executable, "-c", "import shmcache, time, numpy as np; "
+         f"shmcache.Store({str(root)!r}).cache('k', lambda: (print('holding', flush=True), "
+         "time.sleep(300), np.zeros(1))[2])"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        daemon = Daemon(root).wait_ready()
+        with daemon.client() as client:
+            job = client.put("/v1/entries/k", json={"source": str(data / "k.npy")}).json()
+            # copied, then waiting for the key's lock to publish
+            wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["bytes_done"] > 0, what="the copy")
+        stopping = time.monotonic()
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait_exit(30) == 0
+        assert time.monotonic() - stopping < 20  # the old daemon waited for the 60 s lock timeout
+        assert "do not stop" in daemon.log
+        assert not layout.socket.exists() and not layout.pid_file.exists()
+        assert holder.poll() is None  # the other process is untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    assert shmcache.Store(root).cleanup() >= 0 and os.listdir(layout.tmp) == []
 
 
 @pytest.mark.integration
