@@ -1,7 +1,9 @@
 """The ``/v1`` HTTP API and ``/metrics``.
 
 Handlers that may block (locks, ``/proc`` scans, reading source headers) are plain
-``def``: FastAPI runs them in its thread pool. Cheap cached views are ``async``.
+``def``: FastAPI runs them in its thread pool. Cheap cached views are ``async``, and go
+to a thread for anything that touches the disk: one request blocking the event loop
+delays every other.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody} for code in (*codes, 422)}
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
     service: Service = request.app.state.service
     return service
 
@@ -50,8 +52,8 @@ KeyPath = Annotated[str, "a key: segments of [A-Za-z0-9._-] joined by '/'"]
 
 
 async def _entry_view(service: Service) -> EntryView:
-    """The entry view, re-reading the root in a worker thread when it changed."""
-    view = service.current_view()
+    """The entry view: cached, caught up here when few keys changed, else in a thread."""
+    view = service.view_now()
     return view if view is not None else await asyncio.to_thread(service.entry_view)
 
 
@@ -67,8 +69,9 @@ async def health(service: ServiceDep) -> Health:
 
 @v1.get("/stats", response_model=Stats, summary="Capacity, use, budget, entries, bytes held by readers")
 async def stats(service: ServiceDep) -> Stats:
-    await _entry_view(service)
-    space = service.space()
+    space = service.space(await _entry_view(service))
+    scan = service.readers.latest()
+    held = scan.deleted_bytes if scan is not None else await asyncio.to_thread(service.readers.deleted_bytes)
     counts = service.jobs.counts()
     return Stats(
         root=str(service.store.root),
@@ -77,7 +80,7 @@ async def stats(service: ServiceDep) -> Stats:
         free=space.free,
         budget=space.budget,
         entries=space.entries,
-        held_by_readers_bytes=service.readers.deleted_bytes(),
+        held_by_readers_bytes=held,
         jobs_queued=counts["queued"],
         jobs_running=counts["running"],
     )
@@ -109,7 +112,7 @@ async def list_entries(
 )
 def get_entry(key: KeyPath, service: ServiceDep) -> EntryDetail:
     info = service.store.info(key)
-    pids = service.store.scan_mappings().pids_by_version.get(info.version, set())
+    pids = service.readers.fresh().pids_by_version.get(info.version, set())
     return EntryDetail(**entry_model(info).model_dump(), mapped_by=sorted(pids))
 
 
@@ -138,8 +141,7 @@ def load_entry(key: KeyPath, body: LoadRequest, service: ServiceDep, response: R
     summary="Evict an entry (processes that map it keep reading their version)",
 )
 def evict_entry(key: KeyPath, service: ServiceDep) -> Evicted:
-    freed = service.store.evict(key)
-    service.forget_entries()
+    freed = service.store.evict(key)  # the generation it bumps makes the next list catch up
     service.metrics.evictions.inc()
     service.metrics.evicted_bytes.inc(freed)
     return Evicted(key=key, freed_bytes=freed)
