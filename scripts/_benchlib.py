@@ -1,7 +1,7 @@
 """What the benchmark scripts share: the machine description, scratch directories (on
 /dev/shm, else the temp directory), sample statistics and interleaved timing, markdown
-tables, targets, the JSON report, PNG plots, process memory and a ``shmcache serve``
-to measure against.
+tables, targets, the JSON report, PNG plots, process memory (and threads, descriptors), a
+``shmcache serve`` to measure against, and an asyncio HTTP load generator for it.
 
 Every script in ``scripts/`` imports this from its own directory (Python puts a script's
 directory first on ``sys.path``), so each stays runnable on its own. Only the standard
@@ -9,11 +9,14 @@ library is imported up front (``bench_all`` imports this and nothing else); shmc
 its client and matplotlib are imported by the helpers that need them. Process memory
 comes from the package's one smaps reader (``shmcache._diagnose.procfs``), so "own
 memory" here is what ``shmcache watch`` calls it; the daemon is driven only through
-``shmcache.client.Client``.
+``shmcache.client.Client``, except the load generator's requests: ``Client`` is synchronous
+and spends ~1.4 ms of CPU per request (httpx, then typed records), so 64 of them on
+threads on a 2-core machine would measure the GIL, not the daemon.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import json
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 import timeit
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,12 +44,16 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 __all__ = [
+    "Connection",
     "Daemon",
     "GiB",
+    "HttpRequest",
+    "LoadRun",
     "MiB",
     "Samples",
     "Target",
     "alternated",
+    "drive",
     "environment",
     "fmt_bytes",
     "fmt_seconds",
@@ -53,6 +61,7 @@ __all__ = [
     "markdown_table",
     "percentile",
     "print_targets",
+    "process_counts",
     "process_tree",
     "pyplot",
     "read_memory",
@@ -325,6 +334,20 @@ def read_memory(pid: int, cache_root: str | os.PathLike[str] | None = None) -> M
     return read(pid, cache_root)
 
 
+def process_counts(pid: int) -> dict[str, Any]:
+    """``pid``'s RSS (bytes), threads and open descriptors (what must stay flat in a soak),
+    and the CPU seconds it has used so far (user + system)."""
+    memory = read_memory(pid)
+    if memory is None:
+        raise RuntimeError(f"process {pid} is gone")
+    with open(f"/proc/{pid}/status") as fp:
+        threads = next(int(line.split()[1]) for line in fp if line.startswith("Threads:"))
+    with open(f"/proc/{pid}/stat") as fp:
+        utime, stime = fp.read().rpartition(")")[2].split()[11:13]
+    cpu = (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+    return {"rss": memory.rss, "threads": threads, "fds": len(os.listdir(f"/proc/{pid}/fd")), "cpu_s": cpu}
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its live descendants (DataLoader workers included)."""
     from shmcache._diagnose.procfs import process_tree as tree
@@ -415,3 +438,140 @@ def serve(root: str | os.PathLike[str], *args: str, start_timeout: float = 30.0)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+# ---------------------------------------------------------------------- HTTP load on a daemon
+
+
+class Connection:
+    """A minimal keep-alive HTTP/1.1 client over a Unix socket (cheap, so the load
+    generator's own CPU does not dominate on a small machine)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, path: Path) -> Connection:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        return cls(reader, writer)
+
+    async def request(self, method: str, target: str, body: bytes | None = None) -> int:
+        """Send one request (``body`` as JSON), read the whole answer; its status."""
+        return (await self.exchange(method, target, body))[0]
+
+    async def exchange(self, method: str, target: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """Send one request (``body`` as JSON); the answer's status and body."""
+        head = f"{method} {target} HTTP/1.1\r\nHost: shmcache\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        self.writer.write(head.encode() + b"\r\n" + (body or b""))
+        answer = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(answer.split(b" ", 2)[1])
+        length = 0
+        for line in answer.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)
+
+    async def get(self, target: str) -> int:
+        return await self.request("GET", target)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One request of a load: ``op`` names its kind in the results."""
+
+    op: str
+    method: str
+    target: str
+    body: bytes | None = None
+
+
+@dataclass
+class LoadRun:
+    """What :func:`drive` measured: seconds per request by kind, statuses by kind, and the
+    requests that got no answer (transport errors, timeouts) by kind."""
+
+    latencies: dict[str, Samples] = field(default_factory=dict)
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    failure_examples: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def all(self) -> Samples:
+        return Samples([value for samples in self.latencies.values() for value in samples.values])
+
+    @property
+    def requests(self) -> int:
+        return sum(len(samples.values) for samples in self.latencies.values())
+
+
+async def drive(
+    socket_path: Path,
+    clients: int,
+    next_request: Callable[[int, int], HttpRequest],
+    *,
+    rate: float = 0.0,
+    counts: Sequence[int] | None = None,
+    duration: float | None = None,
+    timeout: float | None = None,
+    answered: Callable[[int, HttpRequest, int], None] | None = None,
+) -> LoadRun:
+    """``clients`` keep-alive connections each sending ``next_request(client, i)`` for
+    ``i = 0, 1, ...``: ``counts[client]`` requests, or until ``duration`` seconds have
+    passed. All together they offer ``rate`` requests/s, evenly staggered (0: each sends
+    its next request as soon as the last one is answered, a saturation test);
+    ``answered(client, request, status)`` is told every answer. A request whose
+    connection broke, or without an answer within ``timeout`` seconds (if given: a task
+    per request, which costs the generator CPU), is a failure; the client then reconnects."""
+    run = LoadRun()
+    interval = clients / rate if rate > 0 else 0.0
+    start_all = time.perf_counter()
+    stop_at = None if duration is None else start_all + duration
+
+    async def client(index: int) -> None:
+        connection: Connection | None = None
+        next_at = start_all + (index / clients) * interval
+        i = 0
+        limit = None if counts is None else counts[index]
+        try:
+            while (limit is None or i < limit) and (stop_at is None or time.perf_counter() < stop_at):
+                if interval:
+                    delay = next_at - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    next_at += interval
+                request = next_request(index, i)
+                i += 1
+                start = time.perf_counter()
+                try:
+                    if connection is None:
+                        connection = await Connection.open(socket_path)
+                    answer = connection.request(request.method, request.target, request.body)
+                    status = await (answer if timeout is None else asyncio.wait_for(answer, timeout))
+                except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+                    run.failures[request.op] += 1
+                    if len(run.failure_examples) < 5:
+                        run.failure_examples.append(f"{request.method} {request.target}: {exc!r}")
+                    if connection is not None:
+                        await connection.close()
+                    connection = None
+                    continue
+                run.latencies.setdefault(request.op, Samples()).add(time.perf_counter() - start)
+                run.statuses[request.op, status] += 1
+                if answered is not None:
+                    answered(index, request, status)
+        finally:
+            if connection is not None:
+                await connection.close()
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    run.elapsed_s = time.perf_counter() - start_all
+    return run

@@ -111,6 +111,7 @@ PARSERS: dict[str, Parser] = {
     "bench_loader": _from_own_report,
     "bench_load": _from_own_report,
     "bench_api": _from_api,
+    "soak_api": _from_own_report,
 }
 
 
@@ -125,6 +126,7 @@ def steps() -> list[Step]:
         Step("bench_loader", "bench_loader.py", out=True),
         Step("bench_load", "bench_load.py"),
         Step("bench_api", "bench_api.py", json=False),
+        Step("soak_api", "soak_api.py"),
     ]
     return [s for s in found if (SCRIPTS / s.script).exists()]
 

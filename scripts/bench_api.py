@@ -9,10 +9,11 @@ percentiles and the daemon's RSS before and after as a markdown table with the t
 of DESIGN.md (p99 < 10 ms; RSS flat: growth < 5 %), then what one
 ``shmcache.client.Client`` sees, its own parsing included.
 
-The load generator is a minimal asyncio HTTP/1.1 client, not ``Client``: ``Client`` is
-synchronous and spends ~1.4 ms of CPU per request (httpx, then typed records) on a
-2-core machine, so 64 of them on threads measure the GIL (p99 ~250 ms at 1,000 req/s
-offered), not the daemon (p99 ~3 ms). Everything else goes through ``Client``.
+The load generator is ``_benchlib.drive``, a minimal asyncio HTTP/1.1 client, not
+``Client``: ``Client`` is synchronous and spends ~1.4 ms of CPU per request (httpx, then
+typed records) on a 2-core machine, so 64 of them on threads measure the GIL (p99
+~250 ms at 1,000 req/s offered), not the daemon (p99 ~3 ms). Everything else goes
+through ``Client``. ``soak_api.py`` drives the same generator with loads and evictions.
 
     python scripts/bench_api.py            # 10,000 operations
     python scripts/bench_api.py --quick    # 500 operations (CI)
@@ -29,7 +30,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from _benchlib import MiB, Samples, mark, markdown_table, read_memory, scratch_dir, serve
+from _benchlib import (
+    HttpRequest,
+    MiB,
+    Samples,
+    drive,
+    mark,
+    markdown_table,
+    read_memory,
+    scratch_dir,
+    serve,
+)
 from shmcache.client import Client
 
 import shmcache
@@ -38,65 +49,21 @@ P99_TARGET_MS = 10.0
 RSS_GROWTH_TARGET = 0.05
 
 
-class Connection:
-    """A minimal keep-alive HTTP/1.1 client over a Unix socket (cheap, so the client's own
-    CPU does not dominate on a small machine)."""
+def run_clients(socket_path: Path, ops: int, clients: int, rate: float, prefixes: list[str]) -> Samples:
+    """``ops`` requests from ``clients`` connections (list and stats alternating); seconds
+    per request. Every request must be answered 200."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def request(index: int, i: int) -> HttpRequest:
+        if i % 2:
+            return HttpRequest("list", "GET", f"/v1/entries?prefix={prefixes[(index + i) % len(prefixes)]}")
+        return HttpRequest("stats", "GET", "/v1/stats")
 
-    @classmethod
-    async def open(cls, path: Path) -> Connection:
-        reader, writer = await asyncio.open_unix_connection(str(path))
-        return cls(reader, writer)
-
-    async def get(self, target: str) -> int:
-        self.writer.write(f"GET {target} HTTP/1.1\r\nHost: shmcache\r\n\r\n".encode())
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        await self.reader.readexactly(length)
-        return status
-
-    async def close(self) -> None:
-        self.writer.close()
-        await self.writer.wait_closed()
-
-
-async def run_clients(socket_path: Path, ops: int, clients: int, rate: float, prefixes: list[str]) -> Samples:
-    """``ops`` requests from ``clients`` connections; seconds per request."""
-    latencies = Samples()
-    per_client = [ops // clients + (1 if i < ops % clients else 0) for i in range(clients)]
-    interval = clients / rate if rate > 0 else 0.0
-    start_all = time.perf_counter()
-
-    async def client(index: int, count: int) -> None:
-        connection = await Connection.open(socket_path)
-        try:
-            next_at = start_all + (index / clients) * interval
-            for i in range(count):
-                if interval:
-                    delay = next_at - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    next_at += interval
-                target = (
-                    f"/v1/entries?prefix={prefixes[(index + i) % len(prefixes)]}" if i % 2 else "/v1/stats"
-                )
-                start = time.perf_counter()
-                status = await connection.get(target)
-                latencies.add(time.perf_counter() - start)
-                if status != 200:
-                    raise RuntimeError(f"GET {target} answered {status}")
-        finally:
-            await connection.close()
-
-    await asyncio.gather(*(client(i, n) for i, n in enumerate(per_client)))
-    return latencies
+    counts = [ops // clients + (1 if i < ops % clients else 0) for i in range(clients)]
+    run = asyncio.run(drive(socket_path, clients, request, rate=rate, counts=counts))
+    wrong = {key: n for key, n in run.statuses.items() if key[1] != 200}
+    if run.failures or wrong:
+        raise RuntimeError(f"requests failed: {dict(run.failures)} {wrong} {run.failure_examples}")
+    return run.all
 
 
 def one_client(client: Client, ops: int, prefixes: list[str]) -> Samples:
@@ -138,13 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with serve(root) as daemon:
             assert daemon.client.socket_path is not None
             socket_path = daemon.client.socket_path
-            asyncio.run(run_clients(socket_path, 2000, args.clients, 0, prefixes))  # warm-up
+            run_clients(socket_path, 2000, args.clients, 0, prefixes)  # warm-up
             rss_before = _rss(daemon.pid)
             started = time.perf_counter()
-            latencies = asyncio.run(run_clients(socket_path, ops, args.clients, args.rate, prefixes))
+            latencies = run_clients(socket_path, ops, args.clients, args.rate, prefixes)
             elapsed = time.perf_counter() - started
             rss_after = _rss(daemon.pid)
-            saturated = asyncio.run(run_clients(socket_path, min(ops, 2000), args.clients, 0, prefixes))
+            saturated = run_clients(socket_path, min(ops, 2000), args.clients, 0, prefixes)
             sequential = one_client(daemon.client, min(ops, 200), prefixes)
 
     p50, p99 = latencies.percentile(50) * 1e3, latencies.percentile(99) * 1e3
