@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pytest
 
 from shmcache._disk.layout import ENV_PREFIX, SHM_DIR, SOCKET_NAME
 
@@ -55,6 +56,7 @@ LOAD_RATE = 64 << 20
 _SHMCACHE = Path(sys.executable).with_name("shmcache")
 _READY = re.compile(r"listening on (\S+)(?: and (http://\S+))?")
 _NPY_HEADER_SIZE = 128
+_MOUNT_WAIT_S = 60.0
 
 
 def scratch_base() -> Path:
@@ -88,6 +90,33 @@ def scratch_dir(kind: str = "data") -> Iterator[Path]:
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
+
+
+@contextmanager
+def mounted_tmpfs(mountpoint: Path, options: str) -> Iterator[Path]:
+    """A tmpfs of its own at ``mountpoint`` (created here) with mount ``options`` (``size=8m``,
+    ``nr_inodes=64``...), for tests of a full or small file system; skips where it cannot be
+    mounted (not root, no ``mount``); unmounted afterwards whatever happens."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mountpoint.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)],
+            capture_output=True,
+            text=True,
+            timeout=_MOUNT_WAIT_S,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        umount = ["umount", str(mountpoint)]
+        if subprocess.run(umount, capture_output=True, timeout=_MOUNT_WAIT_S).returncode:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=_MOUNT_WAIT_S)
 
 def unique(name: str) -> str:
     """``name`` with a random suffix: tests sharing a daemon or a data directory do not collide."""

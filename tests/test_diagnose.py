@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import CLI, invoke, stale_socket
-from service_helpers import running_daemon, temporary_root
+from service_helpers import mounted_tmpfs, running_daemon, temporary_root
 
 import shmcache
 from shmcache._diagnose.growth import GROWTH_MIN_BYTES, MAX_FIT_POINTS, judge, theil_sen
@@ -74,18 +73,8 @@ def test_doctor_fails_on_a_root_that_is_not_yours(root: Path, tmp_path: Path) ->
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True
-    ) if shutil.which("mount") else None
-    if done is None or done.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "size=16m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
 
 def test_doctor_fails_on_a_docker_sized_tmpfs(tiny_tmpfs: Path) -> None:
     code, checks = _doctor("--root", str(tiny_tmpfs / "cache"))

@@ -6,7 +6,6 @@ import gc
 import multiprocessing
 import os
 import stat
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from service_helpers import mounted_tmpfs
 
 import shmcache
 from shmcache import CacheFullError, Store
@@ -53,26 +53,8 @@ def _keys(store: Store, prefix: str | None = None) -> list[str]:
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs of its own (needs root); unmounted afterwards whatever happens."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mountpoint = tmp_path / "small-tmpfs"
-    mountpoint.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mountpoint)],
-            capture_output=True,
-            text=True,
-            timeout=WAIT_S,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small-tmpfs", "size=8m") as mountpoint:
         yield mountpoint
-    finally:
-        if subprocess.run(["umount", str(mountpoint)], capture_output=True, timeout=WAIT_S).returncode:
-            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=WAIT_S)
 
 
 def _in_child(action: Callable[[], Any]) -> tuple[str, str, bool]:

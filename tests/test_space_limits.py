@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import subprocess
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from service_helpers import mounted_tmpfs
 
 from shmcache import CacheFullError, Store
 
@@ -23,37 +22,13 @@ WAIT_S = 60.0
 MiB = 1 << 20
 
 
-@contextmanager
-def _tmpfs(mountpoint: Path, options: str) -> Iterator[Path]:
-    """A tmpfs of its own at ``mountpoint``; unmounted afterwards whatever happens."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mountpoint.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)],
-            capture_output=True,
-            text=True,
-            timeout=WAIT_S,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
-        yield mountpoint
-    finally:
-        if subprocess.run(["umount", str(mountpoint)], capture_output=True, timeout=WAIT_S).returncode:
-            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=WAIT_S)
-
-
 # ---------------------------------------------------------------------- out of inodes
 
 
 @pytest.fixture
 def few_inodes(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs with room for bytes but for 64 files only."""
-    with _tmpfs(tmp_path / "few-inodes", "size=32m,nr_inodes=64") as mountpoint:
+    with mounted_tmpfs(tmp_path / "few-inodes", "size=32m,nr_inodes=64") as mountpoint:
         yield mountpoint
 
 
@@ -141,7 +116,7 @@ def test_running_out_of_inodes_is_cache_full(
 
 @pytest.fixture
 def eight_mib(tmp_path: Path) -> Iterator[Path]:
-    with _tmpfs(tmp_path / "eight-mib", "size=8m") as mountpoint:
+    with mounted_tmpfs(tmp_path / "eight-mib", "size=8m") as mountpoint:
         yield mountpoint
 
 
