@@ -58,6 +58,7 @@ __all__ = [
     "fmt_bytes",
     "fmt_seconds",
     "mark",
+    "make_blob_tree",
     "markdown_table",
     "percentile",
     "print_targets",
@@ -575,3 +576,23 @@ async def drive(
     await asyncio.gather(*(client(i) for i in range(clients)))
     run.elapsed_s = time.perf_counter() - start_all
     return run
+
+
+# ---------------------------------------------------------------------- source trees
+
+
+def make_blob_tree(directory: Path, n: int, min_kib: int, max_kib: int, seed: int = 0) -> int:
+    """``n`` files of random bytes, ``min_kib``..``max_kib`` KiB each, 100 per subdirectory
+    (an image folder's shape); returns the bytes written."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(min_kib << 10, (max_kib << 10) + 1, size=n)
+    pool = rng.integers(0, 256, size=int(sizes.max()) + 4096, dtype=np.uint8).tobytes()
+    for i, size in enumerate(sizes.tolist()):
+        sub = directory / f"{i // 100:04d}"
+        if i % 100 == 0:
+            sub.mkdir(parents=True, exist_ok=True)
+        start = (i * 4099) % 4096
+        (sub / f"{i:06d}.jpg").write_bytes(pool[start : start + size])
+    return int(sizes.sum())

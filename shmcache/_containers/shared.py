@@ -1,4 +1,4 @@
-"""Read-only shared containers: the open side of strings, ragged, records and mapping.
+"""Read-only shared containers: the open side of strings, ragged, records, mapping and blobs.
 
 Each reads straight from the mapped arrays: no per-item Python object lives in the
 reader, so nothing has a reference count for a forked DataLoader worker to copy. Each
@@ -25,6 +25,7 @@ from .encode import utf8
 
 __all__ = [
     "EntryRef",
+    "SharedBlobs",
     "SharedMapping",
     "SharedRagged",
     "SharedRecords",
@@ -295,6 +296,78 @@ class SharedMapping(_Shared, Mapping[str, Any]):
         return self._values[position]
 
 
+class SharedBlobs(_Shared, Sequence[np.ndarray]):
+    """Files (or byte strings) packed into one entry (``put_blobs``), by position or name.
+
+    ``blobs[i]`` and ``blobs["relative/name.jpg"]`` are read-only ``uint8`` views of the
+    shared bytes (no copy: decode them with ``PIL.Image.open(io.BytesIO(b))`` or
+    ``cv2.imdecode(b, ...)``). A Sequence: iterating yields the arrays in name order;
+    ``name in blobs`` looks a name up (hash index); ``.names`` are the names in order.
+    """
+
+    __slots__ = ("_bytes", "_length", "_names", "_offsets")
+
+    def __init__(self, ref: EntryRef, files: Mapping[str, np.ndarray]) -> None:
+        self._ref = ref
+        self._bytes = files["bytes"]
+        self._offsets = files["offsets"].data  # Python ints on indexing
+        self._length = len(self._offsets) - 1
+        self._names = SharedStrings(ref, files, prefix="names.")
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int | str) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
+    def __getitem__(self, index: int | str | slice) -> np.ndarray | list[np.ndarray]:
+        if index.__class__ is int and 0 <= index < self._length:  # type: ignore[operator]  # the hot path
+            offsets = self._offsets
+            return self._bytes[offsets[index] : offsets[index + 1]]  # type: ignore[index]
+        if isinstance(index, str):
+            position = self._names.find(index)
+            if position < 0:
+                raise KeyError(index)
+            return self._item(position)
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(self._length))]
+        return self._item(_position(index, self._length))
+
+    def _item(self, i: int) -> np.ndarray:
+        return self._bytes[self._offsets[i] : self._offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(self._length):
+            yield self._item(i)
+
+    def __contains__(self, name: object) -> bool:
+        """Whether a blob has this name (names, not contents, are what ``in`` tests)."""
+        return self._names.find(name) >= 0
+
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+        """Position of the blob named ``value``."""
+        position = self._names.find(value)
+        if position < 0 or position < start or (stop is not None and position >= stop):
+            raise ValueError(f"{value!r} is not a name in {self._ref.key!r}")
+        return position
+
+    @property
+    def names(self) -> SharedStrings:
+        """The blobs' names (relative POSIX paths), in order."""
+        return self._names
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all blobs together."""
+        return int(self._bytes.nbytes)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Size of every blob in bytes."""
+        return np.diff(np.asarray(self._offsets))
+
+
 def container_for(ref: EntryRef, files: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Any:
     """The reader object of a non-array entry kind."""
     if ref.kind == "strings":
@@ -305,4 +378,6 @@ def container_for(ref: EntryRef, files: Mapping[str, np.ndarray], meta: Mapping[
         return SharedRecords(ref, files)
     if ref.kind == "mapping":
         return SharedMapping(ref, files, meta["values"])
+    if ref.kind == "blobs":
+        return SharedBlobs(ref, files)
     raise ValueError(f"unknown entry kind {ref.kind!r}")

@@ -25,6 +25,7 @@ __all__ = [
     "FileLockProbe",
     "allocated_bytes",
     "copy_range",
+    "copy_range_at",
     "free_bytes",
     "full_is_cache_full",
     "remove_tree",
@@ -123,6 +124,37 @@ def copy_range(
             offset += sent
             if on_chunk is not None:
                 on_chunk(sent)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _full(path, exc) from exc
+        raise
+
+
+def copy_range_at(src_fd: int, dst_fd: int, dst_offset: int, count: int, path: str | Path) -> None:
+    """Copy the first ``count`` bytes of ``src_fd`` to ``dst_fd`` at ``dst_offset`` by the
+    kernel, leaving both file positions alone: several threads can fill one file at once.
+    A source shorter than ``count`` raises :class:`EOFError`."""
+    done = 0
+    try:
+        try:
+            while done < count:
+                copied = os.copy_file_range(src_fd, dst_fd, count - done, done, dst_offset + done)
+                if copied == 0:
+                    raise EOFError(f"source ended at byte {done}, expected {count}")
+                done += copied
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+        while done < count:  # no kernel copy between these file systems: through a buffer
+            chunk = os.pread(src_fd, min(count - done, _COPY_CHUNK), done)
+            if not chunk:
+                raise EOFError(f"source ended at byte {done}, expected {count}")
+            view = memoryview(chunk)
+            while view:
+                written = os.pwrite(dst_fd, view, dst_offset + done)
+                view = view[written:]
+                done += written
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _full(path, exc) from exc

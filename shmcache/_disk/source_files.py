@@ -108,12 +108,15 @@ def reopen(source: SourceFile) -> int:
     return fd
 
 
-def check_unchanged(fd: int, source: SourceFile) -> None:
-    """After a copy from ``fd``: the file kept its size and time stamps, and its path still
+def check_unchanged(fd: int, source: SourceFile, same_path: bool = True) -> None:
+    """After a copy from ``fd``: the file kept its size and time stamps, and (unless
+    ``same_path`` is false: ``fd`` is the very descriptor that was checked) its path still
     names it; else the copy may mix old and new bytes."""
     st = os.fstat(fd)
     if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (source.size, source.mtime_ns, source.ctime_ns):
         raise _changed(source, "while loading")
+    if not same_path:
+        return
     try:
         again = _open(source.path, source.target, source.top)
     except InvalidSourceError:

@@ -21,7 +21,15 @@ from .._disk.npy import NpyHeader, iter_npz_members, read_source_header
 from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
 
-__all__ = ["Planned", "copy_planned", "plan_sources"]
+__all__ = ["ARRAY_SUFFIXES", "Planned", "copy_planned", "is_array_file", "plan_sources"]
+
+ARRAY_SUFFIXES = (".npy", ".npz")
+"""What a directory put takes as array files (the rest: blobs, see ``blobs.put_kind``)."""
+
+
+def is_array_file(path: Path) -> bool:
+    """Whether ``put_file`` stores ``path`` as arrays (one function for every format added)."""
+    return path.suffix in ARRAY_SUFFIXES
 
 
 @dataclass
@@ -77,7 +85,7 @@ def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result, tops: tupl
     if path.is_dir():
         plan: list[Planned] = []
         for file in sorted(path.rglob("*")):
-            if file.suffix in (".npy", ".npz") and file.is_file():
+            if is_array_file(file) and file.is_file():
                 relative = file.relative_to(path).with_suffix("").as_posix()
                 plan.extend(_plan_file(_child_key(key, relative, file), file, tops))
         if not plan:

@@ -29,7 +29,14 @@ from .._containers.encode import (
     encode_strings,
 )
 from .._containers.group import SharedGroup
-from .._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings, open_version
+from .._containers.shared import (
+    SharedBlobs,
+    SharedMapping,
+    SharedRagged,
+    SharedRecords,
+    SharedStrings,
+    open_version,
+)
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
@@ -39,6 +46,7 @@ from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._disk.writer import VersionWriter
 from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
+from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
 from .catalog import info_of, iter_infos, store_stats
 from .loading import last_failure, recording_failure
 from .locks import key_lock
@@ -135,6 +143,10 @@ class Store:
         """Read-only ``Mapping[str, X]`` over a ``put_mapping`` entry."""
         return self._reader.open(key, "mapping")  # type: ignore[no-any-return]
 
+    def open_blobs(self, key: str) -> SharedBlobs:
+        """Read-only blobs (uint8 views by position or name) over a ``put_blobs`` entry."""
+        return self._reader.open(key, "blobs")  # type: ignore[no-any-return]
+
     def open_group(self, prefix: str) -> SharedGroup:
         """Lazy read-only ``Mapping`` of every entry under ``prefix`` (relative names)."""
         validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
@@ -208,6 +220,34 @@ class Store:
         _, files, meta = encode_mapping(mapping, f"mapping for key {key!r}")
         return self._put_entry(key, "mapping", files, meta, overwrite=overwrite, pin=pin)
 
+    def put_blobs(
+        self,
+        key: str,
+        source: BlobSource,
+        *,
+        overwrite: bool = False,
+        pin: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+        allowed_dirs: Collection[str | os.PathLike[str]] = (),
+    ) -> EntryInfo:
+        """Publish many files (a directory, an iterable of paths) or byte strings (a mapping
+        name -> bytes-like) as one entry; ``open_blobs(key)[i or name]`` gives them back.
+
+        Every file is checked before any byte is copied, then copied by the kernel from a
+        few threads; a file that changes meanwhile raises :class:`CorruptSourceError` and
+        nothing is published. ``progress`` and ``allowed_dirs`` are as for ``put_file``.
+        """
+        validate_key(key)
+        plan = plan_blobs(source, f"blobs for key {key!r}", builtins.list(allowed_dirs))
+        with plan, self._writer() as writer:
+            self._refuse_existing([key], overwrite)
+            self._reserve(writer, plan.size + _PAGE * (len(plan.arrays) + 2), [key] if overwrite else ())
+            meta = pack_blobs(writer, key, plan, pin, progress)
+            versions = [(key, meta["version"])]
+            publish(self.layout, writer, versions, overwrite=overwrite, lock_timeout=self.lock_timeout)
+        logger.info("put %s (blobs, %d files, %d bytes)", key, len(plan.names), plan.size)
+        return entry_info(meta, meta["created"])
+
     def share(self, key: str, obj: Any) -> Any:
         """Put ``obj`` in the form that fits it and return the opened shared object.
 
@@ -266,9 +306,14 @@ class Store:
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
+        as_: str = "auto",
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
         directory of them (as ``key/<relative path without suffix>``).
+
+        ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
+        :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
+        array files, and refuses one that mixes both; ``"arrays"`` takes the array files only.
 
         Everything is validated before anything is copied: a truncated or corrupt file
         raises a typed error naming it and publishes nothing. Payloads are copied by the
@@ -281,6 +326,11 @@ class Store:
         A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
+        if put_kind(Path(path), as_) == "blobs":
+            info = self.put_blobs(
+                key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
+            )
+            return [info.key]
         plan = plan_sources(key, Path(path), builtins.list(allowed_dirs))
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
@@ -327,10 +377,15 @@ class Store:
         path: str | os.PathLike[str],
         *,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
+        as_: str = "auto",
     ) -> builtins.list[PlannedEntry]:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
+        if put_kind(Path(path), as_) == "blobs":
+            with plan_blobs(path, f"blobs for key {key!r}", builtins.list(allowed_dirs)) as blobs:
+                pass
+            return [PlannedEntry(key, str(path), str(path), blobs.size)]
         return [
             PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
             for p in plan_sources(key, Path(path), builtins.list(allowed_dirs))

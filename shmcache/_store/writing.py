@@ -19,7 +19,7 @@ from .locks import key_lock
 
 __all__ = ["ITEM_TYPES", "publish", "version_meta"]
 
-ITEM_TYPES = {"strings": "str", "records": "json"}
+ITEM_TYPES = {"strings": "str", "records": "json", "blobs": "bytes"}
 """What ``ls`` shows as the dtype of a container's items."""
 
 
