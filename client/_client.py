@@ -201,6 +201,7 @@ class Client:
         wait: bool = False,
         progress: Callable[[Job], None] | None = None,
         timeout: float | None = None,
+        as_: str = "auto",
     ) -> Job:
         """Ask the daemon to load ``source`` (a ``.npy``; an ``.npz`` as ``key/<member>``;
         a directory as ``key/<relative path>``) under ``key`` in the background.
@@ -210,11 +211,15 @@ class Client:
         it finished, calling ``progress(job)`` at every poll and raising the job's error
         (``CacheFullError``..., :class:`JobCancelledError` when cancelled) if it did not
         succeed. Interrupting the wait does not cancel the job: call :meth:`cancel`.
+        ``as_`` is what a directory becomes (``auto``, ``arrays`` or ``blobs``: see
+        :meth:`Store.put_file <shmcache.Store.put_file>`).
         """
         path = os.fspath(source)
         if self.socket_path is not None:
             path = os.path.abspath(path)
-        body = {"source": path, "pin": pin, "overwrite": overwrite}
+        body: dict[str, Any] = {"source": path, "pin": pin, "overwrite": overwrite}
+        if as_ != "auto":  # only when asked: a daemon that predates blobs refuses the field
+            body["as"] = as_
         job = Job.from_json(self._request("PUT", _entry_path(key), json=body))
         if wait:
             job = self.wait(job.id, progress=progress, timeout=timeout, first=job)
@@ -291,6 +296,7 @@ class Client:
         overwrite: bool = False,
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        as_: str = "auto",
     ) -> builtins.list[str]:
         """Load ``path`` through the daemon and wait: :meth:`Store.put_file <shmcache.Store.put_file>`
         with the daemon's budget. Returns the keys published.
@@ -305,7 +311,7 @@ class Client:
             if progress is not None and job.bytes_total is not None:
                 progress(job.bytes_done, job.bytes_total)
 
-        job = self.load(key, path, pin=pin, overwrite=overwrite)
+        job = self.load(key, path, pin=pin, overwrite=overwrite, as_=as_)
         try:
             done = self._follow(job.id, report, None, job)
         except BaseException:

@@ -65,6 +65,7 @@ class LoadJob:
     source: Path
     pin: bool
     overwrite: bool
+    as_: str = "auto"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     state: JobState = "queued"
     bytes_done: int = 0
@@ -155,7 +156,7 @@ class JobManager:
     # ------------------------------------------------------------------ changes
 
     def submit(
-        self, key: str, source: Path, *, pin: bool = False, overwrite: bool = False
+        self, key: str, source: Path, *, pin: bool = False, overwrite: bool = False, as_: str = "auto"
     ) -> tuple[LoadJob, bool]:
         """Queue a load; returns ``(job, created)``. A queued or running load of the same
         key and source is returned instead of starting another one."""
@@ -170,7 +171,7 @@ class JobManager:
                         f"wait for it, or cancel it (DELETE /v1/jobs/{current.id}) first"
                     )
                 return current, False
-            job = LoadJob(key=key, source=source, pin=pin, overwrite=overwrite)
+            job = LoadJob(key=key, source=source, pin=pin, overwrite=overwrite, as_=as_)
             self._jobs[job.id] = job
             self._active_by_key[key] = job
             self._counts["queued"] += 1
@@ -225,6 +226,7 @@ class JobManager:
                 pin=job.pin,
                 progress=self._progress_of(job, start),
                 allowed_dirs=self._confinement(job.source),
+                as_=job.as_,
             )
         except JobCancelledError as exc:
             self._finish_locked(job, "cancelled", type(exc).__name__, str(exc))

@@ -86,6 +86,12 @@ class LoadRequest(BaseModel):
     )
     pin: bool = Field(default=False, description="Never evict it to stay within the budget.")
     overwrite: bool = Field(default=False, description="Replace existing entries.")
+    as_: Literal["auto", "arrays", "blobs"] = Field(
+        default="auto",
+        alias="as",
+        description="What a directory becomes: arrays (key/<name> per .npy/.npz), blobs (one entry "
+        "holding every file's bytes) or auto (blobs when it holds no array files).",
+    )
 
 
 class Evicted(BaseModel):

@@ -101,7 +101,7 @@ def _as_source_errors(check: Callable[_P, _R]) -> Callable[_P, _R]:
 
 @_as_source_errors
 def check_loadable(
-    store: Store, key: str, source: Path, overwrite: bool, allowed: Sequence[Path] = ()
+    store: Store, key: str, source: Path, overwrite: bool, allowed: Sequence[Path] = (), as_: str = "auto"
 ) -> list[str]:
     """Validate every source file (headers, dtypes, key names), refuse loads that cannot
     fit, and existing keys unless ``overwrite``; returns the keys the load would publish.
@@ -109,7 +109,7 @@ def check_loadable(
     The store validates again when it loads; this only turns bad input into an immediate
     HTTP error instead of a failed job.
     """
-    plan = store.plan_file(key, source, allowed_dirs=allowed)  # headers only; links out refused
+    plan = store.plan_file(key, source, allowed_dirs=allowed, as_=as_)  # headers only; links out refused
     keys = [item.key for item in plan]
     needed = sum(item.size for item in plan)
     if store.max_bytes is not None and needed > store.max_bytes:

@@ -14,12 +14,14 @@ from ._api import (
     list_entries,
     open,
     open_array,
+    open_blobs,
     open_group,
     open_mapping,
     open_ragged,
     open_records,
     open_strings,
     put_array,
+    put_blobs,
     put_file,
     put_mapping,
     put_ragged,
@@ -29,7 +31,7 @@ from ._api import (
     stats,
 )
 from ._containers.group import SharedGroup
-from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
 from ._disk.keys import MAX_KEY_LENGTH, validate_key
 from ._disk.layout import default_root
 from ._disk.procmaps import MappingScan
@@ -82,6 +84,7 @@ __all__ = [
     "LockTimeoutError",
     "MappingScan",
     "PlannedEntry",
+    "SharedBlobs",
     "SharedGroup",
     "SharedMapping",
     "SharedRagged",
@@ -104,12 +107,14 @@ __all__ = [
     "list_entries",
     "open",
     "open_array",
+    "open_blobs",
     "open_group",
     "open_mapping",
     "open_ragged",
     "open_records",
     "open_strings",
     "put_array",
+    "put_blobs",
     "put_file",
     "put_mapping",
     "put_ragged",

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ._containers.group import SharedGroup
-from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
 from ._disk.layout import ENV_ROOT
 from ._store import EntryInfo, Store, StoreStats
 
@@ -26,12 +26,14 @@ __all__ = [
     "list_entries",
     "open",
     "open_array",
+    "open_blobs",
     "open_group",
     "open_mapping",
     "open_ragged",
     "open_records",
     "open_strings",
     "put_array",
+    "put_blobs",
     "put_file",
     "put_mapping",
     "put_ragged",
@@ -92,9 +94,11 @@ def put_file(
     root: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     pin: bool = False,
+    as_: str = "auto",
 ) -> list[str]:
-    """Publish a ``.npy``, ``.npz`` or directory of them; returns the keys."""
-    return get_store(root).put_file(key, path, overwrite=overwrite, pin=pin)
+    """Publish a ``.npy``, ``.npz`` or directory of them; returns the keys. A directory of
+    other files (or any directory with ``as_="blobs"``) becomes one blobs entry."""
+    return get_store(root).put_file(key, path, overwrite=overwrite, pin=pin, as_=as_)
 
 
 def cache(
@@ -202,3 +206,21 @@ def share(key: str, obj: Any, *, root: Root = None) -> Any:
         self.paths = shmcache.share("paths", self.paths)
     """
     return get_store(root).share(key, obj)
+
+
+def put_blobs(
+    key: str,
+    source: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] | Mapping[str, Any],
+    *,
+    root: Root = None,
+    overwrite: bool = False,
+    pin: bool = False,
+) -> EntryInfo:
+    """Publish many files (a directory, an iterable of paths) or byte strings (a mapping
+    name -> bytes-like) as one entry: images, audio, any encoded files."""
+    return get_store(root).put_blobs(key, source, overwrite=overwrite, pin=pin)
+
+
+def open_blobs(key: str, *, root: Root = None) -> SharedBlobs:
+    """Read-only blobs: ``blobs[i]`` or ``blobs["dir/name.jpg"]`` is a zero-copy uint8 view."""
+    return get_store(root).open_blobs(key)

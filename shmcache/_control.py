@@ -63,8 +63,10 @@ class CacheControl(Protocol):
         overwrite: bool = False,
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        as_: str = "auto",
     ) -> builtins.list[str]:
-        """Publish a ``.npy``, ``.npz`` or directory of them; returns the keys published."""
+        """Publish a ``.npy``, ``.npz`` or directory of them (``as_="blobs"``: every file of
+        a directory as one blobs entry); returns the keys published."""
         ...
 
 

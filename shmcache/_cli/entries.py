@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -59,12 +60,20 @@ def register(app: typer.Typer) -> None:
 # ---------------------------------------------------------------------- put
 
 
+class PutAs(str, Enum):
+    """What ``put --as`` makes of a directory (``Store.put_file``'s ``as_``)."""
+
+    auto = "auto"
+    arrays = "arrays"
+    blobs = "blobs"
+
+
 def put(
     path: Annotated[
         str,
         typer.Argument(
-            help="A .npy or .npz file, a directory of them, or a quoted glob ('data/*.npy'): each "
-            "match goes under KEY/<name without .npy/.npz>.",
+            help="A .npy or .npz file, a directory of them (or of any files: one blobs entry, see "
+            "--as), or a quoted glob ('data/*.npy'): each match goes under KEY/<name without .npy/.npz>.",
             show_default=False,
             metavar="PATH",
         ),
@@ -82,6 +91,15 @@ def put(
                      show_default=False),
     ] = None,
     local: LocalOption = False,
+    as_: Annotated[
+        PutAs,
+        typer.Option(
+            "--as",
+            help="What a directory becomes: 'arrays' (KEY/<name> per .npy/.npz), 'blobs' (one "
+            "entry holding every file's bytes, e.g. images: open_blobs(KEY)) or 'auto' (blobs when "
+            "it holds no array files; a directory mixing both asks for one of the two).",
+        ),
+    ] = PutAs.auto,
 ) -> None:
     """Load PATH into the cache under KEY and print the keys published.
 
@@ -96,10 +114,10 @@ def put(
         with open_backend(root, local) as control:
             if isinstance(control, Store):
                 with failures_exit_1():
-                    published = _put_here(control, sources, pin, overwrite, bar, title, local)
+                    published = _put_here(control, sources, pin, overwrite, bar, title, local, as_.value)
             else:
                 with failures_exit_1():
-                    jobs = _put_through(control, sources, pin, overwrite, bar, title)
+                    jobs = _put_through(control, sources, pin, overwrite, bar, title, as_.value)
                 _report_jobs(jobs)
                 return
     except KeyboardInterrupt:
@@ -177,9 +195,10 @@ def _put_here(
     bar: Progress,
     title: str,
     local: bool = False,
+    as_: str = "auto",
 ) -> list[str]:
     """Validate every source first (nothing is copied if one is bad), then put them."""
-    plans = [(key, source, store.plan_file(key, source)) for key, source in sources]
+    plans = [(key, source, store.plan_file(key, source, as_=as_)) for key, source in sources]
     if not overwrite:
         for _, _, plan in plans:
             for entry in plan:
@@ -198,13 +217,21 @@ def _put_here(
             def advance(done: int, _total: int, base: int = offset) -> None:
                 bar.update(task, completed=base + done)
 
-            published += store.put_file(key, source, overwrite=overwrite, pin=pin, progress=advance)
+            published += store.put_file(
+                key, source, overwrite=overwrite, pin=pin, progress=advance, as_=as_
+            )
             offset += sum(entry.size for entry in plan)
     return published
 
 
 def _put_through(
-    client: Client, sources: list[tuple[str, Path]], pin: bool, overwrite: bool, bar: Progress, title: str
+    client: Client,
+    sources: list[tuple[str, Path]],
+    pin: bool,
+    overwrite: bool,
+    bar: Progress,
+    title: str,
+    as_: str = "auto",
 ) -> list[Job]:
     """Submit one load per source (the daemon runs them in parallel), follow them on one
     bar; Ctrl+C (or a refused source) cancels those already submitted. Returns the
@@ -212,7 +239,7 @@ def _put_through(
     jobs: list[Job] = []
     try:
         for key, source in sources:
-            jobs.append(client.load(key, source, pin=pin, overwrite=overwrite))
+            jobs.append(client.load(key, source, pin=pin, overwrite=overwrite, as_=as_))
         with bar:
             task = bar.add_task(title, total=None)
             delay = _POLL_MIN_S
