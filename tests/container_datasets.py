@@ -39,6 +39,19 @@ class SharedContainersDataset(Dataset[Any]):
         }
 
 
+class BlobsDataset(Dataset[Any]):
+    """Holds a SharedBlobs opened in the parent; each item is its bytes and who read them."""
+
+    def __init__(self, root: str) -> None:
+        self.blobs = shmcache.open_blobs("imgs", root=root)
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i, "pid": os.getpid(), "bytes": self.blobs[i].tobytes()}
+
+
 def as_tensor_sum(key: str, root: str) -> tuple[float, int]:
     """Used in a spawned process: tensor over the cache, mutated privately; its sum, and
     how many mappings of the entry's file the process holds (one: the private one)."""
@@ -50,4 +63,4 @@ def as_tensor_sum(key: str, root: str) -> tuple[float, int]:
     return float(tensor.sum()), mappings
 
 
-__all__ = ["SharedContainersDataset", "as_tensor_sum", "torch"]
+__all__ = ["BlobsDataset", "SharedContainersDataset", "as_tensor_sum", "torch"]

@@ -109,7 +109,7 @@ def test_load_a_directory(client: httpx.Client, data_dir: Path) -> None:
     np.save(src / "sub" / "b.npy", np.zeros((2, 3), dtype=np.uint8))
     np.savez(src / "c.npz", x=np.arange(3), y=np.arange(4.0))
     (src / "notes.txt").write_text("ignored")
-    job = load(client, key, src)
+    job = load(client, key, src, **{"as": "arrays"})  # auto would ask: arrays or blobs?
     assert job["state"] == "done", job
     expected = sorted(f"{key}/{name}" for name in ("a", "sub/b", "c/x", "c/y"))
     assert sorted(job["keys"]) == expected

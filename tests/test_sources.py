@@ -88,7 +88,10 @@ def test_directory_of_npy_and_npz(store: Store, tmp_path: Path) -> None:
     np.savez(top / "sub" / "deeper" / "z.npz", m=np.ones(2), n=np.zeros(1))
     np.savez_compressed(top / "c.npz", q=np.arange(5))
     (top / "README.txt").write_text("ignored")
-    keys = store.put_file("ds", top)
+    with pytest.raises(InvalidSourceError, match="--as arrays") as mixed:  # auto: arrays or blobs?
+        store.put_file("ds", top)
+    assert str(top) in str(mixed.value) and store.list() == []
+    keys = store.put_file("ds", top, as_="arrays")
     expected = {
         "ds/x": np.arange(3),
         "ds/sub/y.v2": np.arange(4.0),
@@ -278,9 +281,11 @@ def test_missing_source(store: Store, root: Path, tmp_path: Path) -> None:
 def test_directory_without_arrays(store: Store, root: Path, tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(InvalidSourceError) as info:
-        store.put_file("k", tmp_path)
-    assert str(tmp_path) in str(info.value)
+        store.put_file("k", tmp_path, as_="arrays")
+    assert str(tmp_path) in str(info.value) and "holds no .npy or .npz" in str(info.value)
     _assert_nothing_published(store, root)
+    assert store.put_file("k", tmp_path) == ["k"]  # auto: a blobs entry
+    assert bytes(store.open_blobs("k")["notes.txt"]) == b"x"
 
 
 def test_directory_file_name_that_is_no_key(store: Store, root: Path, tmp_path: Path) -> None:
