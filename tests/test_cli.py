@@ -45,6 +45,27 @@ def test_put_ls_info_stats_evict_round_trip(root: Path, tmp_path: Path) -> None:
     assert shmcache.Store(root).list() == []
 
 
+def test_put_a_directory_of_files_as_blobs(root: Path, tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.jpg").write_bytes(b"\xff\xd8 jpeg")
+    (tmp_path / "sub" / "b.png").write_bytes(b"\x89PNG")
+    code, out, err = cli("put", str(tmp_path), "--key", "imgs", "--root", str(root))
+    assert code == 0, err
+    assert out.split() == ["imgs"]  # no array files: one blobs entry
+    save(tmp_path / "x.npy", np.arange(3))
+    code, out, err = cli("put", str(tmp_path), "--key", "mixed", "--root", str(root))
+    assert code == 1 and "--as arrays" in err and "--as blobs" in err
+    code, out, err = cli("put", str(tmp_path), "--key", "all", "--as", "blobs", "--root", str(root))
+    assert code == 0 and out.split() == ["all"], err
+    assert list(shmcache.open_blobs("all", root=root).names) == ["a.jpg", "sub/b.png", "x.npy"]
+    code, out, err = cli("put", str(tmp_path), "--key", "arr", "--as", "arrays", "--root", str(root))
+    assert code == 0 and out.split() == ["arr/x"], err
+    code, out, _ = cli("ls", "--root", str(root))
+    assert code == 0 and "bytes" in out
+    code, out, _ = cli("put", "--help")
+    assert code == 0 and "--as" in out and "blobs" in out
+
+
 def test_root_comes_from_the_environment(root: Path, tmp_path: Path) -> None:
     np.save(tmp_path / "b.npy", np.ones(3))
     code, _, _ = cli("put", str(tmp_path / "b.npy"), "--key", "b")

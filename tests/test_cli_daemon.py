@@ -81,6 +81,23 @@ def test_put_a_directory_with_a_progress_bar(daemon: Daemon, data_dir: Path) -> 
     assert f"put {key}" in err and "KiB" in err  # rich's bar, in bytes, on stderr
 
 
+def test_put_as_blobs_goes_through_the_daemon(daemon: Daemon, client: Client, data_dir: Path) -> None:
+    folder = data_dir / unique("imgs")
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jpg").write_bytes(b"\xff\xd8 jpeg")
+    (folder / "sub" / "b.png").write_bytes(b"\x89PNG")
+    save(folder / "x.npy", np.zeros(3))
+    key = unique("imgs")
+    code, out, err = cli("put", str(folder), "--key", key, "--root", str(daemon.root))
+    assert code == 1 and "--as arrays" in err and "--as blobs" in err  # mixed: the daemon asks
+    code, out, err = cli("put", str(folder), "--key", key, "--as", "blobs", "--root", str(daemon.root))
+    assert code == 0, err
+    assert out.split() == [key] and NO_DAEMON not in err and key in job_keys(client)
+    blobs = shmcache.open_blobs(key, root=daemon.root)
+    assert list(blobs.names) == ["a.jpg", "sub/b.png", "x.npy"]
+    assert bytes(blobs["sub/b.png"]) == b"\x89PNG" and client.info(key).kind == "blobs"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

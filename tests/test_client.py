@@ -129,6 +129,27 @@ def test_load_of_a_directory_and_an_npz(client: Client, data_dir: Path) -> None:
     ]
 
 
+def test_load_blobs_with_as(client: Client, data_dir: Path) -> None:
+    key = unique("imgs")
+    folder = data_dir / key
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jpg").write_bytes(b"\xff\xd8 jpeg")
+    (folder / "sub" / "b.png").write_bytes(b"\x89PNG")
+    assert client.load(key, folder, wait=True).keys == (key,)  # auto: no array files, blobs
+    blobs = shmcache.open_blobs(key, root=client.root)
+    assert [bytes(b) for b in blobs] == [b"\xff\xd8 jpeg", b"\x89PNG"]
+    info = client.info(key)
+    assert (info.kind, info.dtype, info.shape) == ("blobs", "bytes", (2,))
+    save(folder / "x.npy", np.arange(3))
+    with pytest.raises(shmcache.InvalidSourceError, match="--as arrays"):
+        client.load(f"{key}m", folder)
+    assert client.load(f"{key}b", folder, as_="blobs", wait=True).keys == (f"{key}b",)
+    assert "x.npy" in shmcache.open_blobs(f"{key}b", root=client.root)
+    assert client.put_file(f"{key}a", folder, as_="arrays") == [f"{key}a/x"]
+    with pytest.raises(shmcache.InvalidRequestError):
+        client.load(f"{key}z", folder, as_="images")
+
+
 @pytest.mark.parametrize(
     ("call", "expected", "builtin"),
     [

@@ -83,11 +83,28 @@ class ControlContract:
         self.npy(folder / "sub", "b", np.zeros((2, 3), dtype=np.uint8))
         np.savez(folder / "c.npz", x=np.arange(3), y=np.arange(4.0))
         (folder / "notes.txt").write_text("not an array: ignored")
-        keys = backend.put_file(f"{prefix}/feats", folder, pin=True)
+        keys = backend.put_file(f"{prefix}/feats", folder, pin=True, as_="arrays")  # auto would ask
         expected = [f"{prefix}/feats/{name}" for name in ("a", "c/x", "c/y", "sub/b")]
         assert sorted(keys) == expected and len(keys) == len(set(keys))
         assert [e.key for e in backend.list(prefix)] == expected
         assert all(e.pinned for e in backend.list(prefix))
+
+    def test_put_file_of_other_files_or_as_blobs_is_one_blobs_entry(
+        self, backend: CacheControl, sources: Path, prefix: str
+    ) -> None:
+        folder = sources / "images"
+        (folder / "sub").mkdir(parents=True)
+        (folder / "a.jpg").write_bytes(b"\xff\xd8 jpeg")
+        (folder / "sub" / "b.png").write_bytes(b"\x89PNG")
+        assert backend.put_file(f"{prefix}/imgs", folder) == [f"{prefix}/imgs"]
+        self.npy(folder, "x", np.arange(3))
+        with pytest.raises(shmcache.InvalidSourceError, match="--as arrays"):
+            backend.put_file(f"{prefix}/mixed", folder)
+        assert backend.put_file(f"{prefix}/all", folder, as_="blobs") == [f"{prefix}/all"]
+        info = backend.info(f"{prefix}/all")
+        assert (info.kind, info.dtype, info.shape) == ("blobs", "bytes", (3,))
+        blobs = shmcache.open_blobs(f"{prefix}/all", root=backend.root)
+        assert list(blobs.names) == ["a.jpg", "sub/b.png", "x.npy"] and bytes(blobs[1]) == b"\x89PNG"
 
     def test_put_file_reports_progress_up_to_the_total(
         self, backend: CacheControl, sources: Path, prefix: str

@@ -260,8 +260,10 @@ def test_directory_with_one_bad_file_publishes_nothing(
     bad = top / "sub" / name.replace("a.", "bad.")
     make(bad)
     np.save(top / "sub" / "z.npy", np.arange(5))
-    if bad.suffix not in (".npy", ".npz"):
-        assert sorted(store.put_file("ds", top)) == ["ds/a0", "ds/b/m", "ds/sub/z"]  # others are skipped
+    if bad.suffix not in (".npy", ".npz"):  # skipped with --as arrays; auto asks which
+        with pytest.raises(InvalidSourceError, match="--as arrays"):
+            store.put_file("ds", top)
+        assert sorted(store.put_file("ds", top, as_="arrays")) == ["ds/a0", "ds/b/m", "ds/sub/z"]
         return
     with pytest.raises(error) as info:
         store.put_file("ds", top)
