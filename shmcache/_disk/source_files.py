@@ -80,21 +80,15 @@ def open_checked(path: str, allowed: Sequence[str] = ()) -> tuple[int, SourceFil
         top = next((d for d in allowed if target == d or target.startswith(d.rstrip("/") + "/")), None)
         if top is None:
             raise SourceNotAllowedError(f"source {path} is outside the directories it may be loaded from")
-    fd = _open(path, target, top)
-    try:
-        st = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    fd, st = _open_stat(path, target, top)
     return fd, SourceFile(path, target, top, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def reopen(source: SourceFile) -> int:
     """Open ``source`` again the way it was checked; raises if it is no longer that file,
     or no longer the same size and modification time."""
-    fd = _open(source.path, source.target, source.top)
+    fd, st = _open_stat(source.path, source.target, source.top)
     try:
-        st = os.fstat(fd)
         if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (
             source.dev,
             source.ino,
@@ -136,6 +130,11 @@ def _changed(source: SourceFile, when: str) -> CorruptSourceError:
 def _open(path: str, target: str, top: str | None) -> int:
     """Open ``target`` (beneath ``top`` without following links, if given); refuse anything
     but a regular file. Errors name ``path``."""
+    return _open_stat(path, target, top)[0]
+
+
+def _open_stat(path: str, target: str, top: str | None) -> tuple[int, os.stat_result]:
+    """:func:`_open`, and the ``fstat`` it checked (one call: opens of many small files add up)."""
     try:
         fd = os.open(target, _READ) if top is None else _open_beneath(top, os.path.relpath(target, top))
     except FileNotFoundError:
@@ -150,13 +149,13 @@ def _open(path: str, target: str, top: str | None) -> int:
             raise InvalidSourceError(f"source {path} is not a regular file (a socket, or a device)") from None
         raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise InvalidSourceError(f"source {path} is not a regular file (it is {_kind(mode)})")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidSourceError(f"source {path} is not a regular file (it is {_kind(st.st_mode)})")
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def _kind(mode: int) -> str:

@@ -190,8 +190,12 @@ def _plan_files(
     held: list[int] = []
     keep = _descriptors_to_hold()
     try:
+        "/".join(names).encode("utf-8")  # names from paths are relative already: only UTF-8 to check
+    except UnicodeEncodeError:
         for path, name in zip(paths, names, strict=True):
             _check_name(name, path)
+    try:
+        for path in paths:
             fd, file = open_checked(path, tops)
             if len(held) < keep:
                 held.append(fd)
@@ -208,12 +212,16 @@ def _plan_files(
 
 
 def _descriptors_to_hold() -> int:
-    """How many checked files may stay open until copied: a quarter of the soft limit on
-    open files (the rest are opened again, and checked again, when copied)."""
+    """How many checked files may stay open until copied: half the soft limit on open
+    files, less what is open now (the rest are opened, and compared, again when copied)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1 << 16
-    return max(0, min(soft // 4, 1 << 16) - 16)
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = soft // 4
+    return max(0, min(soft // 2 - open_now, 1 << 16))
 
 
 def _plan_buffers(mapping: Mapping[str, Any], what: str) -> BlobSources:
@@ -343,14 +351,13 @@ class _FileCopy:
 
     def _copy(self, i: int) -> None:
         file = self.files[i]
-        held = i < len(self.held)
-        if held:  # the very descriptor that was checked: no second open
+        if i < len(self.held):  # the very descriptor that was checked: no second open
             src, self.held[i] = self.held[i], -1
         else:
             src = reopen(file)
         try:
             copy_range_at(src, self.dst, self.base + self.starts[i], self.sizes[i], self.target)
-            check_unchanged(src, file, same_path=not held)
+            check_unchanged(src, file, same_path=False)  # src is the checked file (reopen compared it)
         except EOFError as exc:
             raise CorruptSourceError(
                 f"{file.path} changed while loading ({exc}); nothing was published"
