@@ -184,6 +184,11 @@ def test_symlinks_to_files_are_followed_to_directories_refused(store: Store, tmp
         store.put_blobs("k2", top)
     assert str(top / "dirlink") in str(info.value)
     assert [e.key for e in store.list()] == ["k"]
+    arrays = tmp_path / "arrays"
+    arrays.mkdir()
+    np.save(arrays / "x.npy", np.arange(2))
+    (arrays / "dirlink").symlink_to(outside, target_is_directory=True)
+    assert store.put_file("arr", arrays) == ["arr/x"]  # deciding auto skips links, as arrays do
 
 
 def test_allowed_dirs_refuse_links_out(store: Store, tmp_path: Path) -> None:

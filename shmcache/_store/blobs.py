@@ -93,7 +93,7 @@ def put_kind(path: Path, as_: str) -> str:
     if as_ != "auto" or not path.is_dir():
         return "arrays" if as_ == "auto" else as_
     arrays = others = 0
-    for _, name, _ in _walk(path, ""):
+    for _, name, _ in _walk(path, "", dir_links=False):
         if is_array_file(Path(name)):
             arrays += 1
         else:
@@ -133,15 +133,18 @@ def plan_blobs(source: BlobSource, what: str, allowed: Sequence[str | os.PathLik
     return _plan_files(paths, _list_names(paths), None, tops, what)
 
 
-def _walk(top: Path, prefix: str) -> Iterable[tuple[str, str, os.DirEntry[str]]]:
-    """``(full path, relative name, entry)`` of every non-directory under ``top``."""
+def _walk(top: Path, prefix: str, dir_links: bool = True) -> Iterable[tuple[str, str, os.DirEntry[str]]]:
+    """``(full path, relative name, entry)`` of every non-directory under ``top``; a link to
+    a directory is refused (or, without ``dir_links``, skipped as the arrays walk does)."""
     with os.scandir(top) as entries:
         listed = list(entries)
     for entry in listed:
         name = f"{prefix}{entry.name}"
         if entry.is_dir(follow_symlinks=False):
-            yield from _walk(Path(entry.path), name + "/")
+            yield from _walk(Path(entry.path), name + "/", dir_links)
         elif entry.is_symlink() and entry.is_dir():
+            if not dir_links:
+                continue
             raise InvalidSourceError(
                 f"{entry.path} is a symlink to a directory; blobs follow links to files only "
                 "(copy the directory in, or pack the directory it points to)"

@@ -230,8 +230,9 @@ class Store:
         progress: Callable[[int, int], None] | None = None,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
     ) -> EntryInfo:
-        """Publish many files (a directory, an iterable of paths) or byte strings (a mapping
-        name -> bytes-like) as one entry; ``open_blobs(key)[i or name]`` gives them back.
+        """Publish many files (a directory, an iterable of paths, or one file) or byte strings
+        (a mapping name -> bytes-like) as one entry; ``open_blobs(key)[i or name]`` gives
+        them back. Names: see :mod:`shmcache._store.blobs`.
 
         Every file is checked before any byte is copied, then copied by the kernel from a
         few threads; a file that changes meanwhile raises :class:`CorruptSourceError` and
