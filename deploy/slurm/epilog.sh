@@ -5,11 +5,12 @@
 # and, unless SHMCACHE_KEEP_CACHE=1, removes the user's cache so the node's memory goes back
 # to the next user. With SHMCACHE_KEEP_CACHE=1 the entries stay in /dev/shm and the next
 # prolog's daemon serves them again (the root is the registry).
-set -euo pipefail
+set -uo pipefail  # no -e: a failing prolog or epilog drains the node; each step says what failed
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH  # slurmd's is minimal
 
 user=${SLURM_JOB_USER:?not run by slurmd}
 uid=${SLURM_JOB_UID:-$(id -u "$user")}
-root=/dev/shm/shmcache-$uid
+root=${SHMCACHE_ROOT_BASE:-/dev/shm}/shmcache-$uid  # the default root of that uid
 node=$(hostname -s)
 
 others=$(squeue --noheader --user="$user" --nodelist="$node" --format=%A | grep -cvx "$SLURM_JOB_ID" || true)
@@ -33,3 +34,4 @@ if [[ ${SHMCACHE_KEEP_CACHE:-0} != 1 && -d $root && ! -L $root ]]; then
     # As the user, not root: never follow anything the user could have planted in it.
     runuser -u "$user" -- rm -rf --one-file-system -- "$root"
 fi
+exit 0  # never drain a node for the cache

@@ -7,15 +7,16 @@
 #
 # Site settings: SHMCACHE_PYTHON (a python with shmcache[service] installed),
 # SHMCACHE_PRELOAD (the daemons' config, e.g. a site-wide /etc/shmcache/preload.toml),
-# SHMCACHE_LOG_DIR.
-set -euo pipefail
+# SHMCACHE_LOG_DIR, SHMCACHE_ROOT_BASE (where the users' roots go, default /dev/shm).
+set -uo pipefail  # no -e: a failing prolog or epilog drains the node; each step says what failed
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH  # slurmd's is minimal
 
 python=${SHMCACHE_PYTHON:-/opt/shmcache/bin/python}
 preload=${SHMCACHE_PRELOAD:-/etc/shmcache/preload.toml}
 log_dir=${SHMCACHE_LOG_DIR:-/var/log/shmcache}
 user=${SLURM_JOB_USER:?not run by slurmd}
 uid=${SLURM_JOB_UID:-$(id -u "$user")}
-root=/dev/shm/shmcache-$uid
+root=${SHMCACHE_ROOT_BASE:-/dev/shm}/shmcache-$uid  # the default root of that uid
 
 healthy() {  # GET /v1/health over the user's socket, as the user (the socket is 0600)
     runuser -u "$user" -- env SHMCACHE_ROOT="$root" SHMCACHE_SOCKET="$root/daemon.sock" \
