@@ -1,7 +1,9 @@
+#!/usr/bin/env python3
 """Wait until this node's shmcache daemon answers and has loaded the datasets a job needs.
 
-Used by deploy/slurm/train.sbatch (once per node) and deploy/compose (the trainer's first
-step): ``python shmcache_ready.py --config preload.toml`` waits for ``GET /v1/health``, then
+Used by deploy/slurm/train.sbatch (once per node), deploy/compose (the trainer's first
+step) and deploy/kubernetes/train-job.yaml (an init container; the image has it as
+``shmcache-ready``): ``python shmcache_ready.py --config preload.toml`` waits for ``GET /v1/health``, then
 for the loads still queued or running, then checks that every ``[[datasets]]`` key of the
 config (and every ``--key``) is in the cache. Exits 1 with one line naming the node and
 what is missing; the socket is found as every client finds it (``$SHMCACHE_SOCKET``, else

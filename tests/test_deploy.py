@@ -142,6 +142,20 @@ def test_daemonset_and_job_share_the_node_cache_as_the_same_uid() -> None:
     assert dshm["emptyDir"]["medium"] == "Memory"
 
 
+def test_job_pods_wait_for_the_nodes_preload() -> None:
+    """The Job's init container runs the image's shmcache-ready on the ConfigMap's datasets."""
+    spec = _resource("Job")["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    program, flag, path = init["command"][:3]
+    assert flag == "--config" and init["image"] == _container("DaemonSet")["image"]
+    assert f"COPY deploy/shmcache_ready.py /usr/local/bin/{program}" in (REPO / "Dockerfile").read_text()
+    mount = next(m for m in init["volumeMounts"] if Path(path).parent == Path(m["mountPath"]))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == _resource("ConfigMap")["metadata"]["name"]
+    assert Path(path).name in _resource("ConfigMap")["data"]
+    assert _env(init) == {k: v for k, v in _env(_container("Job")).items() if k != "SHMCACHE_KEY"}
+
+
 def test_configmap_preload_is_accepted_by_the_daemon_settings(tmp_path: Path) -> None:
     """The DaemonSet's own command line and environment, with the ConfigMap's file where it is
     mounted, loaded as ``shmcache serve`` loads them (only the dataset volume is re-rooted here)."""
