@@ -34,8 +34,6 @@ from shmcache.service.settings import load_settings, parse_size
 
 import shmcache
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra installs it")
-
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
@@ -89,12 +87,14 @@ def test_every_yaml_file_parses(path: Path) -> None:
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifest_validates_strictly_offline(path: Path) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra installs it")
     for doc in _documents(path):
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)  # raises on any problem
 
 
 def test_strict_validation_rejects_a_misspelt_field() -> None:
     """The check above has teeth: a field the schema does not know fails."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra installs it")
     daemonset = _resource("DaemonSet")
     broken = {**daemonset, "spec": {**daemonset["spec"], "nodeSelecter": {"a": "b"}}}
     with pytest.raises(kubernetes_validate.ValidationError, match="nodeSelecter"):
