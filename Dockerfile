@@ -16,6 +16,8 @@ COPY pyproject.toml README.md ./
 COPY shmcache ./shmcache
 COPY service ./service
 COPY client ./client
+# deploy/: what a training pod's init container runs to wait for the node's preload.
+COPY deploy/shmcache_ready.py /usr/local/bin/shmcache-ready
 # Installs this checkout (not a registry package); its dependencies' bounds live in pyproject.toml.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[service]" \
