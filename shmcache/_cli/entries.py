@@ -21,6 +21,7 @@ import typer
 
 from .._disk.keys import validate_key
 from .._store import Store, StoreStats
+from .._store.sources import PLANNERS
 from .._units import human_bytes
 from ..errors import (
     CorruptEntryError,
@@ -63,8 +64,9 @@ def put(
     path: Annotated[
         str,
         typer.Argument(
-            help="A .npy or .npz file, a directory of them, or a quoted glob ('data/*.npy'): each "
-            "match goes under KEY/<name without .npy/.npz>.",
+            help="A .npy, .npz, .safetensors, .pt/.pth (state dict) or .h5/.hdf5 file, a directory "
+            "of them, or a quoted glob ('data/*.npy'): each match goes under KEY/<name without "
+            "its suffix>; each array, tensor or dataset of a multi-array file under KEY/<its name>.",
             show_default=False,
             metavar="PATH",
         ),
@@ -122,7 +124,7 @@ def _sources(path: str, key: str) -> list[tuple[str, Path]]:
     pairs: dict[str, Path] = {}
     for match in matches:
         name = Path(match).name
-        stem = name.rsplit(".", 1)[0] if Path(match).suffix in (".npy", ".npz") else name
+        stem = name.rsplit(".", 1)[0] if Path(match).suffix.lower() in PLANNERS else name
         child = validate_key(f"{key}/{stem}")
         if child in pairs:
             raise InvalidKeyError(

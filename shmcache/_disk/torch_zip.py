@@ -1,0 +1,309 @@
+"""torch ``.pt``/``.pth`` state dicts read without torch, with ``weights_only=True`` rules.
+
+A checkpoint saved by torch >= 1.6 is a zip: ``<dir>/data.pkl`` (a pickle of the object)
+and ``<dir>/data/<n>`` (each storage's raw bytes, stored uncompressed). The pickle is read
+by an unpickler that can build nothing but dicts and tensor descriptions: ``find_class``
+knows ``collections.OrderedDict``, torch's tensor and parameter rebuild functions and the
+storage type names, and refuses every other global, so a malicious pickle (a ``__reduce__``
+naming ``os.system``) stops before anything runs. Tensors become descriptions of byte
+ranges; the bytes themselves are copied later by the kernel (contiguous tensors) or
+gathered with ``pread`` and numpy (strided views), never through a mapping of the source.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import zipfile
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ..errors import CorruptSourceError, UnsupportedDataError
+from .fs import write_all
+from .npy import zip_data_offset
+
+__all__ = ["TorchTensor", "gather_writer", "read_torch_index"]
+
+MAX_PICKLE_BYTES = 256 << 20  # data.pkl of a state dict is ~100 bytes per tensor
+_STORAGES: dict[str, str | None] = {
+    "DoubleStorage": "<f8",
+    "FloatStorage": "<f4",
+    "HalfStorage": "<f2",
+    "LongStorage": "<i8",
+    "IntStorage": "<i4",
+    "ShortStorage": "<i2",
+    "CharStorage": "i1",
+    "ByteStorage": "u1",
+    "BoolStorage": "?",
+    "ComplexFloatStorage": "<c8",
+    "ComplexDoubleStorage": "<c16",
+    "UInt16Storage": "<u2",
+    "UInt32Storage": "<u4",
+    "UInt64Storage": "<u8",
+    "BFloat16Storage": None,  # no numpy dtype: refused by name, tensor by tensor
+}
+_GATHER_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Storage:
+    kind: _StorageType
+    key: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    storage: _Storage
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TorchTensor:
+    """One tensor of a checkpoint and where its bytes lie in the file."""
+
+    name: str
+    """Its path in the (nested) dict, joined with ``/``."""
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    """In elements, as torch gives them."""
+    start: int
+    """Absolute file offset of the tensor's first element."""
+    contiguous: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, strides: Any, *_: Any) -> _TensorRef:
+    if not isinstance(storage, _Storage) or not _ints(shape) or not _ints(strides) or not _ints((offset,)):
+        raise pickle.UnpicklingError("a tensor with a malformed storage, shape or stride")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError("a tensor whose shape and strides differ in length")
+    return _TensorRef(storage, offset, tuple(shape), tuple(strides))
+
+
+def _rebuild_parameter(data: Any, *_: Any) -> Any:
+    return data
+
+
+_ALLOWED: dict[tuple[str, str], Callable[..., Any]] = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+}
+
+
+class _StateDictUnpickler(pickle.Unpickler):
+    """Builds dicts, tensor descriptions and nothing else (torch's ``weights_only`` set, minus
+    what a state dict of tensors never holds)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and name in _STORAGES:
+            return _StorageType(name)
+        raise pickle.UnpicklingError(
+            f"it refers to {module}.{name}, which a state dict of tensors never needs"
+        )
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if (
+            not isinstance(pid, tuple)
+            or len(pid) != 5
+            or pid[0] != "storage"
+            or not isinstance(pid[1], _StorageType)
+            or not isinstance(pid[2], str)
+            or not _ints((pid[4],))
+        ):
+            raise pickle.UnpicklingError(f"an unknown persistent reference {pid!r:.80}")
+        return _Storage(pid[1], pid[2], pid[4])
+
+
+def read_torch_index(fp: BinaryIO, path: str) -> list[TorchTensor]:
+    """Every tensor of the checkpoint open as ``fp`` (a regular file), named by its path in
+    the dict; errors name ``path`` and the tensor or value."""
+    fp.seek(0)
+    magic = fp.read(4)
+    fp.seek(0)
+    if magic != b"PK\x03\x04":
+        if magic[:1] == b"\x80":
+            raise UnsupportedDataError(
+                f"{path} is in torch's legacy (pre-1.6, non-zip) format, which shmcache does not "
+                "read; save it again with a current torch: "
+                "torch.save(torch.load(path, weights_only=True), path)"
+            )
+        raise CorruptSourceError(f"{path}: not a torch checkpoint (not a zip archive)")
+    try:
+        with zipfile.ZipFile(fp) as archive:
+            prefix, obj = _load_pickle(archive, path)
+            tensors = []
+            for name, ref in _walk(obj, path):
+                tensors.append(_locate(archive, fp, prefix, name, ref, path))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError) as exc:
+        raise CorruptSourceError(f"{path}: not a valid torch checkpoint ({exc})") from exc
+    if not tensors:
+        raise CorruptSourceError(f"{path}: the checkpoint holds no tensors")
+    return tensors
+
+
+def _load_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, Any]:
+    pickles = [
+        i for i in archive.infolist() if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")
+    ]
+    if len(pickles) != 1:
+        raise CorruptSourceError(f"{path}: not a torch checkpoint (no single <dir>/data.pkl in the zip)")
+    info = pickles[0]
+    prefix = info.filename[: -len("data.pkl")]
+    if info.file_size > MAX_PICKLE_BYTES:
+        raise UnsupportedDataError(
+            f"{path}: its pickle ({info.file_size} bytes) is too large for a state dict"
+        )
+    order = archive.NameToInfo.get(prefix + "byteorder")
+    if order is not None and archive.read(order).strip() != b"little":
+        raise UnsupportedDataError(
+            f"{path} was saved on a big-endian machine; shmcache reads little-endian only"
+        )
+    data = archive.read(info)
+    try:
+        return prefix, _StateDictUnpickler(io.BytesIO(data)).load()
+    except UnsupportedDataError:
+        raise
+    except pickle.UnpicklingError as exc:
+        raise UnsupportedDataError(
+            f"{path}: refused to unpickle it ({exc}); put_file loads state dicts of tensors only "
+            "(what torch.load(..., weights_only=True) accepts, minus non-tensor values)"
+        ) from None
+    except Exception as exc:  # anything a damaged pickle raises
+        raise CorruptSourceError(
+            f"{path}: damaged pickle in the checkpoint ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _walk(obj: Any, path: str, parts: tuple[str, ...] = ()) -> list[tuple[str, _TensorRef]]:
+    if parts == () and not isinstance(obj, Mapping):
+        raise UnsupportedDataError(
+            f"{path} holds a {type(obj).__name__}, not a state dict; save a dict of tensors"
+        )
+    found: list[tuple[str, _TensorRef]] = []
+    for name, value in obj.items():
+        if not isinstance(name, str):
+            raise UnsupportedDataError(f"{path}: key {name!r} is not a string; state dict keys must be")
+        here = (*parts, name)
+        if isinstance(value, _TensorRef):
+            found.append(("/".join(here), value))
+        elif isinstance(value, Mapping):
+            found.extend(_walk(value, path, here))
+        else:
+            raise UnsupportedDataError(
+                f"{path}: {'/'.join(here)!r} is {type(value).__name__}, not a tensor; put_file loads "
+                "state dicts of tensors only: save the state dict alone (e.g. model.state_dict()), "
+                "without step counters, strings or optimizer state"
+            )
+    return found
+
+
+def _locate(
+    archive: zipfile.ZipFile, fp: BinaryIO, prefix: str, name: str, ref: _TensorRef, path: str
+) -> TorchTensor:
+    where = f"{path}: tensor {name!r}"
+    code = _STORAGES[ref.storage.kind.name]
+    if code is None:
+        raise UnsupportedDataError(
+            f"{where} is bfloat16, which numpy has no type for; convert it first "
+            "(e.g. {k: v.float() for k, v in sd.items()}) and save again"
+        )
+    dtype = np.dtype(code)
+    member = f"{prefix}data/{ref.storage.key}"
+    info = archive.NameToInfo.get(member)
+    if info is None:
+        raise CorruptSourceError(f"{where}: its storage {member} is missing from the archive")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CorruptSourceError(f"{where}: its storage {member} is compressed (torch stores them raw)")
+    storage_bytes = ref.storage.numel * dtype.itemsize
+    if info.file_size < storage_bytes:
+        raise CorruptSourceError(
+            f"{where}: its storage {member} holds {info.file_size} bytes, not {storage_bytes}"
+        )
+    if math.prod(ref.shape):
+        last = ref.offset + sum((n - 1) * s for n, s in zip(ref.shape, ref.strides, strict=True))
+        if last >= ref.storage.numel:
+            raise CorruptSourceError(
+                f"{where}: shape {ref.shape} with strides {ref.strides} at offset {ref.offset} reaches "
+                f"past its storage of {ref.storage.numel} elements"
+            )
+    base = zip_data_offset(fp.fileno(), info)
+    if base + info.file_size > os.fstat(fp.fileno()).st_size:
+        raise CorruptSourceError(f"{where}: its storage ends past the end of the file (truncated)")
+    return TorchTensor(
+        name, dtype, ref.shape, ref.strides, base + ref.offset * dtype.itemsize, _contiguous(ref)
+    )
+
+
+def _contiguous(ref: _TensorRef) -> bool:
+    expected = 1
+    for n, s in zip(reversed(ref.shape), reversed(ref.strides), strict=True):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def gather_writer(
+    tensor: TorchTensor, header: bytes
+) -> Callable[[int, int, Path, Callable[[int], None]], int]:
+    """A decoder for a strided tensor: ``header``, then its elements in C order, gathered from
+    ``pread`` slabs of its storage (never a mapping of a file that could shrink: SIGBUS)."""
+    itemsize = tensor.dtype.itemsize
+    rows = tensor.shape[0]
+    row_span = (tensor.strides[0] * itemsize) if rows else 0
+    tail = sum((n - 1) * s for n, s in zip(tensor.shape[1:], tensor.strides[1:], strict=True)) * itemsize
+    per_slab = max(1, _GATHER_BYTES // max(1, tensor.nbytes // max(rows, 1)))
+
+    def write(src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+        write_all(dst, header, target)
+        advance(len(header))
+        crc = zlib.crc32(header)
+        for first in range(0, rows if tensor.nbytes else 0, per_slab):
+            count = min(per_slab, rows - first)
+            span = (count - 1) * row_span + tail + itemsize
+            raw = os.pread(src, span, tensor.start + first * row_span)
+            if len(raw) != span:
+                raise CorruptSourceError(
+                    f"tensor {tensor.name!r}: its file ended early (truncated while loading)"
+                )
+            view = np.lib.stride_tricks.as_strided(
+                np.frombuffer(raw, dtype=tensor.dtype),
+                shape=(count, *tensor.shape[1:]),
+                strides=tuple(s * itemsize for s in tensor.strides),
+                writeable=False,
+            )
+            slab = np.ascontiguousarray(view)
+            write_all(dst, slab, target)
+            crc = zlib.crc32(slab.data, crc)
+            advance(slab.nbytes)
+        return crc
+
+    return write
+
+
+def _ints(values: Any) -> bool:
+    return isinstance(values, tuple | list) and all(type(v) is int and v >= 0 for v in values)

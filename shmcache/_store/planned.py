@@ -1,0 +1,64 @@
+"""What a ``put_file`` will write, one item per entry, decided before any byte is copied.
+
+Three ways to fill an entry's ``data.npy``: copy a source's own ``.npy`` bytes (``.npy``,
+stored ``.npz`` members), write a header built here and then copy a raw byte range
+(``prefix``: safetensors, contiguous torch tensors), or run a decoder (``write``:
+compressed ``.npz`` members are inflated by ``sources``, HDF5 datasets, strided tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._disk.keys import validate_key
+from .._disk.npy import NpyHeader
+from .._disk.source_files import SourceFile
+from ..errors import ShmCacheError
+
+__all__ = ["Planned", "Writer", "member_key"]
+
+Writer = Callable[[int, int, Path, Callable[[int], None]], int]
+"""``write(src, dst, target, advance) -> crc32``: append the whole ``.npy`` (header
+included) to ``dst`` from the reopened source ``src``, calling ``advance(n)`` per chunk."""
+
+
+@dataclass
+class Planned:
+    """One entry a ``put_file`` call will write, validated before any byte is copied.
+
+    ``key`` is validated; ``header`` is what the entry's metadata is built from (the
+    source's own header, or the one built in ``prefix``).
+    """
+
+    key: str
+    header: NpyHeader
+    source: str
+    file: SourceFile
+    copy_offset: int | None  # None: the member is compressed and must be inflated
+    member: str | None = None
+    version: str = field(default="")
+    prefix: bytes | None = None
+    """A built ``.npy`` header written first; ``copy_offset`` then starts the raw payload."""
+    write: Writer | None = None
+    """Decodes the source into the entry (``copy_offset`` is unused then)."""
+
+    @property
+    def fingerprint(self) -> dict[str, int]:
+        return self.file.fingerprint
+
+    @property
+    def copy_from(self) -> str:
+        return self.file.path
+
+
+def member_key(key: str, name: str, path: Path, what: str) -> str:
+    """``key/<name>`` for a tensor or dataset ``name`` of ``path``, or the key error naming both."""
+    try:
+        return validate_key(f"{key}/{name}")
+    except ShmCacheError as exc:
+        raise type(exc)(
+            f"{path}: {what} {name!r} does not make a valid key ({exc}); rename it, or load the "
+            "file with its own library and put the arrays under keys of your choosing"
+        ) from None
