@@ -16,6 +16,7 @@ import io
 import math
 import os
 import pickle
+import re
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -33,28 +34,50 @@ from .npy import zip_data_offset
 __all__ = ["TorchTensor", "gather_writer", "read_torch_index"]
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl of a state dict is ~100 bytes per tensor
-_STORAGES: dict[str, str | None] = {
-    "DoubleStorage": "<f8",
-    "FloatStorage": "<f4",
-    "HalfStorage": "<f2",
-    "LongStorage": "<i8",
-    "IntStorage": "<i4",
-    "ShortStorage": "<i2",
-    "CharStorage": "i1",
-    "ByteStorage": "u1",
-    "BoolStorage": "?",
-    "ComplexFloatStorage": "<c8",
-    "ComplexDoubleStorage": "<c16",
-    "UInt16Storage": "<u2",
-    "UInt32Storage": "<u4",
-    "UInt64Storage": "<u8",
-    "BFloat16Storage": None,  # no numpy dtype: refused by name, tensor by tensor
+_NUMPY: dict[str, str] = {
+    "float64": "<f8",
+    "float32": "<f4",
+    "float16": "<f2",
+    "int64": "<i8",
+    "int32": "<i4",
+    "int16": "<i2",
+    "int8": "i1",
+    "uint8": "u1",
+    "uint16": "<u2",
+    "uint32": "<u4",
+    "uint64": "<u8",
+    "bool": "?",
+    "complex64": "<c8",
+    "complex128": "<c16",
 }
+"""torch dtype names numpy has a type for (bfloat16, the float8 kinds... have none)."""
+_STORAGES: dict[str, str] = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "BFloat16Storage": "bfloat16",
+}
+"""Typed storages (``_rebuild_tensor_v2``) -> the torch dtype of their elements."""
+_UNTYPED = "UntypedStorage"  # with _rebuild_tensor_v3, which names the dtype (numel in bytes)
+_DTYPE_NAME = re.compile(r"(u?int|float|bfloat|complex|q?u?int|bits)[0-9]+\w*|bool")
 _GATHER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
 class _StorageType:
+    name: str
+
+
+@dataclass(frozen=True)
+class _DType:
     name: str
 
 
@@ -71,6 +94,7 @@ class _TensorRef:
     offset: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    dtype: _DType | None = None  # _rebuild_tensor_v3 names it; v2's typed storage implies it
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,15 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, strides: Any, *_: 
     return _TensorRef(storage, offset, tuple(shape), tuple(strides))
 
 
+def _rebuild_tensor_v3(
+    storage: Any, offset: Any, shape: Any, strides: Any, requires_grad: Any, hooks: Any, dtype: Any, *_: Any
+) -> _TensorRef:
+    if not isinstance(dtype, _DType):
+        raise pickle.UnpicklingError("a tensor without a dtype")
+    ref = _rebuild_tensor_v2(storage, offset, shape, strides)
+    return _TensorRef(ref.storage, ref.offset, ref.shape, ref.strides, dtype)
+
+
 def _rebuild_parameter(data: Any, *_: Any) -> Any:
     return data
 
@@ -107,6 +140,7 @@ def _rebuild_parameter(data: Any, *_: Any) -> Any:
 _ALLOWED: dict[tuple[str, str], Callable[..., Any]] = {
     ("collections", "OrderedDict"): OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
 }
@@ -119,8 +153,12 @@ class _StateDictUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
-        if module == "torch" and name in _STORAGES:
+        if (module, name) in (("torch", _UNTYPED), ("torch.storage", _UNTYPED)) or (
+            module == "torch" and name in _STORAGES
+        ):
             return _StorageType(name)
+        if module == "torch" and _DTYPE_NAME.fullmatch(name):
+            return _DType(name)  # a marker: dtypes numpy lacks are refused by tensor name
         raise pickle.UnpicklingError(
             f"it refers to {module}.{name}, which a state dict of tensors never needs"
         )
@@ -225,30 +263,35 @@ def _locate(
     archive: zipfile.ZipFile, fp: BinaryIO, prefix: str, name: str, ref: _TensorRef, path: str
 ) -> TorchTensor:
     where = f"{path}: tensor {name!r}"
-    code = _STORAGES[ref.storage.kind.name]
+    kind = ref.storage.kind.name
+    if (kind == _UNTYPED) != (ref.dtype is not None):
+        raise CorruptSourceError(f"{where}: its storage type {kind} does not go with its rebuild function")
+    torch_dtype = ref.dtype.name if ref.dtype is not None else _STORAGES[kind]
+    code = _NUMPY.get(torch_dtype)
     if code is None:
         raise UnsupportedDataError(
-            f"{where} is bfloat16, which numpy has no type for; convert it first "
+            f"{where} is {torch_dtype}, which numpy has no type for; convert it first "
             "(e.g. {k: v.float() for k, v in sd.items()}) and save again"
         )
     dtype = np.dtype(code)
+    storage_bytes = ref.storage.numel if kind == _UNTYPED else ref.storage.numel * dtype.itemsize
+    numel = storage_bytes // dtype.itemsize
     member = f"{prefix}data/{ref.storage.key}"
     info = archive.NameToInfo.get(member)
     if info is None:
         raise CorruptSourceError(f"{where}: its storage {member} is missing from the archive")
     if info.compress_type != zipfile.ZIP_STORED:
         raise CorruptSourceError(f"{where}: its storage {member} is compressed (torch stores them raw)")
-    storage_bytes = ref.storage.numel * dtype.itemsize
     if info.file_size < storage_bytes:
         raise CorruptSourceError(
             f"{where}: its storage {member} holds {info.file_size} bytes, not {storage_bytes}"
         )
     if math.prod(ref.shape):
         last = ref.offset + sum((n - 1) * s for n, s in zip(ref.shape, ref.strides, strict=True))
-        if last >= ref.storage.numel:
+        if last >= numel:
             raise CorruptSourceError(
                 f"{where}: shape {ref.shape} with strides {ref.strides} at offset {ref.offset} reaches "
-                f"past its storage of {ref.storage.numel} elements"
+                f"past its storage of {numel} elements"
             )
     base = zip_data_offset(fp.fileno(), info)
     if base + info.file_size > os.fstat(fp.fileno()).st_size:
