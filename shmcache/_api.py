@@ -93,7 +93,8 @@ def put_file(
     overwrite: bool = False,
     pin: bool = False,
 ) -> list[str]:
-    """Publish a ``.npy``, ``.npz`` or directory of them; returns the keys."""
+    """Publish a ``.npy``, ``.npz``, ``.safetensors``, torch ``.pt``/``.pth`` state dict,
+    ``.h5``/``.hdf5`` or a directory of them; returns the keys."""
     return get_store(root).put_file(key, path, overwrite=overwrite, pin=pin)
 
 

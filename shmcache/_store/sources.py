@@ -2,7 +2,8 @@
 beneath the allowed directories if any are given, a valid header), then reopened as the
 same file and copied by the kernel (``copy_file_range``) while another thread checksums the
 bytes written; a file that changes meanwhile fails the load. Compressed ``.npz`` members
-are inflated."""
+are inflated. Which suffixes are taken, and what each file becomes, is :data:`PLANNERS`
+(``array_files`` adds safetensors, torch checkpoints and HDF5)."""
 
 from __future__ import annotations
 

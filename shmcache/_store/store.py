@@ -267,12 +267,15 @@ class Store:
         progress: Callable[[int, int], None] | None = None,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
     ) -> list[str]:
-        """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
-        directory of them (as ``key/<relative path without suffix>``).
+        """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``), a
+        ``.safetensors``, torch ``.pt``/``.pth`` state dict or ``.h5``/``.hdf5`` (as
+        ``key/<tensor or dataset name>``), or a directory of them (as ``key/<relative path
+        without suffix>``; see ``sources.PLANNERS``).
 
         Everything is validated before anything is copied: a truncated or corrupt file
         raises a typed error naming it and publishes nothing. Payloads are copied by the
-        kernel, never through Python memory. ``progress(bytes_done, bytes_total)`` is
+        kernel, never through Python memory (but what must be decoded: compressed ``.npz``
+        members, HDF5 datasets, strided torch tensors). ``progress(bytes_done, bytes_total)`` is
         called as data is copied; an exception it raises cancels the load, and nothing
         is published. Returns the published keys.
 
