@@ -280,6 +280,59 @@ def test_pickle_without_torch_globals_is_refused(store: Store, tmp_path: Path) -
         store.put_file("m", path)
 
 
+def _checkpoint(path: Path, pickled: bytes, storages: dict[str, bytes]) -> Path:
+    """A zip checkpoint laid out as torch.save lays it out, with a hand-written pickle."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("x/data.pkl", pickled)
+        archive.writestr("x/byteorder", "little")
+        archive.writestr("x/version", "3\n")
+        for key, data in storages.items():
+            archive.writestr(f"x/data/{key}", data)
+    return path
+
+
+def _unicode(text: str) -> bytes:
+    return b"X" + struct.pack("<I", len(text)) + text.encode()
+
+
+# {"w": _rebuild_tensor_v2(<FloatStorage "0" of 4 elements>, 0, (4,), (1,), False, OrderedDict())}
+_TENSOR = (
+    b"ctorch._utils\n_rebuild_tensor_v2\n("
+    + b"("
+    + _unicode("storage")
+    + b"ctorch\nFloatStorage\n"
+    + _unicode("0")
+    + _unicode("cpu")
+    + b"K\x04tQ"
+    + b"K\x00K\x04\x85K\x01\x85\x89ccollections\nOrderedDict\n)RtR"
+)
+
+
+def test_hand_written_checkpoint_loads(store: Store, tmp_path: Path) -> None:
+    """The opcodes the next tests tamper with, untampered: they make a valid checkpoint."""
+    pickled = b"\x80\x02}" + _unicode("w") + _TENSOR + b"s."
+    path = _checkpoint(tmp_path / "hand.pt", pickled, {"0": np.arange(4, dtype="<f4").tobytes()})
+    assert torch.load(path, weights_only=True)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    store.put_file("h", path)
+    np.testing.assert_array_equal(shmcache.open_array("h/w", root=store.root), np.arange(4, dtype="<f4"))
+
+
+def test_pickle_cannot_alter_a_tensor_after_it_is_checked(store: Store, tmp_path: Path) -> None:
+    """BUILD on a tensor (``{"offset": -100}``) would move it past its checks."""
+    pickled = b"\x80\x02}" + _unicode("w") + _TENSOR + b"}" + _unicode("offset") + b"J\x9c\xff\xff\xffsbs."
+    path = _checkpoint(tmp_path / "build.pt", pickled, {"0": bytes(16)})
+    with pytest.raises(UnsupportedDataError, match=r"build\.pt: refused to unpickle it \(it sets the state"):
+        store.put_file("m", path)
+
+
+def test_dict_that_holds_itself_is_refused(store: Store, tmp_path: Path) -> None:
+    loop: dict[str, object] = {}
+    loop["again"] = loop
+    path = _checkpoint(tmp_path / "loop.pt", pickle.dumps(loop, protocol=2), {})
+    with pytest.raises(UnsupportedDataError, match=r"loop\.pt: dicts nested over 32 deep"):
+        store.put_file("m", path)
+
+
 def test_legacy_torch_format_asks_to_save_again(store: Store, tmp_path: Path) -> None:
     path = tmp_path / "old.pt"
     torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)

@@ -23,6 +23,7 @@ from ..errors import CorruptSourceError, UnsupportedDataError
 __all__ = ["MAX_HEADER_BYTES", "SafetensorsTensor", "read_safetensors_index"]
 
 MAX_HEADER_BYTES = 100 << 20  # the reference implementation's own limit
+_MAX_DIM = int(np.iinfo(np.intp).max)
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(code)
     for name, code in {
@@ -115,6 +116,8 @@ def _tensor(name: str, spec: Any, base: int, size: int, path: str) -> Safetensor
         or len(offsets) != 2
     ):
         raise CorruptSourceError(f"{where}: shape and data_offsets must be lists of non-negative integers")
+    if any(n > _MAX_DIM for n in shape):
+        raise CorruptSourceError(f"{where}: shape {tuple(shape)} is beyond what numpy can address")
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
     if end < begin or end - begin != nbytes:

@@ -20,7 +20,7 @@ import re
 import zipfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -69,27 +69,37 @@ _STORAGES: dict[str, str] = {
 _UNTYPED = "UntypedStorage"  # with _rebuild_tensor_v3, which names the dtype (numel in bytes)
 _DTYPE_NAME = re.compile(r"(u?int|float|bfloat|complex|q?u?int|bits)[0-9]+\w*|bool")
 _GATHER_BYTES = 16 << 20
+_MAX_DEPTH = 32  # nested dicts (a dict holding itself would recurse forever)
+_MAX_DIM = int(np.iinfo(np.intp).max)
+
+
+class _Sealed:
+    """What the unpickler builds cannot be altered by a BUILD opcode afterwards (pickle would
+    otherwise update its ``__dict__``, past the checks made when it was built)."""
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError("it sets the state of a tensor or storage")
 
 
 @dataclass(frozen=True)
-class _StorageType:
+class _StorageType(_Sealed):
     name: str
 
 
 @dataclass(frozen=True)
-class _DType:
+class _DType(_Sealed):
     name: str
 
 
 @dataclass(frozen=True)
-class _Storage:
+class _Storage(_Sealed):
     kind: _StorageType
     key: str
     numel: int
 
 
 @dataclass(frozen=True)
-class _TensorRef:
+class _TensorRef(_Sealed):
     storage: _Storage
     offset: int
     shape: tuple[int, ...]
@@ -121,6 +131,8 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, strides: Any, *_: 
         raise pickle.UnpicklingError("a tensor with a malformed storage, shape or stride")
     if len(shape) != len(strides):
         raise pickle.UnpicklingError("a tensor whose shape and strides differ in length")
+    if any(n > _MAX_DIM for n in shape) or any(s > _MAX_DIM for s in strides) or offset > _MAX_DIM:
+        raise pickle.UnpicklingError(f"a tensor of shape {tuple(shape)} beyond what numpy can address")
     return _TensorRef(storage, offset, tuple(shape), tuple(strides))
 
 
@@ -237,18 +249,20 @@ def _load_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, Any]:
 
 
 def _walk(obj: Any, path: str, parts: tuple[str, ...] = ()) -> list[tuple[str, _TensorRef]]:
-    if parts == () and not isinstance(obj, Mapping):
+    if parts == () and not isinstance(obj, dict):
         raise UnsupportedDataError(
             f"{path} holds a {type(obj).__name__}, not a state dict; save a dict of tensors"
         )
+    if len(parts) > _MAX_DEPTH:
+        raise UnsupportedDataError(f"{path}: dicts nested over {_MAX_DEPTH} deep at {'/'.join(parts)!r}")
     found: list[tuple[str, _TensorRef]] = []
-    for name, value in obj.items():
+    for name, value in dict.items(obj):  # not obj.items: a BUILD could have shadowed it
         if not isinstance(name, str):
             raise UnsupportedDataError(f"{path}: key {name!r} is not a string; state dict keys must be")
         here = (*parts, name)
         if isinstance(value, _TensorRef):
             found.append(("/".join(here), value))
-        elif isinstance(value, Mapping):
+        elif isinstance(value, dict):
             found.extend(_walk(value, path, here))
         else:
             raise UnsupportedDataError(
