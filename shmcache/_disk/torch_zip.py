@@ -69,6 +69,7 @@ _STORAGES: dict[str, str] = {
 _UNTYPED = "UntypedStorage"  # with _rebuild_tensor_v3, which names the dtype (numel in bytes)
 _DTYPE_NAME = re.compile(r"(u?int|float|bfloat|complex|q?u?int|bits)[0-9]+\w*|bool")
 _GATHER_BYTES = 16 << 20
+_READ_CHUNK = 1 << 30  # below Linux's 2 GiB cap on one read
 _MAX_DEPTH = 32  # nested dicts (a dict holding itself would recurse forever)
 _MAX_DIM = int(np.iinfo(np.intp).max)
 
@@ -328,29 +329,43 @@ def gather_writer(
     tensor: TorchTensor, header: bytes
 ) -> Callable[[int, int, Path, Callable[[int], None]], int]:
     """A decoder for a strided tensor: ``header``, then its elements in C order, gathered from
-    ``pread`` slabs of its storage (never a mapping of a file that could shrink: SIGBUS)."""
+    ``pread`` reads of its storage (never a mapping of a file that could shrink: SIGBUS).
+
+    Slabs of rows are read one at a time when their byte spans are about as large as what
+    they hold (a slice of rows); when every slab would span most of the storage (a
+    transpose), the tensor's whole span is read once instead of once per slab."""
     itemsize = tensor.dtype.itemsize
     rows = tensor.shape[0]
     row_span = (tensor.strides[0] * itemsize) if rows else 0
     tail = sum((n - 1) * s for n, s in zip(tensor.shape[1:], tensor.strides[1:], strict=True)) * itemsize
-    per_slab = max(1, _GATHER_BYTES // max(1, tensor.nbytes // max(rows, 1)))
+    row_bytes = tensor.nbytes // max(rows, 1)
+    per_slab = max(1, _GATHER_BYTES // max(1, row_bytes))
+    slab_span = (min(per_slab, rows) - 1) * row_span + tail + itemsize
+    whole = slab_span > 2 * min(per_slab, rows) * row_bytes
+    strides = tuple(s * itemsize for s in tensor.strides)
 
     def write(src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
         write_all(dst, header, target)
         advance(len(header))
         crc = zlib.crc32(header)
-        for first in range(0, rows if tensor.nbytes else 0, per_slab):
+        if not tensor.nbytes:
+            return crc
+        span = (rows - 1) * row_span + tail + itemsize
+        source = _pread_exactly(src, span, tensor.start, tensor.name) if whole else None
+        for first in range(0, rows, per_slab):
             count = min(per_slab, rows - first)
-            span = (count - 1) * row_span + tail + itemsize
-            raw = os.pread(src, span, tensor.start + first * row_span)
-            if len(raw) != span:
-                raise CorruptSourceError(
-                    f"tensor {tensor.name!r}: its file ended early (truncated while loading)"
+            if source is None:
+                at = tensor.start + first * row_span
+                raw, offset = (
+                    _pread_exactly(src, (count - 1) * row_span + tail + itemsize, at, tensor.name),
+                    0,
                 )
+            else:
+                raw, offset = source, first * row_span
             view = np.lib.stride_tricks.as_strided(
-                np.frombuffer(raw, dtype=tensor.dtype),
+                np.frombuffer(raw, dtype=tensor.dtype, offset=offset),  # offset: whole rows
                 shape=(count, *tensor.shape[1:]),
-                strides=tuple(s * itemsize for s in tensor.strides),
+                strides=strides,
                 writeable=False,
             )
             slab = np.ascontiguousarray(view)
@@ -360,6 +375,18 @@ def gather_writer(
         return crc
 
     return write
+
+
+def _pread_exactly(fd: int, count: int, offset: int, name: str) -> bytearray:
+    buffer = bytearray(count)
+    view = memoryview(buffer)
+    done = 0
+    while done < count:
+        got = os.preadv(fd, [view[done : done + _READ_CHUNK]], offset + done)
+        if got == 0:
+            raise CorruptSourceError(f"tensor {name!r}: its file ended early (truncated while loading)")
+        done += got
+    return buffer
 
 
 def _ints(values: Any) -> bool:
