@@ -64,7 +64,8 @@ class CacheControl(Protocol):
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
     ) -> builtins.list[str]:
-        """Publish a ``.npy``, ``.npz`` or directory of them; returns the keys published."""
+        """Publish a ``.npy``, ``.npz``, ``.safetensors``, ``.pt``/``.pth``, ``.h5``/``.hdf5`` or a
+        directory of them; returns the keys published."""
         ...
 
 

@@ -549,3 +549,21 @@ def test_daemon_loads_a_safetensors_file(daemon: Daemon, data_dir: Path, tmp_pat
     group = shmcache.open_group(name, root=daemon.root)
     for tensor, value in tensors.items():
         np.testing.assert_array_equal(group[tensor], value)
+
+
+def test_preload_sees_a_multi_tensor_file_unchanged_until_it_changes(store: Store, tmp_path: Path) -> None:
+    """The daemon skips a config preload whose entries came from the files as they are now."""
+    pytest.importorskip("fastapi")
+    from shmcache.service.sources import is_up_to_date
+
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    path = folder / "m.safetensors"
+    safetensors_numpy.save_file({"a": np.zeros(2), "b": np.ones(3)}, str(path))
+    torch.save({"c": torch.zeros(2)}, folder / "n.pt")
+    store.put_file("w", folder)
+    assert is_up_to_date(store, "w", folder)
+    store.put_file("f", path)
+    assert is_up_to_date(store, "f", path)
+    safetensors_numpy.save_file({"a": np.zeros(2), "b": np.ones(4)}, str(path))
+    assert not is_up_to_date(store, "f", path) and not is_up_to_date(store, "w", folder)

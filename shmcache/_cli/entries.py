@@ -113,7 +113,7 @@ def put(
 
 def _sources(path: str, key: str) -> list[tuple[str, Path]]:
     """``(key, source)`` pairs for PATH: itself if it exists, else the matches of a glob,
-    each under ``key/<name without .npy/.npz>``."""
+    each under ``key/<name without its suffix>`` (suffixes ``put_file`` takes)."""
     validate_key(key)
     literal = Path(path).expanduser()
     if literal.exists() or not glob.has_magic(path):
