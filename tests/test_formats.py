@@ -404,6 +404,24 @@ def test_hdf5_round_trip(store: Store, tmp_path: Path) -> None:
     assert store.info("h/chunked/gzip").source == f"{path}[chunked/gzip]"
 
 
+def test_hdf5_variable_length_strings_become_a_strings_entry(store: Store, tmp_path: Path) -> None:
+    path = tmp_path / "names.h5"
+    names = ["scene0000_00/frame-000001.jpg", "bêta", "", "x" * 10_000]
+    with h5py.File(path, "w") as h5:
+        h5.create_dataset("paths", data=names, dtype=h5py.string_dtype())
+        h5.create_dataset("ascii", data=[b"a", b"bc"], dtype=h5py.string_dtype("ascii"))
+        h5["ids"] = np.arange(4)
+    planned = {entry.key: entry.size for entry in store.plan_file("d", path)}
+    assert sorted(store.put_file("d", path)) == ["d/ascii", "d/ids", "d/paths"]
+    group = shmcache.open_group("d", root=store.root)
+    assert list(group["paths"]) == names and list(group["ascii"]) == ["a", "bc"]
+    assert group["paths"].index("bêta") == 1
+    info = store.info("d/paths")
+    assert info.kind == "strings" and info.shape == (4,) and info.source == f"{path}[paths]"
+    assert info.size == planned["d/paths"]  # what the plan reserved is what was written
+    assert store.verify("d/paths")
+
+
 def test_hdf5_large_dataset_in_many_slabs(store: Store, tmp_path: Path) -> None:
     path = tmp_path / "big.hdf5"
     value = np.random.default_rng(1).standard_normal((5000, 1000)).astype(np.float32)  # 20 MB > one slab
@@ -417,8 +435,8 @@ def test_hdf5_large_dataset_in_many_slabs(store: Store, tmp_path: Path) -> None:
     ("make", "message"),
     [
         (
-            lambda h5: h5.create_dataset("s", data=["a", "bc"], dtype=h5py.string_dtype()),
-            r"\[s\] holds variable-length strings",
+            lambda h5: h5.create_dataset("s", data=[["a"], ["bc"]], dtype=h5py.string_dtype()),
+            r"\[s\] is a 2-d dataset of variable-length strings",
         ),
         (
             lambda h5: h5.create_dataset("v", (2,), dtype=h5py.vlen_dtype(np.int32)),

@@ -4,10 +4,11 @@ its bytes are decoded by h5py (chunked and compressed layouts included) in slabs
 and appended with ``write()`` to the staging file, never through a mapping.
 
 Kept as arrays: numbers, bools, fixed-width bytes, enums (as their integers), compound
-types (structured arrays), scalars (0-d arrays). Refused, naming the dataset: variable-
-length strings and sequences, object references, empty (null) datasets, and datasets
-whose bytes live in other files (external storage, virtual datasets), which would read
-files the daemon's ``--allow-source`` never checked.
+types (structured arrays), scalars (0-d arrays). A 1-D dataset of variable-length
+strings becomes a strings entry (decoded when the file is checked, published with the
+rest). Refused, naming the dataset: variable-length sequences, object references, empty
+(null) datasets, and datasets whose bytes live in other files (external storage,
+virtual datasets), which would read files the daemon's ``--allow-source`` never checked.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.lib.format as npy_format
 
+from .._containers.encode import encode_strings
 from .._disk.fs import write_all
 from .._disk.npy import NpyHeader, build_header, check_storable_dtype
 from .._disk.source_files import SourceFile
 from ..errors import CorruptSourceError, ShmCacheError, UnsupportedDataError
-from .planned import Planned, member_key
+from .planned import Container, Planned, container_header, member_key
 
 __all__ = ["plan_hdf5"]
 
@@ -55,6 +57,10 @@ def plan_hdf5(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Plan
         )
         for name, dataset in datasets:
             where = f"{path}[{name}]"
+            _check_storage(h5py, dataset, where)
+            if h5py.check_string_dtype(dataset.dtype) is not None and dataset.dtype.kind == "O":
+                plan.append(_strings(key, path, file, name, dataset, where))
+                continue
             dtype, shape = _check_dataset(h5py, dataset, where)
             prefix = build_header(dtype, shape, False)
             plan.append(
@@ -81,7 +87,8 @@ def _open(h5py: Any, fp: BinaryIO, path: Path) -> Any:
         raise CorruptSourceError(f"{path}: not a valid HDF5 file ({exc})") from None
 
 
-def _check_dataset(h5py: Any, dataset: Any, where: str) -> tuple[np.dtype, tuple[int, ...]]:
+def _check_storage(h5py: Any, dataset: Any, where: str) -> None:
+    """The dataset has a shape, keeps its bytes in this file, and this h5py can decode them."""
     if dataset.shape is None:
         raise UnsupportedDataError(f"{where} is an empty (null dataspace) dataset, which holds no array")
     if dataset.is_virtual or dataset.external:
@@ -89,18 +96,6 @@ def _check_dataset(h5py: Any, dataset: Any, where: str) -> tuple[np.dtype, tuple
             f"{where} keeps its bytes in other files (virtual or external storage), which shmcache "
             "does not follow; copy it into the file (h5repack) or load its source files instead"
         )
-    raw = dataset.dtype
-    if h5py.check_string_dtype(raw) is not None and raw.kind == "O":
-        raise UnsupportedDataError(
-            f"{where} holds variable-length strings, which put_file does not load; store them "
-            "with shmcache.put_strings(key, [s.decode() for s in dataset[()]]) or as fixed-width bytes"
-        )
-    if h5py.check_vlen_dtype(raw) is not None or h5py.check_ref_dtype(raw) is not None:
-        raise UnsupportedDataError(
-            f"{where} holds variable-length sequences or object references, which are not arrays"
-        )
-    dtype = _plain(raw)
-    check_storable_dtype(dtype, where)
     plist = dataset.id.get_create_plist()
     for i in range(plist.get_nfilters()):
         code, _, _, name = plist.get_filter(i)
@@ -109,6 +104,41 @@ def _check_dataset(h5py: Any, dataset: Any, where: str) -> tuple[np.dtype, tuple
                 f"{where} is compressed with filter {name.decode(errors='replace')!r} ({code}), which "
                 "this h5py cannot decode; install its plugin (e.g. hdf5plugin) or repack the file"
             )
+
+
+def _strings(key: str, path: Path, file: SourceFile, name: str, dataset: Any, where: str) -> Planned:
+    """A strings entry from a 1-D dataset of variable-length strings, decoded now."""
+    if dataset.ndim != 1:
+        raise UnsupportedDataError(
+            f"{where} is a {dataset.ndim}-d dataset of variable-length strings; shmcache strings "
+            "are a 1-D sequence: reshape it in the file, or put_strings its flattened values"
+        )
+    try:
+        values = dataset.asstr()[()].tolist()
+    except UnicodeDecodeError as exc:
+        raise CorruptSourceError(f"{where} holds strings that are not valid UTF-8 ({exc})") from None
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise CorruptSourceError(f"{where} cannot be decoded ({exc}): damaged or truncated") from None
+    container = Container("strings", encode_strings(values, where), {"length": len(values)})
+    return Planned(
+        key=member_key(key, name, path, "dataset"),
+        header=container_header(container),
+        source=where,
+        file=file,
+        copy_offset=None,
+        member=name,
+        container=container,
+    )
+
+
+def _check_dataset(h5py: Any, dataset: Any, where: str) -> tuple[np.dtype, tuple[int, ...]]:
+    raw = dataset.dtype
+    if h5py.check_vlen_dtype(raw) is not None or h5py.check_ref_dtype(raw) is not None:
+        raise UnsupportedDataError(
+            f"{where} holds variable-length sequences or object references, which are not arrays"
+        )
+    dtype = _plain(raw)
+    check_storable_dtype(dtype, where)
     return dtype, tuple(int(n) for n in dataset.shape)
 
 

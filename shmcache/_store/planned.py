@@ -8,20 +8,43 @@ compressed ``.npz`` members are inflated by ``sources``, HDF5 datasets, strided 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from .._disk.keys import validate_key
-from .._disk.npy import NpyHeader
-from .._disk.source_files import SourceFile
+from .._disk.npy import NpyHeader, build_header
+from .._disk.source_files import SourceFile, check_unchanged, reopen
+from .._disk.writer import VersionWriter
 from ..errors import ShmCacheError
+from .writing import ITEM_TYPES, version_meta
 
-__all__ = ["Planned", "Writer", "member_key"]
+__all__ = ["Container", "Planned", "Writer", "container_header", "member_key", "write_container"]
 
 Writer = Callable[[int, int, Path, Callable[[int], None]], int]
 """``write(src, dst, target, advance) -> crc32``: append the whole ``.npy`` (header
 included) to ``dst`` from the reopened source ``src``, calling ``advance(n)`` per chunk."""
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container entry decoded from a source when it was checked (HDF5 variable-length
+    strings): its kind, its files (name without ``.npy`` -> array) and extra metadata."""
+
+    kind: str
+    files: Mapping[str, np.ndarray]
+    extra: Mapping[str, Any]
+
+
+def container_header(container: Container) -> NpyHeader:
+    """A header that only sizes a container (``put_file`` reserves and reports bytes from
+    ``header.file_size``): the bytes of all its ``.npy`` files."""
+    size = sum(len(build_header(a.dtype, a.shape, False)) + a.nbytes for a in container.files.values())
+    return NpyHeader(np.dtype(np.uint8), (size,), False, 0)
 
 
 @dataclass
@@ -43,6 +66,8 @@ class Planned:
     """A built ``.npy`` header written first; ``copy_offset`` then starts the raw payload."""
     write: Writer | None = None
     """Decodes the source into the entry (``copy_offset`` is unused then)."""
+    container: Container | None = None
+    """Not an array: a container, written by :func:`write_container` (``header`` only sizes it)."""
 
     @property
     def fingerprint(self) -> dict[str, int]:
@@ -62,3 +87,24 @@ def member_key(key: str, name: str, path: Path, what: str) -> str:
             f"{path}: {what} {name!r} does not make a valid key ({exc}); rename it, or load the "
             "file with its own library and put the arrays under keys of your choosing"
         ) from None
+
+
+def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Callable[[int], None]) -> None:
+    """Write ``item.container``'s files and ``meta.json`` into ``item.version``. Its arrays
+    were decoded from the checked file; the file must still be that file, unchanged."""
+    assert item.container is not None
+    src = reopen(item.file)
+    try:
+        check_unchanged(src, item.file)
+    finally:
+        os.close(src)
+    kind, crcs, headers = item.container.kind, {}, {}
+    for name, array in item.container.files.items():
+        crcs[name], headers[name] = writer.write_array(item.version, f"{name}.npy", array)
+        advance(headers[name].file_size)
+    meta = version_meta(item.key, kind, item.version, headers, crcs, pin) | dict(item.container.extra)
+    meta["shape"] = [meta.get("length", 0)]  # what `ls` shows, as for every container
+    meta.setdefault("dtype", ITEM_TYPES.get(kind))
+    meta["source"] = item.source
+    meta["source_fingerprint"] = item.fingerprint
+    writer.write_meta(item.version, meta)

@@ -43,6 +43,7 @@ from .catalog import info_of, iter_infos, store_stats
 from .loading import last_failure, recording_failure
 from .locks import key_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
+from .planned import write_container
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
@@ -302,6 +303,9 @@ class Store:
                 progress(0, total)
             for item in plan:
                 item.version = writer.new_version()
+                if item.container is not None:  # decoded when checked: HDF5 variable-length strings
+                    write_container(writer, item, pin, advance)
+                    continue
                 target = writer.path(item.version, ARRAY_FILE)
                 dst = writer.create_file(item.version, ARRAY_FILE)
                 try:
