@@ -229,7 +229,7 @@ def _load_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, Any]:
             f"{path}: its pickle ({info.file_size} bytes) is too large for a state dict"
         )
     order = archive.NameToInfo.get(prefix + "byteorder")
-    if order is not None and archive.read(order).strip() != b"little":
+    if order is not None and (order.file_size > 16 or archive.read(order).strip() != b"little"):
         raise UnsupportedDataError(
             f"{path} was saved on a big-endian machine; shmcache reads little-endian only"
         )
