@@ -203,8 +203,9 @@ class Client:
         timeout: float | None = None,
         as_: str = "auto",
     ) -> Job:
-        """Ask the daemon to load ``source`` (a ``.npy``; an ``.npz`` as ``key/<member>``;
-        a directory as ``key/<relative path>``) under ``key`` in the background.
+        """Ask the daemon to load ``source`` (a ``.npy``; an ``.npz``, ``.safetensors``,
+        ``.pt``/``.pth`` or ``.h5``/``.hdf5`` as ``key/<member, tensor or dataset>``; a
+        directory as ``key/<relative path>``) under ``key`` in the background.
 
         ``source`` is a path on the daemon's machine; over the Unix socket a relative
         path is made absolute here. Returns the job at once, or with ``wait=True`` once

@@ -75,7 +75,8 @@ class EntryDetail(Entry):
 
 
 class LoadRequest(BaseModel):
-    """Load a ``.npy``, an ``.npz`` (as key/<member>) or a directory of them (key/<relative path>)."""
+    """Load a ``.npy``; an ``.npz``, ``.safetensors``, torch ``.pt``/``.pth`` or ``.h5``/``.hdf5``
+    (as key/<member, tensor or dataset>); or a directory of them (key/<relative path>)."""
 
     model_config = ConfigDict(extra="forbid")
 

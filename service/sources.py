@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from shmcache import Store
+from shmcache._store.sources import PLANNERS
 from shmcache._units import human_bytes
 from shmcache.errors import (
     CacheFullError,
@@ -141,13 +142,15 @@ def is_up_to_date(store: Store, key: str, source: Path) -> bool:
     if not entries:
         return False
     if source.is_dir():
-        files = {str(p) for p in source.rglob("*") if p.suffix in (".npy", ".npz") and p.is_file()}
+        files = {str(p) for p in source.rglob("*") if p.suffix.lower() in PLANNERS and p.is_file()}
     else:
         files = {str(source)}
     seen = set()
     for entry in entries:
         assert entry.source is not None
-        file = entry.source.rpartition("[")[0] if entry.source.endswith(".npy]") else entry.source
+        file = entry.source  # a member of a multi-array file: "<file>[<member>]"
+        if file not in files and file.endswith("]"):
+            file = file.rpartition("[")[0]
         if file not in files:
             return False
         try:

@@ -96,8 +96,9 @@ def put_file(
     pin: bool = False,
     as_: str = "auto",
 ) -> list[str]:
-    """Publish a ``.npy``, ``.npz`` or directory of them; returns the keys. A directory of
-    other files (or any directory with ``as_="blobs"``) becomes one blobs entry."""
+    """Publish a ``.npy``, ``.npz``, ``.safetensors``, torch ``.pt``/``.pth`` state dict,
+    ``.h5``/``.hdf5`` or a directory of them; returns the keys. A directory of other files
+    (or any directory with ``as_="blobs"``) becomes one blobs entry."""
     return get_store(root).put_file(key, path, overwrite=overwrite, pin=pin, as_=as_)
 
 

@@ -65,8 +65,9 @@ class CacheControl(Protocol):
         progress: Callable[[int, int], None] | None = None,
         as_: str = "auto",
     ) -> builtins.list[str]:
-        """Publish a ``.npy``, ``.npz`` or directory of them (``as_="blobs"``: every file of
-        a directory as one blobs entry); returns the keys published."""
+        """Publish a ``.npy``, ``.npz``, ``.safetensors``, ``.pt``/``.pth``, ``.h5``/``.hdf5`` or a
+        directory of them (``as_="blobs"``: every file of a directory as one blobs entry);
+        returns the keys published."""
         ...
 
 

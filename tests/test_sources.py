@@ -284,7 +284,7 @@ def test_directory_without_arrays(store: Store, root: Path, tmp_path: Path) -> N
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(InvalidSourceError) as info:
         store.put_file("k", tmp_path, as_="arrays")
-    assert str(tmp_path) in str(info.value) and "holds no .npy or .npz" in str(info.value)
+    assert str(tmp_path) in str(info.value) and "holds no .h5, .hdf5, .npy, .npz" in str(info.value)
     _assert_nothing_published(store, root)
     assert store.put_file("k", tmp_path) == ["k"]  # auto: a blobs entry
     assert bytes(store.open_blobs("k")["notes.txt"]) == b"x"

@@ -22,6 +22,7 @@ import typer
 
 from .._disk.keys import validate_key
 from .._store import Store, StoreStats
+from .._store.sources import PLANNERS
 from .._units import human_bytes
 from ..errors import (
     CorruptEntryError,
@@ -72,8 +73,10 @@ def put(
     path: Annotated[
         str,
         typer.Argument(
-            help="A .npy or .npz file, a directory of them (or of any files: one blobs entry, see "
-            "--as), or a quoted glob ('data/*.npy'): each match goes under KEY/<name without .npy/.npz>.",
+            help="A .npy, .npz, .safetensors, .pt/.pth (state dict) or .h5/.hdf5 file, a directory "
+            "of them (or of any files: one blobs entry, see --as), or a quoted glob ('data/*.npy'): "
+            "each match goes under KEY/<name without its suffix>; each array, tensor or dataset of a "
+            "multi-array file under KEY/<its name>.",
             show_default=False,
             metavar="PATH",
         ),
@@ -129,7 +132,7 @@ def put(
 
 def _sources(path: str, key: str) -> list[tuple[str, Path]]:
     """``(key, source)`` pairs for PATH: itself if it exists, else the matches of a glob,
-    each under ``key/<name without .npy/.npz>``."""
+    each under ``key/<name without its suffix>`` (suffixes ``put_file`` takes)."""
     validate_key(key)
     literal = Path(path).expanduser()
     if literal.exists() or not glob.has_magic(path):
@@ -140,7 +143,7 @@ def _sources(path: str, key: str) -> list[tuple[str, Path]]:
     pairs: dict[str, Path] = {}
     for match in matches:
         name = Path(match).name
-        stem = name.rsplit(".", 1)[0] if Path(match).suffix in (".npy", ".npz") else name
+        stem = name.rsplit(".", 1)[0] if Path(match).suffix.lower() in PLANNERS else name
         child = validate_key(f"{key}/{stem}")
         if child in pairs:
             raise InvalidKeyError(

@@ -32,6 +32,7 @@ __all__ = [
     "iter_npz_members",
     "parse_header_bytes",
     "read_source_header",
+    "zip_data_offset",
 ]
 
 _MAGIC = b"\x93NUMPY"
@@ -210,7 +211,8 @@ class NpzMember:
     """Offset of the member's ``.npy`` in the zip file when stored uncompressed, else None."""
 
 
-def _local_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
+def zip_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
+    """Where the stored bytes of zip member ``info`` start in the file open as ``fd``."""
     local = os.pread(fd, 30, info.header_offset)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {info.filename}")
@@ -232,7 +234,7 @@ def iter_npz_members(fp: BinaryIO, path: str) -> Iterator[NpzMember]:
                     header = read_source_header(member, info.file_size, where)  # type: ignore[arg-type]
                 stored = None
                 if info.compress_type == zipfile.ZIP_STORED:
-                    stored = _local_data_offset(fp.fileno(), info)
+                    stored = zip_data_offset(fp.fileno(), info)
                 yield NpzMember(info.filename[: -len(".npy")], header, stored)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as exc:
         raise CorruptSourceError(f"{path}: not a valid .npz archive ({exc})") from exc

@@ -2,7 +2,8 @@
 beneath the allowed directories if any are given, a valid header), then reopened as the
 same file and copied by the kernel (``copy_file_range``) while another thread checksums the
 bytes written; a file that changes meanwhile fails the load. Compressed ``.npz`` members
-are inflated."""
+are inflated. Which suffixes are taken, and what each file becomes, is :data:`PLANNERS`
+(``array_files`` adds safetensors, torch checkpoints and HDF5)."""
 
 from __future__ import annotations
 
@@ -11,50 +12,30 @@ import os
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from .._disk.checksum import TrailingCrc
 from .._disk.fs import copy_range, write_all
 from .._disk.keys import validate_key
-from .._disk.npy import NpyHeader, iter_npz_members, read_source_header
+from .._disk.npy import iter_npz_members, read_source_header
 from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
+from . import array_files
+from .planned import Planned
 
-__all__ = ["ARRAY_SUFFIXES", "Planned", "copy_planned", "is_array_file", "plan_sources"]
-
-ARRAY_SUFFIXES = (".npy", ".npz")
-"""What a directory put takes as array files (the rest: blobs, see ``blobs.put_kind``)."""
+__all__ = ["PLANNERS", "Planned", "Planner", "copy_planned", "is_array_file", "plan_sources"]
 
 
 def is_array_file(path: Path) -> bool:
-    """Whether ``put_file`` stores ``path`` as arrays (one function for every format added)."""
-    return path.suffix in ARRAY_SUFFIXES
+    """Whether ``put_file`` stores ``path`` as arrays: its suffix has a planner (``PLANNERS``);
+    in a directory, the other files are what a blobs entry takes (``blobs.put_kind``)."""
+    return path.suffix.lower() in PLANNERS
 
 
-@dataclass
-class Planned:
-    """One entry a ``put_file`` call will write, validated before any byte is copied.
-
-    ``key`` is validated; ``header`` is the source's parsed header, which is also what
-    the entry's metadata is built from (the copy is byte for byte).
-    """
-
-    key: str
-    header: NpyHeader
-    source: str
-    file: SourceFile
-    copy_offset: int | None  # None: the member is compressed and must be inflated
-    member: str | None = None
-    version: str = field(default="")
-
-    @property
-    def fingerprint(self) -> dict[str, int]:
-        return self.file.fingerprint
-
-    @property
-    def copy_from(self) -> str:
-        return self.file.path
+Planner = Callable[[str, Path, SourceFile, BinaryIO], list[Planned]]
+"""``planner(key, path, checked, fp)``: the entries one source file becomes (``fp`` reads
+the checked file; ``key`` is valid)."""
 
 
 def plan_sources(key: str, path: Path, allowed: Sequence[str | os.PathLike[str]] = ()) -> list[Planned]:
@@ -89,7 +70,7 @@ def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result, tops: tupl
                 relative = file.relative_to(path).with_suffix("").as_posix()
                 plan.extend(_plan_file(_child_key(key, relative, file), file, tops))
         if not plan:
-            raise InvalidSourceError(f"directory {path} holds no .npy or .npz files")
+            raise InvalidSourceError(f"directory {path} holds no {_suffixes()} files")
         return plan
     return _plan_file(key, path, tops)
 
@@ -103,27 +84,48 @@ def _child_key(key: str, relative: str, file: Path) -> str:
 
 
 def _plan_file(key: str, path: Path, tops: tuple[str, ...]) -> list[Planned]:
-    if path.suffix not in (".npy", ".npz"):
-        raise CorruptSourceError(f"{path}: not a .npy or .npz file (or a directory of them)")
+    planner = PLANNERS.get(path.suffix.lower())
+    if planner is None:
+        raise CorruptSourceError(f"{path}: not a {_suffixes()} file (or a directory of them)")
     fd, file = open_checked(str(path), tops)
     with open(fd, "rb") as fp:  # closes fd
-        if path.suffix == ".npy":
-            header = read_source_header(fp, file.size, str(path))
-            return [Planned(key, header, str(path), file, 0)]
-        members = [
-            Planned(
-                key=_child_key(key, member.name, path),
-                header=member.header,
-                source=f"{path}[{member.name}.npy]",
-                file=file,
-                copy_offset=member.stored_offset,
-                member=member.name,
-            )
-            for member in iter_npz_members(fp, str(path))
-        ]
+        return planner(key, path, file, fp)
+
+
+def _plan_npy(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
+    header = read_source_header(fp, file.size, str(path))
+    return [Planned(key, header, str(path), file, 0)]
+
+
+def _plan_npz(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
+    members = [
+        Planned(
+            key=_child_key(key, member.name, path),
+            header=member.header,
+            source=f"{path}[{member.name}.npy]",
+            file=file,
+            copy_offset=member.stored_offset,
+            member=member.name,
+        )
+        for member in iter_npz_members(fp, str(path))
+    ]
     if not members:
         raise InvalidSourceError(f"{path}: the .npz archive holds no .npy arrays")
     return members
+
+
+PLANNERS: dict[str, Planner] = {
+    ".npy": _plan_npy,
+    ".npz": _plan_npz,
+    **array_files.PLANNERS,
+}
+"""Every file suffix ``put_file`` takes (lower case), and what makes its entries; a
+directory put collects the files whose suffix is here."""
+
+
+def _suffixes() -> str:
+    names = sorted(PLANNERS)
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def copy_planned(item: Planned, dst: int, target: Path, advance: Callable[[int], None]) -> int:
@@ -132,7 +134,9 @@ def copy_planned(item: Planned, dst: int, target: Path, advance: Callable[[int],
     or while it was copied, raises :class:`CorruptSourceError`."""
     src = reopen(item.file)
     try:
-        if item.copy_offset is None:
+        if item.write is not None:
+            crc = item.write(src, dst, target, advance)
+        elif item.copy_offset is None:
             crc = _inflate_member(item, src, dst, target, advance)
         else:
             crc = _copy_file(item, src, dst, target, advance)
@@ -153,7 +157,12 @@ def _copy_file(item: Planned, src: int, dst: int, target: Path, advance: Callabl
         advance(nbytes)
 
     try:
-        copy_range(src, dst, item.copy_offset, item.header.file_size, target, copied)
+        if item.prefix is None:
+            copy_range(src, dst, item.copy_offset, item.header.file_size, target, copied)
+        else:  # a built header, then the raw payload
+            write_all(dst, item.prefix, target)
+            copied(len(item.prefix))
+            copy_range(src, dst, item.copy_offset, item.header.nbytes, target, copied)
         return crc.result()
     except EOFError as exc:
         raise CorruptSourceError(

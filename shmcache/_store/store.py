@@ -51,6 +51,7 @@ from .catalog import info_of, iter_infos, store_stats
 from .loading import last_failure, recording_failure
 from .locks import key_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
+from .planned import write_container
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
@@ -309,8 +310,10 @@ class Store:
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",
     ) -> list[str]:
-        """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
-        directory of them (as ``key/<relative path without suffix>``).
+        """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``), a
+        ``.safetensors``, torch ``.pt``/``.pth`` state dict or ``.h5``/``.hdf5`` (as
+        ``key/<tensor or dataset name>``), or a directory of them (as ``key/<relative path
+        without suffix>``; see ``sources.PLANNERS``).
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
@@ -318,7 +321,8 @@ class Store:
 
         Everything is validated before anything is copied: a truncated or corrupt file
         raises a typed error naming it and publishes nothing. Payloads are copied by the
-        kernel, never through Python memory. ``progress(bytes_done, bytes_total)`` is
+        kernel, never through Python memory (but what must be decoded: compressed ``.npz``
+        members, HDF5 datasets, strided torch tensors). ``progress(bytes_done, bytes_total)`` is
         called as data is copied; an exception it raises cancels the load, and nothing
         is published. Returns the published keys.
 
@@ -350,6 +354,9 @@ class Store:
                 progress(0, total)
             for item in plan:
                 item.version = writer.new_version()
+                if item.container is not None:  # decoded when checked: HDF5 variable-length strings
+                    write_container(writer, item, pin, advance)
+                    continue
                 target = writer.path(item.version, ARRAY_FILE)
                 dst = writer.create_file(item.version, ARRAY_FILE)
                 try:

@@ -1,0 +1,189 @@
+"""HDF5 sources for ``put_file`` (needs h5py: the ``hdf5`` extra, imported only here and
+only when an HDF5 file is loaded). Every dataset becomes ``key/<its path in the file>``;
+its bytes are decoded by h5py (chunked and compressed layouts included) in slabs of rows
+and appended with ``write()`` to the staging file, never through a mapping.
+
+Kept as arrays: numbers, bools, fixed-width bytes, enums (as their integers), compound
+types (structured arrays), scalars (0-d arrays). A 1-D dataset of variable-length
+strings becomes a strings entry (decoded when the file is checked, published with the
+rest). Refused, naming the dataset: variable-length sequences, object references, empty
+(null) datasets, and datasets whose bytes live in other files (external storage,
+virtual datasets), which would read files the daemon's ``--allow-source`` never checked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import numpy.lib.format as npy_format
+
+from .._containers.encode import encode_strings
+from .._disk.fs import write_all
+from .._disk.npy import NpyHeader, build_header, check_storable_dtype
+from .._disk.source_files import SourceFile
+from ..errors import CorruptSourceError, ShmCacheError, UnsupportedDataError
+from .planned import Container, Planned, container_header, member_key
+
+__all__ = ["plan_hdf5"]
+
+_SLAB_BYTES = 16 << 20
+
+
+def _h5py(path: Path) -> Any:
+    try:
+        import h5py  # type: ignore[import-untyped]
+    except ImportError:
+        raise UnsupportedDataError(
+            f"{path}: reading HDF5 files needs h5py; install it with pip install 'shmcache[hdf5]'"
+        ) from None
+    return h5py
+
+
+def plan_hdf5(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
+    """One planned entry per dataset of the HDF5 file open as ``fp``."""
+    h5py = _h5py(path)
+    plan: list[Planned] = []
+    with _open(h5py, fp, path) as h5:
+        datasets: list[tuple[str, Any]] = []
+        h5.visititems(
+            lambda name, obj: datasets.append((name, obj)) if isinstance(obj, h5py.Dataset) else None
+        )
+        for name, dataset in datasets:
+            where = f"{path}[{name}]"
+            _check_storage(h5py, dataset, where)
+            if h5py.check_string_dtype(dataset.dtype) is not None and dataset.dtype.kind == "O":
+                plan.append(_strings(key, path, file, name, dataset, where))
+                continue
+            dtype, shape = _check_dataset(h5py, dataset, where)
+            prefix = build_header(dtype, shape, False)
+            plan.append(
+                Planned(
+                    key=member_key(key, name, path, "dataset"),
+                    header=NpyHeader(dtype, shape, False, len(prefix)),
+                    source=where,
+                    file=file,
+                    copy_offset=None,
+                    member=name,
+                    prefix=prefix,
+                    write=_decoder(path, name, dtype, shape, prefix),
+                )
+            )
+    if not plan:
+        raise CorruptSourceError(f"{path}: the HDF5 file holds no datasets")
+    return plan
+
+
+def _open(h5py: Any, fp: BinaryIO, path: Path) -> Any:
+    try:
+        return h5py.File(fp, "r")
+    except (OSError, ValueError) as exc:
+        raise CorruptSourceError(f"{path}: not a valid HDF5 file ({exc})") from None
+
+
+def _check_storage(h5py: Any, dataset: Any, where: str) -> None:
+    """The dataset has a shape, keeps its bytes in this file, and this h5py can decode them."""
+    if dataset.shape is None:
+        raise UnsupportedDataError(f"{where} is an empty (null dataspace) dataset, which holds no array")
+    if dataset.is_virtual or dataset.external:
+        raise UnsupportedDataError(
+            f"{where} keeps its bytes in other files (virtual or external storage), which shmcache "
+            "does not follow; copy it into the file (h5repack) or load its source files instead"
+        )
+    plist = dataset.id.get_create_plist()
+    for i in range(plist.get_nfilters()):
+        code, _, _, name = plist.get_filter(i)
+        if not h5py.h5z.filter_avail(code):
+            raise UnsupportedDataError(
+                f"{where} is compressed with filter {name.decode(errors='replace')!r} ({code}), which "
+                "this h5py cannot decode; install its plugin (e.g. hdf5plugin) or repack the file"
+            )
+
+
+def _strings(key: str, path: Path, file: SourceFile, name: str, dataset: Any, where: str) -> Planned:
+    """A strings entry from a 1-D dataset of variable-length strings, decoded now."""
+    if dataset.ndim != 1:
+        raise UnsupportedDataError(
+            f"{where} is a {dataset.ndim}-d dataset of variable-length strings; shmcache strings "
+            "are a 1-D sequence: reshape it in the file, or put_strings its flattened values"
+        )
+    try:
+        values = dataset.asstr()[()].tolist()
+    except UnicodeDecodeError as exc:
+        raise CorruptSourceError(f"{where} holds strings that are not valid UTF-8 ({exc})") from None
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise CorruptSourceError(f"{where} cannot be decoded ({exc}): damaged or truncated") from None
+    container = Container("strings", encode_strings(values, where), {"length": len(values)})
+    return Planned(
+        key=member_key(key, name, path, "dataset"),
+        header=container_header(container),
+        source=where,
+        file=file,
+        copy_offset=None,
+        member=name,
+        container=container,
+    )
+
+
+def _check_dataset(h5py: Any, dataset: Any, where: str) -> tuple[np.dtype, tuple[int, ...]]:
+    raw = dataset.dtype
+    if h5py.check_vlen_dtype(raw) is not None or h5py.check_ref_dtype(raw) is not None:
+        raise UnsupportedDataError(
+            f"{where} holds variable-length sequences or object references, which are not arrays"
+        )
+    dtype = _plain(raw)
+    check_storable_dtype(dtype, where)
+    return dtype, tuple(int(n) for n in dataset.shape)
+
+
+def _plain(dtype: np.dtype) -> np.dtype:
+    """``dtype`` without h5py's metadata (enum names, string info), which .npy cannot keep."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return npy_format.descr_to_dtype(npy_format.dtype_to_descr(dtype))  # type: ignore[no-any-return]
+
+
+def _decoder(
+    path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...], prefix: bytes
+) -> Callable[[int, int, Path, Callable[[int], None]], int]:
+    """Writes ``prefix`` then the dataset, read by h5py from the reopened file in slabs of rows."""
+    where = f"{path}[{name}]"
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    per_slab = max(1, _SLAB_BYTES // max(1, row_bytes))
+
+    def write(src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+        h5py = _h5py(path)
+        write_all(dst, prefix, target)
+        advance(len(prefix))
+        crc = zlib.crc32(prefix)
+        with open(os.dup(src), "rb") as fp, _open(h5py, fp, path) as h5:
+            dataset = h5.get(name)
+            if not isinstance(dataset, h5py.Dataset) or tuple(dataset.shape or ()) != shape:
+                raise CorruptSourceError(f"{where} changed after it was checked; nothing was published")
+            slabs = [()] if not shape else [slice(i, i + per_slab) for i in range(0, shape[0], per_slab)]
+            for slab in slabs:
+                data = _read(dataset, slab, dtype, where)
+                write_all(dst, data, target)
+                crc = zlib.crc32(data, crc)
+                advance(len(data))
+        return crc
+
+    return write
+
+
+def _read(dataset: Any, slab: Any, dtype: np.dtype, where: str) -> memoryview:
+    try:
+        values = np.ascontiguousarray(dataset[slab])
+    except ShmCacheError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise CorruptSourceError(f"{where} cannot be decoded ({exc}): damaged or truncated") from None
+    if values.dtype.itemsize != dtype.itemsize:
+        raise CorruptSourceError(f"{where} changed after it was checked; nothing was published")
+    return values.reshape(-1).view(np.uint8).data

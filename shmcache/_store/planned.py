@@ -1,0 +1,110 @@
+"""What a ``put_file`` will write, one item per entry, decided before any byte is copied.
+
+Three ways to fill an entry's ``data.npy``: copy a source's own ``.npy`` bytes (``.npy``,
+stored ``.npz`` members), write a header built here and then copy a raw byte range
+(``prefix``: safetensors, contiguous torch tensors), or run a decoder (``write``:
+compressed ``.npz`` members are inflated by ``sources``, HDF5 datasets, strided tensors).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._disk.keys import validate_key
+from .._disk.npy import NpyHeader, build_header
+from .._disk.source_files import SourceFile, check_unchanged, reopen
+from .._disk.writer import VersionWriter
+from ..errors import ShmCacheError
+from .writing import ITEM_TYPES, version_meta
+
+__all__ = ["Container", "Planned", "Writer", "container_header", "member_key", "write_container"]
+
+Writer = Callable[[int, int, Path, Callable[[int], None]], int]
+"""``write(src, dst, target, advance) -> crc32``: append the whole ``.npy`` (header
+included) to ``dst`` from the reopened source ``src``, calling ``advance(n)`` per chunk."""
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container entry decoded from a source when it was checked (HDF5 variable-length
+    strings): its kind, its files (name without ``.npy`` -> array) and extra metadata."""
+
+    kind: str
+    files: Mapping[str, np.ndarray]
+    extra: Mapping[str, Any]
+
+
+def container_header(container: Container) -> NpyHeader:
+    """A header that only sizes a container (``put_file`` reserves and reports bytes from
+    ``header.file_size``): the bytes of all its ``.npy`` files."""
+    size = sum(len(build_header(a.dtype, a.shape, False)) + a.nbytes for a in container.files.values())
+    return NpyHeader(np.dtype(np.uint8), (size,), False, 0)
+
+
+@dataclass
+class Planned:
+    """One entry a ``put_file`` call will write, validated before any byte is copied.
+
+    ``key`` is validated; ``header`` is what the entry's metadata is built from (the
+    source's own header, or the one built in ``prefix``).
+    """
+
+    key: str
+    header: NpyHeader
+    source: str
+    file: SourceFile
+    copy_offset: int | None  # None: the member is compressed and must be inflated
+    member: str | None = None
+    version: str = field(default="")
+    prefix: bytes | None = None
+    """A built ``.npy`` header written first; ``copy_offset`` then starts the raw payload."""
+    write: Writer | None = None
+    """Decodes the source into the entry (``copy_offset`` is unused then)."""
+    container: Container | None = None
+    """Not an array: a container, written by :func:`write_container` (``header`` only sizes it)."""
+
+    @property
+    def fingerprint(self) -> dict[str, int]:
+        return self.file.fingerprint
+
+    @property
+    def copy_from(self) -> str:
+        return self.file.path
+
+
+def member_key(key: str, name: str, path: Path, what: str) -> str:
+    """``key/<name>`` for a tensor or dataset ``name`` of ``path``, or the key error naming both."""
+    try:
+        return validate_key(f"{key}/{name}")
+    except ShmCacheError as exc:
+        raise type(exc)(
+            f"{path}: {what} {name!r} does not make a valid key ({exc}); rename it, or load the "
+            "file with its own library and put the arrays under keys of your choosing"
+        ) from None
+
+
+def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Callable[[int], None]) -> None:
+    """Write ``item.container``'s files and ``meta.json`` into ``item.version``. Its arrays
+    were decoded from the checked file; the file must still be that file, unchanged."""
+    assert item.container is not None
+    src = reopen(item.file)
+    try:
+        check_unchanged(src, item.file)
+    finally:
+        os.close(src)
+    kind, crcs, headers = item.container.kind, {}, {}
+    for name, array in item.container.files.items():
+        crcs[name], headers[name] = writer.write_array(item.version, f"{name}.npy", array)
+        advance(headers[name].file_size)
+    meta = version_meta(item.key, kind, item.version, headers, crcs, pin) | dict(item.container.extra)
+    meta["shape"] = [meta.get("length", 0)]  # what `ls` shows, as for every container
+    meta.setdefault("dtype", ITEM_TYPES.get(kind))
+    meta["source"] = item.source
+    meta["source_fingerprint"] = item.fingerprint
+    writer.write_meta(item.version, meta)
