@@ -575,3 +575,20 @@ async def drive(
     await asyncio.gather(*(client(i) for i in range(clients)))
     run.elapsed_s = time.perf_counter() - start_all
     return run
+
+
+# ---------------------------------------------------------------------- data sets
+
+
+def make_annotations(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Issue 11's annotation dicts, ``{"bbox": [4 floats], "label": int, "id": str}``, n of
+    them, deterministic for a seed (what ``share()`` of a Dataset's annotations sees)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    boxes = np.round(rng.uniform(0, 640, size=(n, 4)), 2).tolist()
+    labels = rng.integers(0, 80, size=n).tolist()
+    return [
+        {"bbox": box, "label": label, "id": f"ann-{seed}-{i:09d}"}
+        for i, (box, label) in enumerate(zip(boxes, labels, strict=True))
+    ]

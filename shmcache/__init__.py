@@ -28,8 +28,10 @@ from ._api import (
     share,
     stats,
 )
+from ._api import open_table, put_table
 from ._containers.group import SharedGroup
 from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._containers.table import SharedTable
 from ._disk.keys import MAX_KEY_LENGTH, validate_key
 from ._disk.layout import default_root
 from ._disk.procmaps import MappingScan
@@ -118,4 +120,7 @@ __all__ = [
     "share",
     "stats",
     "validate_key",
+    "SharedTable",
+    "open_table",
+    "put_table",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 
 from ._containers.group import SharedGroup
 from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._containers.table import SharedTable
 from ._disk.layout import ENV_ROOT
 from ._store import EntryInfo, Store, StoreStats
 
@@ -39,6 +40,8 @@ __all__ = [
     "put_strings",
     "share",
     "stats",
+    "put_table",
+    "open_table",
 ]
 
 _stores: dict[str | None, Store] = {}
@@ -202,3 +205,16 @@ def share(key: str, obj: Any, *, root: Root = None) -> Any:
         self.paths = shmcache.share("paths", self.paths)
     """
     return get_store(root).share(key, obj)
+
+
+def put_table(
+    key: str, data: Any, *, root: Root = None, overwrite: bool = False, pin: bool = False
+) -> EntryInfo:
+    """Publish a table (pyarrow Table, DataFrame, dict of columns, list of dicts, or a
+    .parquet/.feather/.arrow/.csv/.jsonl path); ``open_table(key)`` gives it back."""
+    return get_store(root).put_table(key, data, overwrite=overwrite, pin=pin)
+
+
+def open_table(key: str, *, root: Root = None) -> SharedTable:
+    """Read-only table: ``table[i]`` a fresh dict, ``column(name)`` zero-copy, ``to_arrow()``."""
+    return get_store(root).open_table(key)

@@ -30,6 +30,8 @@ from .._containers.encode import (
 )
 from .._containers.group import SharedGroup
 from .._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings, open_version
+from .._containers.table import SharedTable
+from .._containers.table_arrow import encode_table
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
@@ -46,6 +48,7 @@ from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
+from .tables import is_table_file, plan_table_file, read_table_source
 from .space import reserve
 from .writing import ITEM_TYPES, publish, version_meta
 
@@ -135,6 +138,10 @@ class Store:
         """Read-only ``Mapping[str, X]`` over a ``put_mapping`` entry."""
         return self._reader.open(key, "mapping")  # type: ignore[no-any-return]
 
+    def open_table(self, key: str) -> SharedTable:
+        """Read-only table over a ``put_table`` entry: rows as fresh dicts, zero-copy columns."""
+        return self._reader.open(key, "table")  # type: ignore[no-any-return]
+
     def open_group(self, prefix: str) -> SharedGroup:
         """Lazy read-only ``Mapping`` of every entry under ``prefix`` (relative names)."""
         validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
@@ -208,11 +215,29 @@ class Store:
         _, files, meta = encode_mapping(mapping, f"mapping for key {key!r}")
         return self._put_entry(key, "mapping", files, meta, overwrite=overwrite, pin=pin)
 
+    def put_table(
+        self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        """Publish a table: a pyarrow Table, a pandas DataFrame, a dict of columns, a list of
+        dicts with one set of keys, or a path to a .parquet/.feather/.arrow/.csv/.jsonl file."""
+        validate_key(key)
+        if isinstance(data, (str, os.PathLike)):
+            if not is_table_file(data):
+                raise UnsupportedDataError(
+                    f"{data}: put_table reads .parquet, .feather, .arrow, .csv or .jsonl files"
+                )
+            files, meta = read_table_source(Path(data))
+        else:
+            files, meta = encode_table(data, f"table for key {key!r}")
+        return self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
+
     def share(self, key: str, obj: Any) -> Any:
         """Put ``obj`` in the form that fits it and return the opened shared object.
 
         ndarray -> array; list of str -> strings; list of equal-dtype arrays -> ragged;
-        list of dicts/lists -> records; dict -> mapping. If ``key`` already holds the
+        list of dicts with one set of keys and plain values (int, float, bool, str, lists of
+        numbers, None) -> table (``SharedTable``: rows come back equal, same types); other
+        lists of dicts/lists -> records; dict -> mapping. If ``key`` already holds the
         same content (many experiments sharing one dataset), it is reused, not written
         again; different content replaces it (processes reading the old version keep it).
         """
@@ -268,7 +293,8 @@ class Store:
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
-        directory of them (as ``key/<relative path without suffix>``).
+        directory of them (as ``key/<relative path without suffix>``); a ``.parquet``,
+        ``.feather``/``.arrow``, ``.csv`` or ``.jsonl`` file as one table entry.
 
         Everything is validated before anything is copied: a truncated or corrupt file
         raises a typed error naming it and publishes nothing. Payloads are copied by the
@@ -281,6 +307,15 @@ class Store:
         A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
+        if is_table_file(path) and not os.path.isdir(path):  # .parquet, .feather, .csv...: one table entry
+            files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
+            size = int(meta["source_fingerprint"]["size"])
+            if progress is not None:
+                progress(0, size)
+            self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
+            if progress is not None:
+                progress(size, size)
+            return [key]
         plan = plan_sources(key, Path(path), builtins.list(allowed_dirs))
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
@@ -331,6 +366,8 @@ class Store:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
+        if is_table_file(path) and not os.path.isdir(path):
+            return [plan_table_file(key, Path(path), builtins.list(allowed_dirs))]
         return [
             PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
             for p in plan_sources(key, Path(path), builtins.list(allowed_dirs))
