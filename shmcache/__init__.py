@@ -19,16 +19,17 @@ from ._api import (
     open_ragged,
     open_records,
     open_strings,
+    open_table,
     put_array,
     put_file,
     put_mapping,
     put_ragged,
     put_records,
     put_strings,
+    put_table,
     share,
     stats,
 )
-from ._api import open_table, put_table
 from ._containers.group import SharedGroup
 from ._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings
 from ._containers.table import SharedTable
@@ -89,6 +90,7 @@ __all__ = [
     "SharedRagged",
     "SharedRecords",
     "SharedStrings",
+    "SharedTable",
     "ShmCacheError",
     "SourceNotAllowedError",
     "SourceNotFoundError",
@@ -111,16 +113,15 @@ __all__ = [
     "open_ragged",
     "open_records",
     "open_strings",
+    "open_table",
     "put_array",
     "put_file",
     "put_mapping",
     "put_ragged",
     "put_records",
     "put_strings",
+    "put_table",
     "share",
     "stats",
     "validate_key",
-    "SharedTable",
-    "open_table",
-    "put_table",
 ]

@@ -32,16 +32,16 @@ __all__ = [
     "open_ragged",
     "open_records",
     "open_strings",
+    "open_table",
     "put_array",
     "put_file",
     "put_mapping",
     "put_ragged",
     "put_records",
     "put_strings",
+    "put_table",
     "share",
     "stats",
-    "put_table",
-    "open_table",
 ]
 
 _stores: dict[str | None, Store] = {}

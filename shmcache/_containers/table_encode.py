@@ -33,6 +33,7 @@ __all__ = [
     "encode_column_values",
     "encode_table_columns",
     "encode_table_records",
+    "list_description",
     "table_meta",
 ]
 
@@ -41,7 +42,7 @@ Column = tuple[dict[str, np.ndarray], dict[str, Any]]
 
 _NUMBER_TYPES = {int: np.int64, float: np.float64, bool: np.bool_}
 _ARROW_NAMES = {
-    "b": "bool", "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64", "u1": "uint8",
+    "b1": "bool", "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64", "u1": "uint8",
     "u2": "uint16", "u4": "uint32", "u8": "uint64", "f2": "halffloat", "f4": "float", "f8": "double",
 }  # fmt: skip
 
@@ -58,6 +59,13 @@ def arrow_name(dtype: np.dtype[Any]) -> str:
 def validity(valid: np.ndarray) -> np.ndarray:
     """Arrow's validity bitmap (bit ``i % 8`` of byte ``i // 8``) of a bool array."""
     return np.packbits(valid, bitorder="little")
+
+
+def list_description(dtype: np.dtype[Any], size: int | None) -> dict[str, Any]:
+    """The ``meta.json`` description of a list column (``size``: fixed size, or None)."""
+    inner = arrow_name(dtype)
+    arrow = f"large_list<{inner}>" if size is None else f"fixed_size_list<{inner}>[{size}]"
+    return {"kind": "list", "dtype": dtype.str, "arrow": arrow, "size": size}
 
 
 def _number_column(values: np.ndarray, valid: np.ndarray | None) -> Column:
@@ -89,7 +97,7 @@ def _string_column(texts: Sequence[Any], valid: np.ndarray | None) -> Column:
         )
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    files = {"bytes": np.frombuffer(data, dtype=np.uint8), "offsets": offsets}
+    files: dict[str, np.ndarray] = {"bytes": np.frombuffer(data, dtype=np.uint8), "offsets": offsets}
     if valid is not None:
         files["valid"] = validity(valid)
     return files, {"kind": "string", "dtype": "str", "arrow": "large_string"}
@@ -114,21 +122,18 @@ def _list_column(lists: Sequence[Any], valid: np.ndarray | None, strict: bool) -
         raise NotTabular("lists mixing " + ", ".join(sorted(t.__name__ for t in kinds)))
     dtype = np.float64 if float in kinds else _NUMBER_TYPES[kinds.pop()]
     try:
-        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=total)
+        flat: np.ndarray = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=total)
     except OverflowError:
         raise NotTabular("integers beyond int64") from None
-    arrow = arrow_name(np.dtype(dtype))
     if valid is None and count and total == count * int(lengths[0]) and (lengths == lengths[0]).all():
         size = int(lengths[0])
-        files = {"values": flat.reshape(count, size)}
-        return files, {"kind": "list", "dtype": np.dtype(dtype).str, "arrow": f"fixed_size_list<{arrow}>[{size}]",
-                       "size": size}  # fmt: skip
+        return {"values": flat.reshape(count, size)}, list_description(flat.dtype, size)
     offsets = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     files = {"values": flat, "offsets": offsets}
     if valid is not None:
         files["valid"] = validity(valid)
-    return files, {"kind": "list", "dtype": np.dtype(dtype).str, "arrow": f"large_list<{arrow}>", "size": None}
+    return files, list_description(flat.dtype, None)
 
 
 def encode_column_values(values: Any, strict: bool = False) -> Column:
@@ -142,15 +147,14 @@ def encode_column_values(values: Any, strict: bool = False) -> Column:
         if values.ndim == 1 and values.dtype.kind in "biufM":
             return _number_column(values, None)
         if values.ndim == 2 and values.dtype.kind in "biuf" and values.shape[1] > 0:
-            files = {"values": np.ascontiguousarray(values)}
-            arrow = arrow_name(values.dtype)
-            return files, {"kind": "list", "dtype": values.dtype.str,
-                           "arrow": f"fixed_size_list<{arrow}>[{values.shape[1]}]", "size": values.shape[1]}  # fmt: skip
+            return {"values": np.ascontiguousarray(values)}, list_description(values.dtype, values.shape[1])
         if values.ndim != 1 or values.dtype.kind not in "OUS":
             raise NotTabular(f"a {values.ndim}-d array of {values.dtype}")
         values = values.tolist()
     count = len(values)
-    types = set(map(type, values))
+    first = type(values[0]) if count else float
+    # One C pass when every value has the first one's type (the usual case), else a set.
+    types = {first} if operator.countOf(map(type, values), first) == count else set(map(type, values))
     valid = None
     if type(None) in types:
         types.discard(type(None))
@@ -167,7 +171,7 @@ def encode_column_values(values: Any, strict: bool = False) -> Column:
         dtype = np.float64 if float in types else _NUMBER_TYPES[next(iter(types))]
         source = values if valid is None else [0 if v is None else v for v in values]
         try:
-            array = np.fromiter(source, dtype=dtype, count=count)
+            array: np.ndarray = np.fromiter(source, dtype=dtype, count=count)
         except OverflowError:
             raise NotTabular("integers beyond int64") from None
         return _number_column(array, valid)
@@ -193,7 +197,9 @@ def _refusal(what: str, name: str, exc: UnsupportedDataError) -> UnsupportedData
     )
 
 
-def encode_table_columns(columns: Mapping[Any, Any], what: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def encode_table_columns(
+    columns: Mapping[Any, Any], what: str
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A dict of columns (name -> list or 1-D/2-D ndarray) as a table's files and meta."""
     names = list(columns)
     for name in names:

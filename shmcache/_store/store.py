@@ -48,8 +48,8 @@ from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
-from .tables import is_table_file, plan_table_file, read_table_source
 from .space import reserve
+from .tables import is_table_file, plan_table_file, read_table_source
 from .writing import ITEM_TYPES, publish, version_meta
 
 __all__ = ["Store"]
