@@ -83,9 +83,11 @@ def test_dataframe_dict_of_columns_and_list_of_dicts(store: shmcache.Store) -> N
     store.put_table("df", frame)
     assert store.open_table("df")[1] == {"x": None, "n": 2, "s": None, "c": "v"}
     store.put_table("cols", {"a": np.arange(3, dtype=np.int16), "b": ["x", "y", None],
-                             "m": np.eye(3, dtype=np.float32), "d": [1, 2.5, None]})
+                             "m": np.eye(3, dtype=np.float32), "d": [1, 2.5, None],
+                             "big_endian": np.arange(6, dtype=">f8").reshape(3, 2)})
     cols = store.open_table("cols")
-    assert cols[2] == {"a": 2, "b": None, "m": [0.0, 0.0, 1.0], "d": None}
+    assert cols[2] == {"a": 2, "b": None, "m": [0.0, 0.0, 1.0], "d": None, "big_endian": [4.0, 5.0]}
+    assert cols.to_arrow().column("big_endian").to_pylist()[2] == [4.0, 5.0]
     assert cols.column("a").dtype == np.int16 and cols.column("m").dtype == np.float32
     store.put_table("rows", ROWS)
     assert list(store.open_table("rows")) == ROWS
@@ -161,6 +163,7 @@ def test_every_access_is_a_fresh_object(store: shmcache.Store) -> None:
     row["label"] = "changed"
     assert table[0] == ROWS[0] and table[0] is not table[0]
     assert table.valid("label") is not table.valid("label")
+    assert table.column("score") is not table.column("score")  # a fresh view of the same memory
     with pytest.raises(ValueError, match="read-only"):
         table.column("score")[0] = 1.0
 

@@ -27,18 +27,16 @@ def _flat_view(array: np.ndarray) -> memoryview:
     return array.reshape(-1).data if array.size else memoryview(array.reshape(-1).tobytes()).cast("B")
 
 
-def _scalar_getter(values: np.ndarray, desc: Mapping[str, Any]) -> _Getter:
-    if desc["kind"] == "datetime":
-        unit, tz = desc["unit"], desc.get("tz")
-        zone = _zone(tz) if tz else None
-        micros = values.astype("datetime64[us]") if unit != "us" else values
+def _datetime_getter(values: np.ndarray, desc: Mapping[str, Any]) -> _Getter:
+    unit, tz = desc["unit"], desc.get("tz")
+    zone = _zone(tz) if tz else None
+    micros = values.astype("datetime64[us]") if unit != "us" else values
 
-        def stamp(i: int) -> Any:
-            value = micros[i].item()  # a datetime.datetime (ns are truncated to us)
-            return value.replace(tzinfo=datetime.timezone.utc).astimezone(zone) if zone else value
+    def stamp(i: int) -> Any:
+        value = micros[i].item()  # a datetime.datetime (ns are truncated to us)
+        return value.replace(tzinfo=datetime.timezone.utc).astimezone(zone) if zone else value
 
-        return stamp
-    return _flat_view(values).__getitem__
+    return stamp
 
 
 def _zone(name: str) -> datetime.tzinfo:
@@ -72,7 +70,7 @@ def _row_function(columns: Sequence[Mapping[str, Any]], files: Mapping[str, np.n
                 size = values.shape[1]
                 expr = f"F{c}[i * {size} : i * {size} + {size}].tolist()"
         elif kind == "datetime":
-            scope[f"G{c}"] = _scalar_getter(files[prefix + "values"], desc)
+            scope[f"G{c}"] = _datetime_getter(files[prefix + "values"], desc)
             expr = f"G{c}(i)"
         else:
             scope[f"F{c}"] = _flat_view(files[prefix + "values"])
@@ -152,9 +150,7 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
         if desc["kind"] == "list" and prefix + "offsets" in self._files:
             return SharedRagged(self._ref, self._files, prefix=prefix)
         values = self._files[prefix + "values"]
-        if desc["kind"] == "datetime":
-            return values.view(desc["dtype"])
-        return values
+        return values.view(desc["dtype"]) if desc["kind"] == "datetime" else values.view()  # a fresh view
 
     def valid(self, name: str) -> np.ndarray:
         """A fresh bool array: True where column ``name`` is not null."""

@@ -144,6 +144,8 @@ def encode_column_values(values: Any, strict: bool = False) -> Column:
     column holds; callers add the column's name.
     """
     if isinstance(values, np.ndarray):
+        if not values.dtype.isnative:  # Arrow (and memoryview indexing) want native byte order
+            values = values.astype(values.dtype.newbyteorder("="))
         if values.ndim == 1 and values.dtype.kind in "biufM":
             return _number_column(values, None)
         if values.ndim == 2 and values.dtype.kind in "biuf" and values.shape[1] > 0:
