@@ -286,11 +286,13 @@ def test_share_keeps_records_for_mixed_or_nested_dicts(store: shmcache.Store, an
 
 
 def test_records_fast_path_keeps_the_exact_cases(store: shmcache.Store) -> None:
-    records = [{"big": 2**80, "surrogate": "\udcff", "none": None, "nan": float("nan")},
+    records = [{"big": 2**80, "small": -(2**63) - 1, "u64": 2**64 - 1, "surrogate": "\udcff", "none": None,
+                "nan": float("nan")},
                {"s": "null inside", "f": 1e-300, "n": -(2**63)}]
     store.put_records("r", records, allow_nan=True)
     got = store.open_records("r")
-    assert got[0]["big"] == 2**80 and got[0]["surrogate"] == "\udcff" and np.isnan(got[0]["nan"])
+    assert got[0]["big"] == 2**80 and got[0]["small"] == -(2**63) - 1 and got[0]["u64"] == 2**64 - 1
+    assert type(got[0]["big"]) is int and got[0]["surrogate"] == "\udcff" and np.isnan(got[0]["nan"])
     assert got[1] == records[1]
 
 

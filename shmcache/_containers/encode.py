@@ -131,9 +131,27 @@ def _jsonable(value: Any, path: str, allow_nan: bool) -> Any:
     raise UnsupportedDataError(f"{path} is a {type(value).__name__}, which is not JSON-compatible{hint}")
 
 
+JSON_ONLY = b"\xef\xbb\xbf"
+"""Prefix (a UTF-8 byte order mark) of a document only ``json`` reads exactly: orjson
+refuses it and ``json.loads`` skips it. Marks records with integers beyond 64 bits, which
+orjson would read back as floats."""
+
+
 def _checked_json(record: Any, path: str, allow_nan: bool) -> bytes:
     """The slow, exact encoding: ``_jsonable``'s checks and typed errors, then ``json``."""
-    return utf8(json.dumps(_jsonable(record, path, allow_nan), ensure_ascii=False, separators=(",", ":")))
+    value = _jsonable(record, path, allow_nan)
+    blob = utf8(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    return JSON_ONLY + blob if _has_huge_int(value) else blob
+
+
+def _has_huge_int(value: Any) -> bool:
+    if isinstance(value, int):
+        return not -(2**63) <= value < 2**64
+    if isinstance(value, dict):
+        return any(map(_has_huge_int, value.values()))
+    if isinstance(value, list):
+        return any(map(_has_huge_int, value))
+    return False
 
 
 def fast_json() -> Any | None:

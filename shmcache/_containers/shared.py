@@ -260,7 +260,7 @@ class SharedRecords(_Shared, Sequence[Any]):
         document = self._buffer[start + offsets[i] : start + offsets[i + 1]]
         try:
             return self._loads(document)
-        except ValueError:  # NaN, or lone surrogates: json.loads reads them (surrogatepass)
+        except ValueError:  # NaN, lone surrogates, huge ints (marked): json.loads reads them exactly
             return json.loads(document)
 
     def __iter__(self) -> Iterator[Any]:
