@@ -8,7 +8,6 @@ one precomputed getter per column so a row costs a few C calls per column.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -28,6 +27,8 @@ def _flat_view(array: np.ndarray) -> memoryview:
 
 
 def _datetime_getter(values: np.ndarray, desc: Mapping[str, Any]) -> _Getter:
+    import datetime  # here: `import shmcache` stays light (a DataLoader worker pays for it)
+
     unit, tz = desc["unit"], desc.get("tz")
     zone = _zone(tz) if tz else None
     micros = values.astype("datetime64[us]") if unit != "us" else values
@@ -39,7 +40,9 @@ def _datetime_getter(values: np.ndarray, desc: Mapping[str, Any]) -> _Getter:
     return stamp
 
 
-def _zone(name: str) -> datetime.tzinfo:
+def _zone(name: str) -> Any:
+    import datetime
+
     if name.upper() in ("UTC", "Z", "+00:00"):
         return datetime.timezone.utc
     import zoneinfo
