@@ -198,7 +198,8 @@ class Store:
     ) -> EntryInfo:
         """Publish JSON-compatible records (dicts, lists, str, numbers, bools, None).
 
-        numpy scalars become Python numbers and tuples become lists; anything else
+        numpy scalars become Python numbers, tuples lists, UUIDs strings and enum members
+        their values (orjson's encoding); anything else
         (sets, bytes, arrays, custom objects, non-str keys, NaN unless ``allow_nan``)
         raises :class:`UnsupportedDataError` naming where it is in the record.
         """
