@@ -596,3 +596,18 @@ def make_blob_tree(directory: Path, n: int, min_kib: int, max_kib: int, seed: in
         start = (i * 4099) % 4096
         (sub / f"{i:06d}.jpg").write_bytes(pool[start : start + size])
     return int(sizes.sum())
+# ---------------------------------------------------------------------- data sets
+
+
+def make_annotations(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Issue 11's annotation dicts, ``{"bbox": [4 floats], "label": int, "id": str}``, n of
+    them, deterministic for a seed (what ``share()`` of a Dataset's annotations sees)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    boxes = np.round(rng.uniform(0, 640, size=(n, 4)), 2).tolist()
+    labels = rng.integers(0, 80, size=n).tolist()
+    return [
+        {"bbox": box, "label": label, "id": f"ann-{seed}-{i:09d}"}
+        for i, (box, label) in enumerate(zip(boxes, labels, strict=True))
+    ]

@@ -20,6 +20,7 @@ from ._api import (
     open_ragged,
     open_records,
     open_strings,
+    open_table,
     put_array,
     put_blobs,
     put_file,
@@ -27,11 +28,13 @@ from ._api import (
     put_ragged,
     put_records,
     put_strings,
+    put_table,
     share,
     stats,
 )
 from ._containers.group import SharedGroup
 from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._containers.table import SharedTable
 from ._disk.keys import MAX_KEY_LENGTH, validate_key
 from ._disk.layout import default_root
 from ._disk.procmaps import MappingScan
@@ -90,6 +93,7 @@ __all__ = [
     "SharedRagged",
     "SharedRecords",
     "SharedStrings",
+    "SharedTable",
     "ShmCacheError",
     "SourceNotAllowedError",
     "SourceNotFoundError",
@@ -113,6 +117,7 @@ __all__ = [
     "open_ragged",
     "open_records",
     "open_strings",
+    "open_table",
     "put_array",
     "put_blobs",
     "put_file",
@@ -120,6 +125,7 @@ __all__ = [
     "put_ragged",
     "put_records",
     "put_strings",
+    "put_table",
     "share",
     "stats",
     "validate_key",

@@ -13,6 +13,7 @@ import numpy as np
 
 from ._containers.group import SharedGroup
 from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
+from ._containers.table import SharedTable
 from ._disk.layout import ENV_ROOT
 from ._store import EntryInfo, Store, StoreStats
 
@@ -32,6 +33,7 @@ __all__ = [
     "open_ragged",
     "open_records",
     "open_strings",
+    "open_table",
     "put_array",
     "put_blobs",
     "put_file",
@@ -39,6 +41,7 @@ __all__ = [
     "put_ragged",
     "put_records",
     "put_strings",
+    "put_table",
     "share",
     "stats",
 ]
@@ -225,3 +228,14 @@ def put_blobs(
 def open_blobs(key: str, *, root: Root = None) -> SharedBlobs:
     """Read-only blobs: ``blobs[i]`` or ``blobs["dir/name.jpg"]`` is a zero-copy uint8 view."""
     return get_store(root).open_blobs(key)
+def put_table(
+    key: str, data: Any, *, root: Root = None, overwrite: bool = False, pin: bool = False
+) -> EntryInfo:
+    """Publish a table (pyarrow Table, DataFrame, dict of columns, list of dicts, or a
+    .parquet/.feather/.arrow/.csv/.jsonl path); ``open_table(key)`` gives it back."""
+    return get_store(root).put_table(key, data, overwrite=overwrite, pin=pin)
+
+
+def open_table(key: str, *, root: Root = None) -> SharedTable:
+    """Read-only table: ``table[i]`` a fresh dict, ``column(name)`` zero-copy, ``to_arrow()``."""
+    return get_store(root).open_table(key)

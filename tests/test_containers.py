@@ -313,7 +313,8 @@ def test_share_picks_the_form(store: shmcache.Store) -> None:
     assert isinstance(store.share("a", np.arange(3)), np.ndarray)
     assert isinstance(store.share("s", ["x", "y"]), shmcache.SharedStrings)
     assert isinstance(store.share("g", [np.zeros(2), np.ones(3)]), shmcache.SharedRagged)
-    assert isinstance(store.share("r", [{"a": 1}]), shmcache.SharedRecords)
+    assert isinstance(store.share("t", [{"a": 1}]), shmcache.SharedTable)  # one schema: columns
+    assert isinstance(store.share("r", [{"a": {"b": 1}}]), shmcache.SharedRecords)
     assert isinstance(store.share("m", {"a": np.zeros(2)}), shmcache.SharedMapping)
     for bad in (42, [1, "a"], {1, 2}, [object()]):
         with pytest.raises(shmcache.UnsupportedDataError):

@@ -11,7 +11,7 @@ import bisect
 import json
 import operator
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, overload
 
@@ -21,9 +21,10 @@ from .._disk.attach import MappedFile, attach_array, mapped_base
 from .._disk.layout import Layout
 from .._disk.meta import read_meta
 from ..errors import KeyNotFoundError, UnsupportedDataError
-from .encode import utf8
+from .encode import fast_json, utf8
 
 __all__ = [
+    "READERS",
     "EntryRef",
     "SharedBlobs",
     "SharedMapping",
@@ -113,7 +114,8 @@ class SharedStrings(_Shared, Sequence[str]):
     """A read-only sequence of ``str`` in shared memory (``put_strings``).
 
     ``strings[i]`` decodes one string; ``s in strings`` and ``strings.index(s)`` use a
-    prebuilt hash index (no dict is built in the reader).
+    prebuilt hash index (no dict is built in the reader); a table's string column has
+    none (12 bytes a row saved) and scans.
     """
 
     __slots__ = ("_buffer", "_bytes", "_hashes", "_length", "_offsets", "_order", "_start")
@@ -124,8 +126,9 @@ class SharedStrings(_Shared, Sequence[str]):
         self._buffer, self._start = _byte_source(files[f"{prefix}bytes"])
         self._offsets = files[f"{prefix}offsets"].data  # Python ints on indexing
         self._length = len(self._offsets) - 1
-        self._hashes = files[f"{prefix}hashes"].data
-        self._order = files[f"{prefix}order"].data
+        hashes = files.get(f"{prefix}hashes")  # a table's string column has no hash index
+        self._hashes = hashes.data if hashes is not None else None
+        self._order = files[f"{prefix}order"].data if hashes is not None else None
 
     def __len__(self) -> int:
         return self._length
@@ -159,8 +162,11 @@ class SharedStrings(_Shared, Sequence[str]):
         if not isinstance(value, str):
             return -1
         encoded = utf8(value)
-        wanted = zlib.crc32(encoded)
         hashes, order, offsets = self._hashes, self._order, self._offsets
+        if hashes is None or order is None:  # no index: a scan
+            found = (i for i in range(self._length) if self._bytes[offsets[i] : offsets[i + 1]] == encoded)
+            return next(found, -1)
+        wanted = zlib.crc32(encoded)
         at = bisect.bisect_left(hashes, wanted)  # type: ignore[call-overload]
         while at < len(hashes) and hashes[at] == wanted:
             position = order[at]
@@ -228,13 +234,15 @@ class SharedRecords(_Shared, Sequence[Any]):
     change neither the cache nor what the next access (or epoch) sees.
     """
 
-    __slots__ = ("_buffer", "_length", "_offsets", "_start")
+    __slots__ = ("_buffer", "_length", "_loads", "_offsets", "_start")
 
     def __init__(self, ref: EntryRef, files: Mapping[str, np.ndarray], prefix: str = "") -> None:
         self._ref = ref
         self._buffer, self._start = _byte_source(files[f"{prefix}bytes"])
         self._offsets = files[f"{prefix}offsets"].data
         self._length = len(self._offsets) - 1
+        orjson = fast_json()
+        self._loads = json.loads if orjson is None else orjson.loads
 
     def __len__(self) -> int:
         return self._length
@@ -250,8 +258,11 @@ class SharedRecords(_Shared, Sequence[Any]):
 
     def _decode(self, i: int) -> Any:
         offsets, start = self._offsets, self._start
-        # json.loads decodes bytes with surrogatepass, matching how they were encoded.
-        return json.loads(self._buffer[start + offsets[i] : start + offsets[i + 1]])
+        document = self._buffer[start + offsets[i] : start + offsets[i + 1]]
+        try:
+            return self._loads(document)
+        except ValueError:  # NaN, lone surrogates, huge ints (marked): json.loads reads them exactly
+            return json.loads(document)
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -366,10 +377,16 @@ class SharedBlobs(_Shared, Sequence[np.ndarray]):
     def sizes(self) -> np.ndarray:
         """Size of every blob in bytes."""
         return np.diff(np.asarray(self._offsets))
+READERS: dict[str, Callable[[EntryRef, Mapping[str, np.ndarray], Mapping[str, Any]], Any]] = {}
+"""Reader classes of kinds defined in modules of their own (``table``), which register
+here when imported (``shmcache`` imports them all), so this module needs no import of them."""
 
 
 def container_for(ref: EntryRef, files: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Any:
     """The reader object of a non-array entry kind."""
+    reader = READERS.get(ref.kind)
+    if reader is not None:
+        return reader(ref, files, meta)
     if ref.kind == "strings":
         return SharedStrings(ref, files)
     if ref.kind == "ragged":

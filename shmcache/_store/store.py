@@ -37,6 +37,8 @@ from .._containers.shared import (
     SharedStrings,
     open_version,
 )
+from .._containers.table import SharedTable
+from .._containers.table_arrow import encode_table
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
@@ -56,6 +58,7 @@ from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
 from .space import reserve
+from .tables import is_table_file, plan_table_file, read_table_source
 from .writing import ITEM_TYPES, publish, version_meta
 
 __all__ = ["Store"]
@@ -147,6 +150,9 @@ class Store:
     def open_blobs(self, key: str) -> SharedBlobs:
         """Read-only blobs (uint8 views by position or name) over a ``put_blobs`` entry."""
         return self._reader.open(key, "blobs")  # type: ignore[no-any-return]
+    def open_table(self, key: str) -> SharedTable:
+        """Read-only table over a ``put_table`` entry: rows as fresh dicts, zero-copy columns."""
+        return self._reader.open(key, "table")  # type: ignore[no-any-return]
 
     def open_group(self, prefix: str) -> SharedGroup:
         """Lazy read-only ``Mapping`` of every entry under ``prefix`` (relative names)."""
@@ -204,7 +210,8 @@ class Store:
     ) -> EntryInfo:
         """Publish JSON-compatible records (dicts, lists, str, numbers, bools, None).
 
-        numpy scalars become Python numbers and tuples become lists; anything else
+        numpy scalars become Python numbers, tuples lists, UUIDs strings and enum members
+        their values (orjson's encoding); anything else
         (sets, bytes, arrays, custom objects, non-str keys, NaN unless ``allow_nan``)
         raises :class:`UnsupportedDataError` naming where it is in the record.
         """
@@ -249,12 +256,29 @@ class Store:
             publish(self.layout, writer, versions, overwrite=overwrite, lock_timeout=self.lock_timeout)
         logger.info("put %s (blobs, %d files, %d bytes)", key, len(plan.names), plan.size)
         return entry_info(meta, meta["created"])
+    def put_table(
+        self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        """Publish a table: a pyarrow Table, a pandas DataFrame, a dict of columns, a list of
+        dicts with one set of keys, or a path to a .parquet/.feather/.arrow/.csv/.jsonl file."""
+        validate_key(key)
+        if isinstance(data, (str, os.PathLike)):
+            if not is_table_file(data):
+                raise UnsupportedDataError(
+                    f"{data}: put_table reads .parquet, .feather, .arrow, .csv or .jsonl files"
+                )
+            files, meta = read_table_source(Path(data))
+        else:
+            files, meta = encode_table(data, f"table for key {key!r}")
+        return self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
 
     def share(self, key: str, obj: Any) -> Any:
         """Put ``obj`` in the form that fits it and return the opened shared object.
 
         ndarray -> array; list of str -> strings; list of equal-dtype arrays -> ragged;
-        list of dicts/lists -> records; dict -> mapping. If ``key`` already holds the
+        list of dicts with one set of keys and plain values (int, float, bool, str, lists of
+        numbers, None) -> table (``SharedTable``: rows come back equal, same types); other
+        lists of dicts/lists -> records; dict -> mapping. If ``key`` already holds the
         same content (many experiments sharing one dataset), it is reused, not written
         again; different content replaces it (processes reading the old version keep it).
         """
@@ -313,7 +337,8 @@ class Store:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``), a
         ``.safetensors``, torch ``.pt``/``.pth`` state dict or ``.h5``/``.hdf5`` (as
         ``key/<tensor or dataset name>``), or a directory of them (as ``key/<relative path
-        without suffix>``; see ``sources.PLANNERS``).
+        without suffix>``; see ``sources.PLANNERS``); a ``.parquet``, ``.feather``/``.arrow``,
+        ``.csv`` or ``.jsonl`` file as one table entry.
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
@@ -331,7 +356,17 @@ class Store:
         A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
-        if put_kind(Path(path), as_) == "blobs":
+        kind = put_kind(Path(path), as_)
+        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):  # one table entry
+            files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
+            size = int(meta["source_fingerprint"]["size"])
+            if progress is not None:
+                progress(0, size)
+            self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
+            if progress is not None:
+                progress(size, size)
+            return [key]
+        if kind == "blobs":
             info = self.put_blobs(
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
             )
@@ -390,7 +425,10 @@ class Store:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
-        if put_kind(Path(path), as_) == "blobs":
+        kind = put_kind(Path(path), as_)
+        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):
+            return [plan_table_file(key, Path(path), builtins.list(allowed_dirs))]
+        if kind == "blobs":
             with plan_blobs(path, f"blobs for key {key!r}", builtins.list(allowed_dirs)) as blobs:
                 pass
             return [PlannedEntry(key, str(path), str(path), blobs.size)]

@@ -1,0 +1,307 @@
+"""Tables to and from Apache Arrow (pyarrow, the optional ``[arrow]`` extra).
+
+pyarrow and pandas are imported inside the functions that need them, so ``import
+shmcache`` stays light and a table entry opens without them. Column files keep Arrow's
+own buffers (int64 offsets, LSB-first validity), so :func:`to_arrow` wraps the mapped
+arrays with ``pa.py_buffer`` instead of copying them; only bool columns are packed into
+bits on the way (they are stored one byte per value so ``column()`` is a numpy bool array).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import IO, Any
+
+import numpy as np
+
+from ..errors import CorruptSourceError, UnsupportedDataError
+from .table_encode import (
+    NotTabular,
+    column_files,
+    encode_column_values,
+    encode_table_records,
+    list_description,
+    table_meta,
+    validity,
+)
+
+__all__ = [
+    "ARROW_EXTRA",
+    "TABLE_SUFFIXES",
+    "encode_table",
+    "read_table_file",
+    "require_pyarrow",
+    "to_arrow",
+]
+
+ARROW_EXTRA = "pip install 'shmcache[arrow]'"
+TABLE_SUFFIXES = (".parquet", ".feather", ".arrow", ".csv", ".jsonl")
+"""File suffixes ``put_file`` publishes as one table entry."""
+
+
+def require_pyarrow(what: str) -> Any:
+    """The pyarrow module, or :class:`UnsupportedDataError` saying what to install."""
+    try:
+        import pyarrow
+    except ImportError:
+        raise UnsupportedDataError(f"{what} needs pyarrow: {ARROW_EXTRA}") from None
+    return pyarrow
+
+
+# ---------------------------------------------------------------------- put side
+
+
+def encode_table(data: Any, what: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Files and meta of a table from a pyarrow Table, a pandas DataFrame, a dict of columns
+    or a list of dicts (not a path: see :func:`read_table_file`)."""
+    if isinstance(data, Mapping):
+        from .table_encode import encode_table_columns
+
+        return encode_table_columns(data, what)
+    if isinstance(data, list):
+        if not data:
+            return {}, table_meta([], [], 0)
+        try:
+            return encode_table_records(data, what)
+        except NotTabular as exc:
+            raise UnsupportedDataError(f"{exc}; put_table takes dicts with one set of str keys") from None
+    module = type(data).__module__.partition(".")[0]
+    if module == "pandas":
+        return _encode_dataframe(data, what)
+    if module == "pyarrow":
+        pa = require_pyarrow(what)
+        if isinstance(data, pa.RecordBatch):
+            data = pa.Table.from_batches([data])
+        if isinstance(data, pa.Table):
+            return encode_arrow(data, what)
+    raise UnsupportedDataError(
+        f"{what} is a {type(data).__name__}; put_table takes a pyarrow Table, a pandas DataFrame, "
+        "a dict of columns, a list of dicts, or a .parquet/.feather/.arrow/.csv/.jsonl path"
+    )
+
+
+def _encode_dataframe(frame: Any, what: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    names = [str(n) for n in frame.columns]
+    if len(set(names)) != len(names):
+        raise UnsupportedDataError(f"{what}: the DataFrame has duplicate column names")
+    try:
+        pa = require_pyarrow(what)
+    except UnsupportedDataError:  # no pyarrow: numpy columns, object columns as Python values
+        from .table_encode import encode_table_columns
+
+        return encode_table_columns({str(n): frame[n].to_numpy() for n in frame.columns}, what)
+    arrays = []
+    for name in frame.columns:
+        try:
+            arrays.append(pa.array(frame[name], from_pandas=True))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+            raise UnsupportedDataError(
+                f"{what}: column {str(name)!r} cannot be a table column ({exc}); an object column "
+                "must hold one type (str, or numbers): convert it (e.g. .astype(str)) or drop it"
+            ) from None
+    return encode_arrow(pa.Table.from_arrays(arrays, names=names), what)
+
+
+def encode_arrow(table: Any, what: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A pyarrow Table's columns as a table entry's files and meta."""
+    names = list(table.column_names)
+    if len(set(names)) != len(names):
+        raise UnsupportedDataError(f"{what}: the table has duplicate column names")
+    files: dict[str, np.ndarray] = {}
+    descriptions = []
+    for i, name in enumerate(names):
+        try:
+            parts, desc = _arrow_column(table.column(i).combine_chunks())
+        except NotTabular as exc:
+            raise UnsupportedDataError(
+                f"{what}: column {name!r} is {exc}, which a table cannot hold; a table column holds "
+                "numbers, bools, timestamps, strings, or lists of numbers: cast it (e.g. "
+                "table.cast(...) or pyarrow.compute) or drop it"
+            ) from None
+        files |= column_files(i, parts)
+        descriptions.append(desc)
+    return files, table_meta(names, descriptions, table.num_rows)
+
+
+def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.types as pt
+
+    kind = array.type
+    if pt.is_dictionary(kind):  # categoricals: stored decoded
+        array = array.dictionary_decode()
+        kind = array.type
+    valid = array.is_valid().to_numpy(zero_copy_only=False) if array.null_count else None
+    if pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind):
+        filled = array.fill_null(False if pt.is_boolean(kind) else 0) if valid is not None else array
+        files, desc = encode_column_values(filled.to_numpy(zero_copy_only=False))
+    elif pt.is_timestamp(kind):
+        ints = array.cast(pa.int64())
+        ints = ints.fill_null(0) if valid is not None else ints
+        values = ints.to_numpy(zero_copy_only=False).view(f"datetime64[{kind.unit}]")
+        files, desc = encode_column_values(values)
+        desc |= {"tz": kind.tz, "arrow": str(kind)}
+    elif pt.is_string(kind) or pt.is_large_string(kind):
+        files, desc = _arrow_strings(array.cast(pa.large_string()))
+    elif pt.is_list(kind) or pt.is_large_list(kind) or pt.is_fixed_size_list(kind):
+        files, desc = _arrow_lists(array)
+    else:
+        raise NotTabular(f"of Arrow type {kind}")
+    if valid is not None:
+        if "offsets" not in files and desc["kind"] == "list":  # a fixed-size list with nulls
+            files, desc = _arrow_lists(array, fixed=False)
+        files["valid"] = validity(valid)
+    return files, desc
+
+
+def _sliced_offsets(array: Any) -> tuple[np.ndarray, int, int]:
+    """The int64 offsets of a large string/list array, rebased to 0, and the range of its
+    values they cover."""
+    buffers = array.buffers()
+    offsets = np.frombuffer(buffers[1], dtype=np.int64)[array.offset : array.offset + len(array) + 1]
+    start, stop = int(offsets[0]), int(offsets[-1])
+    return offsets - start, start, stop
+
+
+def _arrow_strings(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    offsets, start, stop = _sliced_offsets(array)
+    data = array.buffers()[2]
+    values = np.frombuffer(data, dtype=np.uint8)[start:stop] if data is not None else np.empty(0, np.uint8)
+    return {"bytes": values, "offsets": offsets}, {"kind": "string", "dtype": "str", "arrow": "large_string"}
+
+
+def _arrow_lists(array: Any, fixed: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.types as pt
+
+    child_type = array.type.value_type
+    if not (pt.is_integer(child_type) or pt.is_floating(child_type) or pt.is_boolean(child_type)):
+        raise NotTabular(f"a list of {child_type} (only lists of numbers or bools)")
+    if pt.is_fixed_size_list(array.type) and fixed:
+        size = array.type.list_size
+        child = array.values.slice(array.offset * size, len(array) * size)
+        if child.null_count:
+            raise NotTabular("a list with null items")
+        values = child.to_numpy(zero_copy_only=False).reshape(len(array), size)
+        return {"values": values}, list_description(values.dtype, size)
+    large = array.cast(pa.large_list(child_type))
+    offsets, start, stop = _sliced_offsets(large)
+    child = large.values.slice(start, stop - start)
+    if child.null_count:
+        raise NotTabular("a list with null items")
+    values = child.to_numpy(zero_copy_only=False)
+    return {"values": values, "offsets": offsets}, list_description(values.dtype, None)
+
+
+def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A table file (already opened and checked) as a table entry's files and meta.
+
+    A corrupt or truncated file raises :class:`CorruptSourceError` naming it; Parquet,
+    Feather/Arrow and CSV need pyarrow (JSON lines do not).
+    """
+    what = f"table file {path}"
+    if suffix == ".jsonl":
+        try:
+            pa = require_pyarrow(what)
+        except UnsupportedDataError:
+            return _read_jsonl_without_arrow(fp, path)
+    else:
+        pa = require_pyarrow(what)
+    try:
+        table = _read_with_arrow(pa, fp, suffix)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError, EOFError) as exc:
+        if isinstance(exc, pa.ArrowTypeError | pa.ArrowNotImplementedError):
+            raise UnsupportedDataError(f"{path}: {exc}") from None
+        raise CorruptSourceError(f"{path} is not a readable {suffix[1:]} file: {exc}") from None
+    return encode_arrow(table, str(path))
+
+
+def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(fp)
+    if suffix in (".feather", ".arrow"):
+        import pyarrow.feather as feather
+
+        try:
+            return feather.read_table(fp)
+        except pa.ArrowInvalid:  # an Arrow IPC stream rather than a file
+            fp.seek(0)
+            return pa.ipc.open_stream(fp).read_all()
+    if suffix == ".csv":
+        import pyarrow.csv as csv
+
+        return csv.read_csv(fp)
+    import pyarrow.json as pjson
+
+    return pjson.read_json(fp)
+
+
+def _read_jsonl_without_arrow(fp: IO[bytes], path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    records = []
+    for number, line in enumerate(fp, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as exc:
+            raise CorruptSourceError(f"{path}: line {number} is not JSON ({exc})") from None
+    return encode_table(records, f"table file {path}")
+
+
+# ---------------------------------------------------------------------- open side
+
+
+def to_arrow(columns: list[dict[str, Any]], files: Mapping[str, np.ndarray], length: int) -> Any:
+    """A pyarrow Table over a table entry's mapped files (no copy but bool columns)."""
+    pa = require_pyarrow("SharedTable.to_arrow()")
+    arrays = [_to_arrow_column(pa, i, desc, files, length) for i, desc in enumerate(columns)]
+    return pa.Table.from_arrays(arrays, names=[desc["name"] for desc in columns])
+
+
+def _to_arrow_column(
+    pa: Any, i: int, desc: dict[str, Any], files: Mapping[str, np.ndarray], length: int
+) -> Any:
+    prefix = f"c{i}."
+    valid_bits = files.get(f"{prefix}valid")
+    valid = pa.py_buffer(valid_bits) if valid_bits is not None else None
+    kind = desc["kind"]
+    if kind == "bool":
+        values = files[f"{prefix}values"]
+        mask = None
+        if valid_bits is not None:
+            mask = ~np.unpackbits(valid_bits, count=length, bitorder="little").astype(bool)
+        return pa.array(values, mask=mask)
+    if kind in ("number", "datetime"):
+        values = files[f"{prefix}values"]
+        if kind == "datetime":
+            kind_type = pa.timestamp(desc["unit"], desc.get("tz"))
+            values = values.view(np.int64)
+        else:
+            kind_type = pa.from_numpy_dtype(values.dtype)
+        return pa.Array.from_buffers(kind_type, length, [valid, _buffer(pa, values)])
+    if kind == "string":
+        return pa.Array.from_buffers(
+            pa.large_string(),
+            length,
+            [valid, _buffer(pa, files[f"{prefix}offsets"]), _buffer(pa, files[f"{prefix}bytes"])],
+        )
+    values = files[f"{prefix}values"]
+    flat = values.reshape(-1)
+    child = (
+        pa.array(flat)
+        if flat.dtype.kind == "b"
+        else pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), len(flat), [None, _buffer(pa, flat)])
+    )
+    if desc.get("size") is not None and f"{prefix}offsets" not in files:
+        return pa.Array.from_buffers(pa.list_(child.type, desc["size"]), length, [valid], children=[child])
+    return pa.Array.from_buffers(
+        pa.large_list(child.type), length, [valid, _buffer(pa, files[f"{prefix}offsets"])], children=[child]
+    )
+
+
+def _buffer(pa: Any, array: np.ndarray) -> Any:
+    """An Arrow buffer over ``array``'s own memory (the shared mapping)."""
+    return pa.py_buffer(array) if array.size else pa.py_buffer(b"")

@@ -1,0 +1,327 @@
+"""Tables (issue 11 items 2 and 3): put_table/open_table from every source, zero-copy
+columns and Arrow, typed refusals, put_file and `shmcache put` of table files (locally and
+through a real daemon), and share() of a list of dicts with one schema."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cli_helpers import cli
+from service_helpers import Daemon, load, unique
+
+import shmcache
+from shmcache._disk.attach import MappedFile, mapped_base
+
+pa = pytest.importorskip("pyarrow")
+pd = pytest.importorskip("pandas")
+import pyarrow.csv as pcsv  # noqa: E402
+import pyarrow.feather as feather  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+ROWS = [
+    {"id": "ann-0", "label": 3, "score": 0.5, "ok": True, "bbox": [1.0, 2.0, 3.0, 4.0], "tags": [1, 2]},
+    {"id": "ünï 🐈", "label": None, "score": None, "ok": None, "bbox": [5.0, 6.5, 7.0, 8.0], "tags": None},
+    {"id": None, "label": -7, "score": 1e300, "ok": False, "bbox": [0.0, 0.0, 0.0, 0.0], "tags": []},
+]
+
+
+def arrow_table() -> Any:
+    stamps = pa.array([datetime.datetime(2024, 5, 1, 12, 30), None, datetime.datetime(1970, 1, 1)],
+                      pa.timestamp("us", tz="UTC"))
+    return pa.Table.from_pylist(ROWS).append_column("when", stamps).append_column(
+        "cat", pa.array(["a", "b", "a"]).dictionary_encode()
+    )
+
+
+def _in_mapping(address: int, array: np.ndarray) -> bool:
+    base = mapped_base(array)
+    assert isinstance(base, MappedFile)
+    return base.start_address() <= address < base.start_address() + len(base)
+
+
+def _expected_rows() -> list[dict[str, Any]]:
+    when = [datetime.datetime(2024, 5, 1, 12, 30, tzinfo=datetime.timezone.utc), None,
+            datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)]
+    return [row | {"when": w, "cat": c} for row, w, c in zip(ROWS, when, ["a", "b", "a"], strict=True)]
+
+
+# ---------------------------------------------------------------------- sources
+
+
+def test_arrow_table_round_trip_with_nulls_unicode_datetimes(store: shmcache.Store) -> None:
+    store.put_table("t", arrow_table())
+    table = store.open_table("t")
+    assert len(table) == 3 and table.columns == [*ROWS[0], "when", "cat"]
+    assert list(table) == _expected_rows()
+    assert table[-1] == _expected_rows()[-1] and table[1:] == _expected_rows()[1:]
+    assert table.to_arrow().equals(arrow_table().cast(table.to_arrow().schema))
+    label = table.column("label")
+    assert label.dtype == np.int64 and not label.flags.writeable
+    np.testing.assert_array_equal(table.valid("label"), [True, False, True])
+    np.testing.assert_array_equal(label[table.valid("label")], [3, -7])
+    assert list(table.column("id")) == ["ann-0", "ünï 🐈", ""]  # a null string reads as ""
+    assert table.column("bbox").values.shape == (12,)  # Arrow's list<double>: a ragged column
+    assert [list(x) for x in table.column("tags")] == [[1, 2], [], []]
+    assert table.column("when").dtype == np.dtype("datetime64[us]")
+    assert table.schema["when"] == "timestamp[us, tz=UTC]" and table.schema["id"] == "large_string"
+    assert isinstance(shmcache.open("t", root=store.root), shmcache.SharedTable)
+    with pytest.raises(shmcache.KeyNotFoundError, match="no column 'nope'"):
+        table.column("nope")
+
+
+def test_dataframe_dict_of_columns_and_list_of_dicts(store: shmcache.Store) -> None:
+    frame = pd.DataFrame({"x": [1.5, np.nan, 3.0], "n": [1, 2, 3], "s": ["a", None, "ç"],
+                          "c": pd.Categorical(["u", "v", "u"])})
+    store.put_table("df", frame)
+    assert store.open_table("df")[1] == {"x": None, "n": 2, "s": None, "c": "v"}
+    store.put_table("cols", {"a": np.arange(3, dtype=np.int16), "b": ["x", "y", None],
+                             "m": np.eye(3, dtype=np.float32), "d": [1, 2.5, None],
+                             "big_endian": np.arange(6, dtype=">f8").reshape(3, 2)})
+    cols = store.open_table("cols")
+    assert cols[2] == {"a": 2, "b": None, "m": [0.0, 0.0, 1.0], "d": None, "big_endian": [4.0, 5.0]}
+    assert cols.to_arrow().column("big_endian").to_pylist()[2] == [4.0, 5.0]
+    assert cols.column("a").dtype == np.int16 and cols.column("m").dtype == np.float32
+    store.put_table("rows", ROWS)
+    assert list(store.open_table("rows")) == ROWS
+
+
+def test_empty_tables(store: shmcache.Store) -> None:
+    store.put_table("none", [])
+    assert len(store.open_table("none")) == 0 and store.open_table("none").columns == []
+    schema = pa.schema([("s", pa.string()), ("v", pa.list_(pa.float32())), ("t", pa.timestamp("ns"))])
+    store.put_table("typed", schema.empty_table())
+    typed = store.open_table("typed")
+    assert len(typed) == 0 and list(typed) == [] and typed.columns == ["s", "v", "t"]
+    assert typed.to_arrow().num_rows == 0 and typed.column("t").dtype == np.dtype("datetime64[ns]")
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".feather", ".arrow", ".csv", ".jsonl"])
+def test_table_files_through_put_file_and_put_table(
+    store: shmcache.Store, tmp_path: Path, suffix: str
+) -> None:
+    data = pa.Table.from_pylist([{"id": "é", "v": 1.5, "n": 1}, {"id": "b", "v": None, "n": 2}])
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(data, path)
+    elif suffix == ".feather":
+        feather.write_feather(data, path)
+    elif suffix == ".arrow":  # an IPC stream, not a file: read as well
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, data.schema) as writer:
+            writer.write_table(data)
+    elif suffix == ".csv":
+        pcsv.write_csv(data, path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in data.to_pylist()))
+    assert store.put_file("f", path) == ["f"]
+    assert store.open_table("f")[:] == data.to_pylist()
+    info = store.info("f")
+    assert info.kind == "table" and info.source == str(path) and info.source_fingerprint is not None
+    assert [p.key for p in store.plan_file("g", path)] == ["g"]
+    store.put_table("g", path)
+    assert list(store.open_table("g")) == data.to_pylist()
+
+
+# ---------------------------------------------------------------------- zero copy, fresh rows, pickling
+
+
+def test_columns_and_arrow_buffers_are_the_mapping(store: shmcache.Store) -> None:
+    store.put_table("t", arrow_table())
+    table = store.open_table("t")
+    label = table.column("label")
+    assert _in_mapping(label.ctypes.data, label)
+    mapped = list(table._files.values())  # every file of the entry, each its own mapping
+
+    def inside(address: int) -> bool:
+        return any(array.size and _in_mapping(address, array) for array in mapped)
+
+    arrow = table.to_arrow()
+    checked = 0
+    for name in ("label", "score", "id", "bbox", "tags", "when", "cat"):
+        chunk = arrow.column(name).chunk(0)
+        children = [chunk.values] if hasattr(chunk, "values") and name in ("bbox", "tags") else []
+        for buffer in [b for array in (chunk, *children) for b in array.buffers()[:3]]:
+            if buffer is not None and buffer.size:
+                assert inside(buffer.address), name
+                checked += 1
+    assert checked >= 12
+    assert not inside(arrow.column("ok").chunk(0).buffers()[1].address)  # bools are packed: a copy
+
+
+def test_every_access_is_a_fresh_object(store: shmcache.Store) -> None:
+    store.put_table("t", ROWS)
+    table = store.open_table("t")
+    row = table[0]
+    row["bbox"].append(99.0)
+    row["label"] = "changed"
+    assert table[0] == ROWS[0] and table[0] is not table[0]
+    assert table.valid("label") is not table.valid("label")
+    assert table.column("score") is not table.column("score")  # a fresh view of the same memory
+    with pytest.raises(ValueError, match="read-only"):
+        table.column("score")[0] = 1.0
+
+
+def test_pickles_by_reference_into_spawn_dataloader_workers(store: shmcache.Store) -> None:
+    torch = pytest.importorskip("torch")
+    from table_datasets import TableDataset
+
+    anns = [{"bbox": [float(i)] * 4, "label": i, "id": f"a{i}"} for i in range(64)]
+    table = store.share("anns", anns)
+    assert isinstance(table, shmcache.SharedTable) and len(pickle.dumps(table)) < 500
+    loader = torch.utils.data.DataLoader(TableDataset(table), batch_size=None, num_workers=2,
+                                         multiprocessing_context="spawn")
+    items = list(loader)
+    assert [item["again"] for item in items] == anns  # each worker's mutation stayed in its copy
+    assert {item["kind"] for item in items} == {"SharedTable"}
+    assert len({item["pid"] for item in items}) >= 1 and list(table) == anns
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    ("data", "column"),
+    [
+        (pa.table({"ok": [1], "s": pa.array([{"a": 1}])}), "s"),
+        (pa.table({"d": pa.array([1], pa.decimal128(5, 2))}), "d"),
+        (pa.table({"b": pa.array([b"x"], pa.binary())}), "b"),
+        (pa.table({"l": pa.array([["x"]])}), "l"),
+        (pd.DataFrame({"o": [1, "two", 3.0]}), "o"),
+        ({"o": [1, "two"]}, "o"),
+        ([{"k": {"nested": 1}}], "k"),
+    ],
+)
+def test_unsupported_columns_are_refused_naming_them(store: shmcache.Store, data: Any, column: str) -> None:
+    with pytest.raises(shmcache.UnsupportedDataError, match=f"column '{column}'"):
+        store.put_table("bad", data)
+    assert not store.exists("bad")
+
+
+def test_corrupt_or_truncated_parquet_names_the_file(store: shmcache.Store, tmp_path: Path) -> None:
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"x": list(range(1000))}), good)
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"PAR1" + b"\x00" * 64)
+    for path in (truncated, garbage):
+        for attempt in (store.put_file, store.plan_file, store.put_table):
+            with pytest.raises(shmcache.CorruptSourceError, match=path.name):
+                attempt("bad", path)
+    assert not store.exists("bad")
+    with pytest.raises(shmcache.SourceNotFoundError):
+        store.put_file("bad", tmp_path / "missing.parquet")
+
+
+def test_without_pyarrow_columns_work_and_files_say_what_to_install(root: Path, tmp_path: Path) -> None:
+    parquet = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"x": [1]}), parquet)
+    jsonl = tmp_path / "x.jsonl"
+    jsonl.write_text('{"a": 1, "b": "x"}\n{"a": 2, "b": "y"}\n')
+    script = f"""
+import sys
+sys.modules["pyarrow"] = None  # what Python does for a missing package
+import shmcache
+store = shmcache.Store({str(root)!r})
+store.put_table("cols", {{"a": [1, 2], "b": ["x", None]}})
+store.put_table("rows", [{{"a": 1.5, "b": [1, 2]}}])
+store.put_file("lines", {str(jsonl)!r})
+print(store.open_table("cols")[1], store.open_table("rows")[0], list(store.open_table("lines")))
+for attempt in (lambda: store.put_file("p", {str(parquet)!r}), store.open_table("cols").to_arrow):
+    try:
+        attempt()
+    except shmcache.UnsupportedDataError as exc:
+        print("refused:", exc)
+print("pyarrow" in sys.modules and sys.modules["pyarrow"] is None)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0] == "{'a': 2, 'b': None} {'a': 1.5, 'b': [1, 2]} [{'a': 1, 'b': 'x'}, {'a': 2, 'b': 'y'}]"
+    assert "x.parquet needs pyarrow: pip install 'shmcache[arrow]'" in lines[1]
+    assert "to_arrow() needs pyarrow: pip install 'shmcache[arrow]'" in lines[2]
+    assert lines[3] == "True"
+
+
+# ---------------------------------------------------------------------- share() and records
+
+
+def test_share_stores_a_list_of_dicts_with_one_schema_as_a_table(store: shmcache.Store) -> None:
+    anns = [{"bbox": [1.5, 2.0, 3.0, 4.0], "label": 7, "id": "x", "crowd": False, "w": None},
+            {"bbox": [0.5, 0.0, 1.0, 1.0], "label": 2**40, "id": "ÿ", "crowd": True, "w": 2.5}]
+    table = store.share("anns", anns)
+    assert isinstance(table, shmcache.SharedTable)
+    assert list(table) == anns and len(table) == 2
+    assert [type(v) for v in table[0].values()] == [list, int, str, bool, type(None)]
+    assert type(table[1]["w"]) is float and type(table[0]["bbox"][1]) is float
+    version = store.info("anns").version
+    assert store.share("anns", [dict(a) for a in anns]) is table  # same content: reused
+    assert store.info("anns").version == version
+
+
+@pytest.mark.parametrize(
+    "anns",
+    [
+        [{"a": 1}, {"a": 2.5}],  # int and float would come back as floats
+        [{"a": [1, 2]}, {"a": [1.5]}],
+        [{"a": 1}, {"b": 1}],
+        [{"a": 1}, {"a": 1, "b": 2}],
+        [{"a": {"nested": 1}}],
+        [{"a": (1, 2)}],  # a tuple would come back a list
+        [{"a": True}, {"a": 1}],
+        [{"a": None}],
+        [{"a": 1}, [1, 2]],
+    ],
+)
+def test_share_keeps_records_for_mixed_or_nested_dicts(store: shmcache.Store, anns: list[Any]) -> None:
+    shared = store.share("r", anns)
+    assert isinstance(shared, shmcache.SharedRecords)
+    assert list(shared) == json.loads(json.dumps(anns))
+
+
+def test_records_fast_path_keeps_the_exact_cases(store: shmcache.Store) -> None:
+    records = [{"big": 2**80, "small": -(2**63) - 1, "u64": 2**64 - 1, "surrogate": "\udcff", "none": None,
+                "nan": float("nan")},
+               {"s": "null inside", "f": 1e-300, "n": -(2**63)}]
+    store.put_records("r", records, allow_nan=True)
+    got = store.open_records("r")
+    assert got[0]["big"] == 2**80 and got[0]["small"] == -(2**63) - 1 and got[0]["u64"] == 2**64 - 1
+    assert type(got[0]["big"]) is int and got[0]["surrogate"] == "\udcff" and np.isnan(got[0]["nan"])
+    assert got[1] == records[1]
+
+
+# ---------------------------------------------------------------------- CLI and daemon
+
+
+def test_cli_put_of_a_parquet_file(root: Path, tmp_path: Path) -> None:
+    path = tmp_path / "anns.parquet"
+    pq.write_table(pa.table({"label": [1, 2], "id": ["a", "b"]}), path)
+    code, out, err = cli("put", str(path), "--key", "anns", "--local", "--root", str(root))
+    assert code == 0, err
+    assert out.split() == ["anns"]
+    assert shmcache.open_table("anns", root=root)[1] == {"label": 2, "id": "b"}
+
+
+def test_daemon_loads_a_parquet_file(daemon: Daemon, data_dir: Path, tmp_path: Path) -> None:
+    key = unique("table")
+    path = data_dir / f"{key}.parquet"
+    pq.write_table(pa.table({"x": [1.5, 2.5], "s": ["é", None]}), path)
+    with daemon.client() as client:
+        job = load(client, key, path)
+        assert job["state"] == "done", job
+        outside = tmp_path / "outside.parquet"
+        pq.write_table(pa.table({"x": [1]}), outside)
+        refused = client.put(f"/v1/entries/{unique('out')}", json={"source": str(outside)})
+        assert refused.status_code == 400 and "SourceNotAllowedError" in refused.text, refused.text
+        corrupt = data_dir / f"{key}-bad.parquet"
+        corrupt.write_bytes(b"PAR1 not really")
+        bad = client.put(f"/v1/entries/{unique('bad')}", json={"source": str(corrupt)})
+        assert bad.status_code in (400, 422) and "CorruptSourceError" in bad.text, bad.text
+        assert "bad.parquet" in bad.text
+    assert list(shmcache.open_table(key, root=daemon.root)) == [{"x": 1.5, "s": "é"}, {"x": 2.5, "s": None}]
