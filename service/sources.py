@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from shmcache import Store
+from shmcache._store.blobs import directory_fingerprint
 from shmcache._store.sources import PLANNERS
 from shmcache._units import human_bytes
 from shmcache.errors import (
@@ -141,6 +142,9 @@ def is_up_to_date(store: Store, key: str, source: Path) -> bool:
     entries = [e for e in store.list(key) if e.source is not None]
     if not entries:
         return False
+    if len(entries) == 1 and entries[0].kind == "blobs":  # a packed directory: one fingerprint
+        entry = entries[0]
+        return entry.source == str(source) and entry.source_fingerprint == directory_fingerprint(source)
     if source.is_dir():
         files = {str(p) for p in source.rglob("*") if p.suffix.lower() in PLANNERS and p.is_file()}
     else:

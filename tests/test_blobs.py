@@ -287,3 +287,20 @@ def test_blobs_in_spawn_dataloader_workers(store: Store, tmp_path: Path, method:
     assert got == {i: files[name] for i, name in enumerate(sorted(files))}
     assert os.getpid() not in pids and len(pids) == 2
     assert isinstance(batch["index"], torch.Tensor)
+
+
+def test_preload_sees_a_packed_directory_unchanged_until_a_file_changes(store: Store, tmp_path: Path) -> None:
+    """A daemon restart skips the config preload of an image folder that did not change
+    (it used to repack it at every start), and repacks it after any file changes."""
+    pytest.importorskip("fastapi")
+    from shmcache.service.sources import is_up_to_date
+
+    top = _tree(tmp_path / "images")
+    store.put_file("imgs", top)
+    assert store.info("imgs").kind == "blobs" and is_up_to_date(store, "imgs", top)
+    (top / "b.bin").write_bytes(b"changed, and shorter")
+    assert not is_up_to_date(store, "imgs", top)
+    store.put_file("imgs", top, overwrite=True)
+    assert is_up_to_date(store, "imgs", top)
+    (top / "new.jpg").write_bytes(b"")
+    assert not is_up_to_date(store, "imgs", top)

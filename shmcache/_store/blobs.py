@@ -37,7 +37,16 @@ from ..errors import CorruptSourceError, InvalidSourceError, SourceNotFoundError
 from .sources import is_array_file
 from .writing import ITEM_TYPES, version_meta
 
-__all__ = ["AS_KINDS", "COPY_THREADS", "BlobSources", "pack_blobs", "plan_blobs", "put_kind"]
+__all__ = [
+    "AS_KINDS",
+    "COPY_THREADS",
+    "BlobSources",
+    "directory_fingerprint",
+    "pack_blobs",
+    "plan_blobs",
+    "put_kind",
+    "tree_fingerprint",
+]
 
 AS_KINDS = ("auto", "arrays", "blobs")
 """What a ``put_file`` produces: ``auto`` (blobs for a directory without array files),
@@ -131,6 +140,31 @@ def plan_blobs(source: BlobSource, what: str, allowed: Sequence[str | os.PathLik
     if not paths:
         raise InvalidSourceError(f"{what}: the list of files is empty")
     return _plan_files(paths, _list_names(paths), None, tops, what)
+
+
+def tree_fingerprint(files: Iterable[SourceFile]) -> dict[str, int]:
+    """What ``meta.json`` records of a packed directory so a preload can tell it unchanged:
+    how many files, their total size and the latest modification time."""
+    listed = list(files)
+    return {
+        "files": len(listed),
+        "size": sum(f.size for f in listed),
+        "mtime_ns": max((f.mtime_ns for f in listed), default=0),
+    }
+
+
+def directory_fingerprint(path: Path) -> dict[str, int] | None:
+    """:func:`tree_fingerprint` of a directory as it is now (stat only, nothing opened);
+    None if it cannot be walked."""
+    try:
+        stats = [os.stat(full) for full, _, _ in _walk(path, "")]
+    except (OSError, InvalidSourceError):
+        return None
+    return {
+        "files": len(stats),
+        "size": sum(st.st_size for st in stats),
+        "mtime_ns": max((st.st_mtime_ns for st in stats), default=0),
+    }
 
 
 def _walk(top: Path, prefix: str, dir_links: bool = True) -> Iterable[tuple[str, str, os.DirEntry[str]]]:
@@ -265,6 +299,8 @@ def pack_blobs(
     meta = version_meta(key, "blobs", version, headers, crcs, pin)
     meta |= {"length": len(plan.names), "shape": [len(plan.names)], "dtype": ITEM_TYPES["blobs"]}
     meta["source"] = plan.source
+    if plan.source is not None and plan.files is not None:
+        meta["source_fingerprint"] = tree_fingerprint(plan.files)
     writer.write_meta(version, meta)
     return meta
 
