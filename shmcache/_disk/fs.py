@@ -24,6 +24,7 @@ Buffer = Any  # anything with the buffer protocol (bytes, memoryview, ndarray)
 __all__ = [
     "FileLockProbe",
     "allocated_bytes",
+    "cache_full",
     "copy_range",
     "free_bytes",
     "full_is_cache_full",
@@ -49,6 +50,13 @@ def _full(path: str | Path, exc: OSError) -> CacheFullError:
         "free space with `shmcache evict`/`cleanup`, or enlarge /dev/shm "
         "(Docker: --shm-size or --ipc=host)"
     )
+
+
+def cache_full(path: str | Path, exc: OSError) -> OSError:
+    """What to raise for ``exc`` met creating ``path``: :class:`CacheFullError` for
+    ENOSPC/EDQUOT, else ``exc`` itself (``full_is_cache_full`` without a context manager,
+    for the per-file steps of a batch)."""
+    return _full(path, exc) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc
 
 
 def _out_of_inodes(path: Path) -> bool:

@@ -28,7 +28,7 @@ from .._containers.encode import (
     encode_records,
     encode_strings,
 )
-from .._containers.group import SharedGroup
+from .._containers.group import SharedGroup, read_group
 from .._containers.shared import SharedMapping, SharedRagged, SharedRecords, SharedStrings, open_version
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations
@@ -41,7 +41,7 @@ from .._disk.writer import VersionWriter
 from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 from .catalog import info_of, iter_infos, store_stats
 from .loading import last_failure, recording_failure
-from .locks import key_lock
+from .locks import key_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
@@ -140,10 +140,12 @@ class Store:
         validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
         prefix = prefix.rstrip("/")
         self._reader.trust_root()
-        if not self.layout.names_under(prefix):  # a typo would otherwise be an empty group
+        with snapshot_lock(self.layout):  # a directory being republished: all old or all new
+            versions = read_group(self.layout, prefix)
+        if not versions:  # a typo would otherwise be an empty group
             hint = " (it is a single entry: open it with open_array/open)" if self.exists(prefix) else ""
             raise KeyNotFoundError(f"no entries under {prefix + '/'!r} in cache {self.root}{hint}")
-        return SharedGroup(self, prefix)
+        return SharedGroup(self, prefix, versions)
 
     def open_version(self, key: str, version: str, kind: str) -> Any:
         """Attach one version of a container entry."""
@@ -462,9 +464,9 @@ class Store:
         if prefix:
             validate_key(prefix.rstrip("/"))
         self._reader.trust_root()
-        return sorted(
-            (e for e in iter_infos(self.layout) if key_in_prefix(e.key, prefix)), key=lambda e: e.key
-        )
+        with snapshot_lock(self.layout):  # a directory being republished: all old or all new
+            infos = [e for e in iter_infos(self.layout) if key_in_prefix(e.key, prefix)]
+        return sorted(infos, key=lambda e: e.key)
 
     def info(self, key: str) -> EntryInfo:
         validate_key(key)
