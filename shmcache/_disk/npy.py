@@ -32,6 +32,8 @@ __all__ = [
     "iter_npz_members",
     "parse_header_bytes",
     "read_source_header",
+    "read_source_header_fd",
+    "source_header",
 ]
 
 _MAGIC = b"\x93NUMPY"
@@ -39,6 +41,8 @@ _MAX_HEADER_SIZE = 1 << 20  # numpy's default (10000) rejects wide structured dt
 _CANONICAL_HEADER = re.compile(
     rb"\{'descr': '([^']+)', 'fortran_order': (False|True), 'shape': \(([0-9, ]*)\), \} *\n\Z"
 )
+_CANONICAL_DIMS = re.compile(rb"\A(?:[0-9]+,|[0-9]+(?:, [0-9]+)+)?\Z")  # (), (3,), (2, 3)
+_SOURCE_HEAD = 4096  # first read of a source: its whole header, nearly always
 _MEMO_LIMIT = 4096
 _INTP_MAX = int(np.iinfo(np.intp).max)
 _DTYPES: dict[bytes, np.dtype] = {}  # descr text -> dtype
@@ -191,6 +195,40 @@ def read_source_header(fp: BinaryIO, size: int, where: str) -> NpyHeader:
         header = _read_header(fp)
     except ValueError as exc:
         raise CorruptSourceError(f"{where}: not a valid .npy file ({exc})") from exc
+    return _checked_source(header, size, where)
+
+
+def source_header(head: bytes, size: int, where: str) -> NpyHeader:
+    """:func:`read_source_header` of a source whose first bytes (its whole header at
+    least, or the whole file) are ``head``. Headers as numpy writes them are parsed with
+    one regular expression (~5 us, not ~50 us for ``ast.literal_eval``); anything else goes
+    through numpy's strict parser, so both accept and refuse the same files."""
+    if len(head) >= 12 and head[:6] == _MAGIC and head[6] in (1, 2) and head[7] == 0:
+        end = header_length(head, where)
+        match = _CANONICAL_HEADER.match(head, 10 if head[6] == 1 else 12, end) if end <= len(head) else None
+        if match is not None and _CANONICAL_DIMS.match(match[3]):
+            try:
+                dtype = np.dtype(match[1].decode("ascii"))
+                shape = tuple(int(d) for d in match[3].split(b",") if d.strip())
+                _check_shape(shape, dtype)
+            except (TypeError, ValueError, UnicodeDecodeError):
+                pass  # numpy's parser says why
+            else:
+                return _checked_source(NpyHeader(dtype, shape, match[2] == b"True", end), size, where)
+    return read_source_header(io.BytesIO(head), size, where)
+
+
+def read_source_header_fd(fd: int, size: int, where: str) -> NpyHeader:
+    """:func:`read_source_header` of the source open as ``fd`` (read with ``pread``)."""
+    head = os.pread(fd, min(size, _SOURCE_HEAD), 0)
+    if len(head) >= 12 and head[:6] == _MAGIC:
+        end = header_length(head, where)
+        if len(head) < end <= min(size, _MAX_HEADER_SIZE + 12):
+            head += os.pread(fd, end - len(head), len(head))
+    return source_header(head, size, where)
+
+
+def _checked_source(header: NpyHeader, size: int, where: str) -> NpyHeader:
     check_storable_dtype(header.dtype, where)
     if size < header.file_size:
         raise CorruptSourceError(
