@@ -13,7 +13,6 @@ bytes, which have no reference counts:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import zlib
@@ -209,6 +208,8 @@ def encode_any(obj: Any, what: str) -> Encoded:
 
 def content_digest(kind: str, files: Mapping[str, np.ndarray]) -> str:
     """A hash of an entry's content, so ``share`` can reuse an identical entry."""
+    import hashlib  # deferred: only share() needs it (import time)
+
     digest = hashlib.blake2b(digest_size=16)
     digest.update(kind.encode())
     for name in sorted(files):
