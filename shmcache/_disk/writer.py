@@ -15,7 +15,6 @@ import json
 import os
 import threading
 import time
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .checksum import crc32
 from .fs import cache_full, full_is_cache_full, remove_tree, write_all
 from .layout import META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
@@ -105,7 +105,7 @@ class VersionWriter:
             header = build_header(array.dtype, array.shape, fortran)
             parsed = NpyHeader(*parse_header_bytes(header, len(header), str(path)))
             write_all(fd, header, path)
-            crc = zlib.crc32(header)
+            crc = crc32(header)
             if array.size == 0 or array.dtype.itemsize == 0:
                 return crc, parsed
             flat = array.T if fortran else array
@@ -197,7 +197,7 @@ def _write_chunks(fd: int, path: Path, chunks: Iterable[np.ndarray], crc: int) -
     if sum(len(p) for p in first) < _PIPELINE_MIN:
         for piece in itertools.chain(first, pieces):
             write_all(fd, piece, path)
-            crc = zlib.crc32(piece.data, crc)
+            crc = crc32(piece.data, crc)
         return crc
     state = {"crc": crc}
     ready = threading.Semaphore(0)
@@ -212,7 +212,7 @@ def _write_chunks(fd: int, path: Path, chunks: Iterable[np.ndarray], crc: int) -
             if piece is None:
                 state["crc"] = value
                 return
-            value = zlib.crc32(piece.data, value)
+            value = crc32(piece.data, value)
             room.release()
 
     helper = threading.Thread(target=checksum, name="shmcache-crc", daemon=True)

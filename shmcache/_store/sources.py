@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._disk.checksum import TrailingCrc
+from .._disk.checksum import TrailingCrc, crc32
 from .._disk.fs import copy_range, write_all
 from .._disk.keys import validate_key
 from .._disk.npy import (
@@ -189,7 +189,7 @@ def _copy_small(item: Planned, src: int, dst: int, target: Path, advance: Callab
         written = None
     if written != item.header:
         raise CorruptSourceError(f"{item.source} changed while loading; nothing was published, load it again")
-    crc = zlib.crc32(data)
+    crc = crc32(data)
     write_all(dst, data, target)
     advance(size)
     return crc
@@ -229,7 +229,7 @@ def _inflate_member(item: Planned, src: int, dst: int, target: Path, advance: Ca
             while chunk := member.read(16 << 20):
                 piece = chunk[: item.header.file_size - written]
                 write_all(dst, piece, target)
-                crc = zlib.crc32(piece, crc)
+                crc = crc32(piece, crc)
                 written += len(piece)
                 advance(len(piece))
                 if written >= item.header.file_size:
