@@ -12,16 +12,18 @@ import io
 import math
 import os
 import re
-import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import numpy as np
 import numpy.lib.format as npy_format
 
 from ..errors import CorruptEntryError, CorruptSourceError, UnsupportedDataError
+
+if TYPE_CHECKING:
+    import zipfile
 
 __all__ = [
     "NpyHeader",
@@ -249,6 +251,8 @@ class NpzMember:
 
 
 def _local_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
+    import zipfile  # deferred: only .npz sources need it (import time of the open path)
+
     local = os.pread(fd, 30, info.header_offset)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {info.filename}")
@@ -260,6 +264,8 @@ def _local_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
 def iter_npz_members(fp: BinaryIO, path: str) -> Iterator[NpzMember]:
     """Validate every ``.npy`` member of the ``.npz`` open as ``fp`` (a file; non-``.npy``
     members are skipped); errors name ``path``."""
+    import zipfile  # deferred: only .npz sources need it (import time of the open path)
+
     try:
         with zipfile.ZipFile(fp) as archive:
             for info in archive.infolist():
