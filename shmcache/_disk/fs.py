@@ -24,10 +24,10 @@ Buffer = Any  # anything with the buffer protocol (bytes, memoryview, ndarray)
 __all__ = [
     "FileLockProbe",
     "allocated_bytes",
-    "cache_full",
     "copy_range",
     "free_bytes",
     "full_is_cache_full",
+    "raise_if_full",
     "remove_tree",
     "total_bytes",
     "try_lock_exclusive",
@@ -52,11 +52,12 @@ def _full(path: str | Path, exc: OSError) -> CacheFullError:
     )
 
 
-def cache_full(path: str | Path, exc: OSError) -> OSError:
-    """What to raise for ``exc`` met creating ``path``: :class:`CacheFullError` for
-    ENOSPC/EDQUOT, else ``exc`` itself (``full_is_cache_full`` without a context manager,
-    for the per-file steps of a batch)."""
-    return _full(path, exc) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc
+def raise_if_full(path: str | Path, exc: OSError) -> None:
+    """Raise :class:`CacheFullError` for an ENOSPC/EDQUOT ``exc`` met creating ``path``;
+    return otherwise (``full_is_cache_full`` without a context manager, for the per-file
+    steps of a batch: ``except OSError as exc: raise_if_full(path, exc); raise``)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise _full(path, exc) from exc
 
 
 def _out_of_inodes(path: Path) -> bool:

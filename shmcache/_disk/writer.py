@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .checksum import crc32
-from .fs import cache_full, full_is_cache_full, remove_tree, write_all
+from .fs import full_is_cache_full, raise_if_full, remove_tree, write_all
 from .layout import META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
 
@@ -81,7 +81,8 @@ class VersionWriter:
         try:
             os.mkdir(path, 0o700)
         except OSError as exc:
-            raise cache_full(path, exc) from exc
+            raise_if_full(path, exc)
+            raise
         self._pending[version] = None
         return version
 
@@ -93,7 +94,8 @@ class VersionWriter:
         try:
             return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise cache_full(path, exc) from exc
+            raise_if_full(path, exc)
+            raise
 
     def write_array(self, version: str, filename: str, array: np.ndarray) -> tuple[int, NpyHeader]:
         """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping);
@@ -141,7 +143,8 @@ class VersionWriter:
         try:
             os.symlink(self.layout.link_target(version), staged)
         except OSError as exc:
-            raise cache_full(staged, exc) from exc
+            raise_if_full(staged, exc)
+            raise
         return staged
 
     def swap_link(self, key: str, version: str, staged: str) -> None:
