@@ -110,6 +110,7 @@ PARSERS: dict[str, Parser] = {
     "bench_spawn": _from_own_report,
     "bench_loader": _from_own_report,
     "bench_load": _from_own_report,
+    "bench_ingest": _from_own_report,
     "bench_api": _from_api,
     "soak_api": _from_own_report,
 }
@@ -125,6 +126,7 @@ def steps() -> list[Step]:
         Step("bench_spawn", "bench_spawn.py", out=True),
         Step("bench_loader", "bench_loader.py", out=True),
         Step("bench_load", "bench_load.py"),
+        Step("bench_ingest", "bench_ingest.py"),
         Step("bench_api", "bench_api.py", json=False),
         Step("soak_api", "soak_api.py"),
     ]

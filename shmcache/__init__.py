@@ -6,63 +6,69 @@ Data plane: entries are ``.npy`` files under a tmpfs root, opened read-only with
 
 from __future__ import annotations
 
-from ._api import (
-    cache,
-    cleanup,
-    evict,
-    get_store,
-    list_entries,
-    open,
-    open_array,
-    open_blobs,
-    open_group,
-    open_mapping,
-    open_ragged,
-    open_records,
-    open_strings,
-    open_table,
-    put_array,
-    put_blobs,
-    put_file,
-    put_mapping,
-    put_ragged,
-    put_records,
-    put_strings,
-    put_table,
-    share,
-    stats,
-)
-from ._containers.group import SharedGroup
-from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
-from ._containers.table import SharedTable
-from ._disk.keys import MAX_KEY_LENGTH, validate_key
-from ._disk.layout import default_root
-from ._disk.procmaps import MappingScan
-from ._store import EntryInfo, PlannedEntry, Store, StoreStats
-from .errors import (
-    CacheFullError,
-    CacheRootError,
-    CorruptEntryError,
-    CorruptSourceError,
-    DaemonRunningError,
-    DaemonUnavailableError,
-    InvalidKeyError,
-    InvalidRequestError,
-    InvalidSourceError,
-    JobCancelledError,
-    JobConflictError,
-    JobFinishedError,
-    JobNotFoundError,
-    KeyExistsError,
-    KeyNotFoundError,
-    LockTimeoutError,
-    ShmCacheError,
-    SourceNotAllowedError,
-    SourceNotFoundError,
-    TooManyOpenFilesError,
-    UnauthorizedError,
-    UnsupportedDataError,
-)
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ._api import (
+        cache,
+        cleanup,
+        evict,
+        get_store,
+        list_entries,
+        open,
+        open_array,
+        open_blobs,
+        open_group,
+        open_mapping,
+        open_ragged,
+        open_records,
+        open_strings,
+        open_table,
+        put_array,
+        put_blobs,
+        put_file,
+        put_mapping,
+        put_ragged,
+        put_records,
+        put_strings,
+        put_table,
+        share,
+        stats,
+    )
+    from ._containers.group import SharedGroup
+    from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
+    from ._containers.table import SharedTable
+    from ._disk.keys import MAX_KEY_LENGTH, validate_key
+    from ._disk.layout import default_root
+    from ._disk.procmaps import MappingScan
+    from ._store import EntryInfo, PlannedEntry, Store, StoreStats
+    from .errors import (
+        CacheFullError,
+        CacheRootError,
+        CorruptEntryError,
+        CorruptSourceError,
+        DaemonRunningError,
+        DaemonUnavailableError,
+        InvalidKeyError,
+        InvalidRequestError,
+        InvalidSourceError,
+        JobCancelledError,
+        JobConflictError,
+        JobFinishedError,
+        JobNotFoundError,
+        KeyExistsError,
+        KeyNotFoundError,
+        LockTimeoutError,
+        ShmCacheError,
+        SourceNotAllowedError,
+        SourceNotFoundError,
+        TooManyOpenFilesError,
+        UnauthorizedError,
+        UnsupportedDataError,
+    )
 
 __version__ = "0.1.0"
 
@@ -130,3 +136,85 @@ __all__ = [
     "stats",
     "validate_key",
 ]
+
+
+# Where each public name lives, imported on first use (PEP 562): `import shmcache` loads
+# this file alone, and a spawned worker pays only for what it touches. Add a new public
+# name here and to `__all__` (and to the TYPE_CHECKING imports above, for type checkers).
+_HOMES: dict[str, str] = {
+    "cache": "._api",
+    "cleanup": "._api",
+    "evict": "._api",
+    "get_store": "._api",
+    "list_entries": "._api",
+    "open": "._api",
+    "open_array": "._api",
+    "open_blobs": "._api",
+    "open_group": "._api",
+    "open_mapping": "._api",
+    "open_ragged": "._api",
+    "open_records": "._api",
+    "open_strings": "._api",
+    "open_table": "._api",
+    "put_array": "._api",
+    "put_blobs": "._api",
+    "put_file": "._api",
+    "put_mapping": "._api",
+    "put_ragged": "._api",
+    "put_records": "._api",
+    "put_strings": "._api",
+    "put_table": "._api",
+    "share": "._api",
+    "stats": "._api",
+    "SharedBlobs": "._containers.shared",
+    "SharedGroup": "._containers.group",
+    "SharedMapping": "._containers.shared",
+    "SharedRagged": "._containers.shared",
+    "SharedRecords": "._containers.shared",
+    "SharedStrings": "._containers.shared",
+    "SharedTable": "._containers.table",
+    "MAX_KEY_LENGTH": "._disk.keys",
+    "validate_key": "._disk.keys",
+    "default_root": "._disk.layout",
+    "MappingScan": "._disk.procmaps",
+    "EntryInfo": "._store",
+    "PlannedEntry": "._store",
+    "Store": "._store",
+    "StoreStats": "._store",
+    "CacheFullError": ".errors",
+    "CacheRootError": ".errors",
+    "CorruptEntryError": ".errors",
+    "CorruptSourceError": ".errors",
+    "DaemonRunningError": ".errors",
+    "DaemonUnavailableError": ".errors",
+    "InvalidKeyError": ".errors",
+    "InvalidRequestError": ".errors",
+    "InvalidSourceError": ".errors",
+    "JobCancelledError": ".errors",
+    "JobConflictError": ".errors",
+    "JobFinishedError": ".errors",
+    "JobNotFoundError": ".errors",
+    "KeyExistsError": ".errors",
+    "KeyNotFoundError": ".errors",
+    "LockTimeoutError": ".errors",
+    "ShmCacheError": ".errors",
+    "SourceNotAllowedError": ".errors",
+    "SourceNotFoundError": ".errors",
+    "TooManyOpenFilesError": ".errors",
+    "UnauthorizedError": ".errors",
+    "UnsupportedDataError": ".errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module on first access, then keep it bound here."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

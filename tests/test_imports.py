@@ -31,6 +31,33 @@ def test_opening_an_array_loads_no_heavy_module(root: object) -> None:
     assert json.loads(out.stdout) == []
 
 
+DEFERRED = ["filelock", "json", "zipfile", "logging", "tempfile", "dataclasses", "uuid", "hashlib", "secrets"]
+
+
+def test_a_plain_import_loads_no_submodule_and_nothing_deferred() -> None:
+    """``import shmcache`` binds its public names lazily (PEP 562): a spawned worker loads
+    the store's modules only when it first uses one (issue 11's import-time target)."""
+    code = (
+        "import sys, numpy; before = set(sys.modules); import shmcache; "
+        "print(' '.join(sorted(set(sys.modules) - before)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    loaded = out.stdout.split()
+    assert loaded == ["shmcache"]
+    assert not [name for name in DEFERRED if name in loaded]
+
+
+def test_lazy_names_resolve_and_stay_bound() -> None:
+    code = (
+        "import json, sys, shmcache; from shmcache import Store, open_array, KeyNotFoundError; "
+        "assert shmcache.open_array is open_array and 'open_array' in vars(shmcache); "
+        "assert set(shmcache.__all__) <= set(dir(shmcache)); "
+        "print(json.dumps([m for m in ['filelock'] if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert json.loads(out.stdout) == []  # no lock library at all: locks are plain flock
+
+
 def test_public_api_names_from_design() -> None:
     for name in [
         "open_array", "put_array", "put_file", "cache", "Store", "ShmCacheError", "KeyNotFoundError",

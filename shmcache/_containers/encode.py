@@ -14,7 +14,6 @@ bytes, which have no reference counts:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import zlib
@@ -266,6 +265,8 @@ def encode_any(obj: Any, what: str) -> Encoded:
 
 def content_digest(kind: str, files: Mapping[str, np.ndarray]) -> str:
     """A hash of an entry's content, so ``share`` can reuse an identical entry."""
+    import hashlib  # deferred: only share() needs it (import time)
+
     digest = hashlib.sha256()  # 2x blake2b's speed here (SHA extensions): 0.1 s for 120 MiB
     digest.update(kind.encode())
     for name in sorted(files):

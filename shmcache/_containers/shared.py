@@ -377,9 +377,12 @@ class SharedBlobs(_Shared, Sequence[np.ndarray]):
     def sizes(self) -> np.ndarray:
         """Size of every blob in bytes."""
         return np.diff(np.asarray(self._offsets))
+
+
 READERS: dict[str, Callable[[EntryRef, Mapping[str, np.ndarray], Mapping[str, Any]], Any]] = {}
 """Reader classes of kinds defined in modules of their own (``table``), which register
-here when imported (``shmcache`` imports them all), so this module needs no import of them."""
+here when imported (the store imports them all; each pickles through a function of its own
+module, so unpickling imports it), so this module needs no import of them."""
 
 
 def container_for(ref: EntryRef, files: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Any:

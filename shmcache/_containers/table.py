@@ -14,9 +14,18 @@ from typing import Any, overload
 import numpy as np
 
 from ..errors import KeyNotFoundError
-from .shared import READERS, EntryRef, SharedRagged, SharedStrings, _byte_source, _position, _Shared
+from .shared import (
+    READERS,
+    EntryRef,
+    SharedRagged,
+    SharedStrings,
+    _byte_source,
+    _position,
+    _Shared,
+    open_version,
+)
 
-__all__ = ["SharedTable"]
+__all__ = ["SharedTable", "open_table_version"]
 
 _Getter = Callable[[int], Any]
 
@@ -169,9 +178,18 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
 
         return to_arrow(self._columns, self._files, self._length)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return open_table_version, tuple(self._ref)
+
     def __repr__(self) -> str:
         names = ", ".join(self._names)
         return f"<SharedTable {self._ref.key!r} ({self._length} rows: {names}) in {self._ref.root}>"
+
+
+def open_table_version(root: str, key: str, version: str, kind: str) -> Any:
+    """What a pickled :class:`SharedTable` calls: importing this module registers the kind
+    (a lazily imported ``shmcache`` may not have loaded it in a fresh worker)."""
+    return open_version(root, key, version, kind)
 
 
 READERS["table"] = SharedTable

@@ -28,6 +28,7 @@ __all__ = [
     "copy_range_at",
     "free_bytes",
     "full_is_cache_full",
+    "raise_if_full",
     "remove_tree",
     "total_bytes",
     "try_lock_exclusive",
@@ -50,6 +51,14 @@ def _full(path: str | Path, exc: OSError) -> CacheFullError:
         "free space with `shmcache evict`/`cleanup`, or enlarge /dev/shm "
         "(Docker: --shm-size or --ipc=host)"
     )
+
+
+def raise_if_full(path: str | Path, exc: OSError) -> None:
+    """Raise :class:`CacheFullError` for an ENOSPC/EDQUOT ``exc`` met creating ``path``;
+    return otherwise (``full_is_cache_full`` without a context manager, for the per-file
+    steps of a batch: ``except OSError as exc: raise_if_full(path, exc); raise``)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise _full(path, exc) from exc
 
 
 def _out_of_inodes(path: Path) -> bool:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -89,6 +88,8 @@ def default_root() -> Path:
     name = f"shmcache-{os.getuid()}"
     if os.path.isdir(SHM_DIR):
         return Path(SHM_DIR) / name
+    import tempfile  # deferred: a fallback few roots need (import time of the open path)
+
     fallback = Path(tempfile.gettempdir()) / name
     warnings.warn(
         f"{SHM_DIR} does not exist; caching in {fallback} instead, which may be on disk "

@@ -12,16 +12,18 @@ import io
 import math
 import os
 import re
-import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import numpy as np
 import numpy.lib.format as npy_format
 
 from ..errors import CorruptEntryError, CorruptSourceError, UnsupportedDataError
+
+if TYPE_CHECKING:
+    import zipfile
 
 __all__ = [
     "NpyHeader",
@@ -32,6 +34,8 @@ __all__ = [
     "iter_npz_members",
     "parse_header_bytes",
     "read_source_header",
+    "read_source_header_fd",
+    "source_header",
     "zip_data_offset",
 ]
 
@@ -40,6 +44,8 @@ _MAX_HEADER_SIZE = 1 << 20  # numpy's default (10000) rejects wide structured dt
 _CANONICAL_HEADER = re.compile(
     rb"\{'descr': '([^']+)', 'fortran_order': (False|True), 'shape': \(([0-9, ]*)\), \} *\n\Z"
 )
+_CANONICAL_DIMS = re.compile(rb"\A(?:[0-9]+,|[0-9]+(?:, [0-9]+)+)?\Z")  # (), (3,), (2, 3)
+_SOURCE_HEAD = 4096  # first read of a source: its whole header, nearly always
 _MEMO_LIMIT = 4096
 _INTP_MAX = int(np.iinfo(np.intp).max)
 _DTYPES: dict[bytes, np.dtype] = {}  # descr text -> dtype
@@ -192,6 +198,40 @@ def read_source_header(fp: BinaryIO, size: int, where: str) -> NpyHeader:
         header = _read_header(fp)
     except ValueError as exc:
         raise CorruptSourceError(f"{where}: not a valid .npy file ({exc})") from exc
+    return _checked_source(header, size, where)
+
+
+def source_header(head: bytes, size: int, where: str) -> NpyHeader:
+    """:func:`read_source_header` of a source whose first bytes (its whole header at
+    least, or the whole file) are ``head``. Headers as numpy writes them are parsed with
+    one regular expression (~5 us, not ~50 us for ``ast.literal_eval``); anything else goes
+    through numpy's strict parser, so both accept and refuse the same files."""
+    if len(head) >= 12 and head[:6] == _MAGIC and head[6] in (1, 2) and head[7] == 0:
+        end = header_length(head, where)
+        match = _CANONICAL_HEADER.match(head, 10 if head[6] == 1 else 12, end) if end <= len(head) else None
+        if match is not None and _CANONICAL_DIMS.match(match[3]):
+            try:
+                dtype = np.dtype(match[1].decode("ascii"))
+                shape = tuple(int(d) for d in match[3].split(b",") if d.strip())
+                _check_shape(shape, dtype)
+            except (TypeError, ValueError, UnicodeDecodeError):
+                pass  # numpy's parser says why
+            else:
+                return _checked_source(NpyHeader(dtype, shape, match[2] == b"True", end), size, where)
+    return read_source_header(io.BytesIO(head), size, where)
+
+
+def read_source_header_fd(fd: int, size: int, where: str) -> NpyHeader:
+    """:func:`read_source_header` of the source open as ``fd`` (read with ``pread``)."""
+    head = os.pread(fd, min(size, _SOURCE_HEAD), 0)
+    if len(head) >= 12 and head[:6] == _MAGIC:
+        end = header_length(head, where)
+        if len(head) < end <= min(size, _MAX_HEADER_SIZE + 12):
+            head += os.pread(fd, end - len(head), len(head))
+    return source_header(head, size, where)
+
+
+def _checked_source(header: NpyHeader, size: int, where: str) -> NpyHeader:
     check_storable_dtype(header.dtype, where)
     if size < header.file_size:
         raise CorruptSourceError(
@@ -213,6 +253,8 @@ class NpzMember:
 
 def zip_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
     """Where the stored bytes of zip member ``info`` start in the file open as ``fd``."""
+    import zipfile  # deferred: only .npz and torch sources need it (import time of the open path)
+
     local = os.pread(fd, 30, info.header_offset)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {info.filename}")
@@ -224,6 +266,8 @@ def zip_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
 def iter_npz_members(fp: BinaryIO, path: str) -> Iterator[NpzMember]:
     """Validate every ``.npy`` member of the ``.npz`` open as ``fp`` (a file; non-``.npy``
     members are skipped); errors name ``path``."""
+    import zipfile  # deferred: only .npz sources need it (import time of the open path)
+
     try:
         with zipfile.ZipFile(fp) as archive:
             for info in archive.infolist():

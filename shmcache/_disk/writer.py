@@ -7,12 +7,14 @@ partial files of dead writers from those of live ones.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import fcntl
+import itertools
 import json
 import os
-import secrets
+import threading
 import time
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
@@ -20,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .fs import full_is_cache_full, remove_tree, write_all
+from .checksum import crc32
+from .fs import full_is_cache_full, raise_if_full, remove_tree, write_all
 from .layout import META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
 
@@ -28,6 +31,8 @@ __all__ = ["STAGING_SUFFIX", "VersionWriter", "writer_of"]
 
 STAGING_SUFFIX = ".lock.new"
 _ROWS_BYTES = 16 << 20  # chunk size when a non-contiguous array must be copied to write
+_PIPELINE_CHUNK = 8 << 20  # write() one chunk while another thread CRCs the one before
+_PIPELINE_MIN = 4 * _PIPELINE_CHUNK  # smaller arrays: one thread (a thread costs ~100 us)
 
 
 def writer_of(name: str) -> str:
@@ -45,9 +50,11 @@ class VersionWriter:
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.writer_id = f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.writer_id = f"{time.time_ns():x}-{os.getpid()}-{os.urandom(4).hex()}"
         self._count = 0
-        self._pending: list[str] = []
+        self._tmp = f"{layout.root}/tmp"  # strings: pathlib costs ~10 us a join, per file
+        self._objects = f"{layout.root}/objects"
+        self._pending: dict[str, None] = {}  # insertion-ordered set: O(1) removal
         # Lock under a temporary name, then rename: the lock file never appears unlocked.
         staging = layout.tmp / f"{self.writer_id}{STAGING_SUFFIX}"
         with full_is_cache_full(staging):
@@ -70,18 +77,25 @@ class VersionWriter:
         """Create ``tmp/<version>/`` and return the version name."""
         self._count += 1
         version = f"{self.writer_id}.{self._count}"
-        with full_is_cache_full(self.layout.tmp / version):
-            os.mkdir(self.layout.tmp / version, 0o700)
-        self._pending.append(version)
+        path = f"{self._tmp}/{version}"
+        try:
+            os.mkdir(path, 0o700)
+        except OSError as exc:
+            raise_if_full(path, exc)
+            raise
+        self._pending[version] = None
         return version
 
     def path(self, version: str, filename: str) -> Path:
-        return self.layout.tmp / version / filename
+        return Path(f"{self._tmp}/{version}/{filename}")
 
     def create_file(self, version: str, filename: str) -> int:
-        path = self.path(version, filename)
-        with full_is_cache_full(path):
+        path = f"{self._tmp}/{version}/{filename}"
+        try:
             return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise_if_full(path, exc)
+            raise
 
     def write_array(self, version: str, filename: str, array: np.ndarray) -> tuple[int, NpyHeader]:
         """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping);
@@ -93,7 +107,7 @@ class VersionWriter:
             header = build_header(array.dtype, array.shape, fortran)
             parsed = NpyHeader(*parse_header_bytes(header, len(header), str(path)))
             write_all(fd, header, path)
-            crc = zlib.crc32(header)
+            crc = crc32(header)
             if array.size == 0 or array.dtype.itemsize == 0:
                 return crc, parsed
             flat = array.T if fortran else array
@@ -102,48 +116,57 @@ class VersionWriter:
             else:
                 rows = max(1, _ROWS_BYTES // max(1, flat[0].nbytes))
                 chunks = (np.ascontiguousarray(flat[i : i + rows]) for i in range(0, flat.shape[0], rows))
-            for chunk in chunks:
-                data = chunk.reshape(-1).view(np.uint8)
-                write_all(fd, data, path)
-                crc = zlib.crc32(data.data, crc)
-            return crc, parsed
+            return _write_chunks(fd, path, (c.reshape(-1).view(np.uint8) for c in chunks), crc), parsed
         finally:
             os.close(fd)
 
     def write_meta(self, version: str, meta: dict[str, Any]) -> None:
         fd = self.create_file(version, META_FILE)
         try:
-            write_all(fd, json.dumps(meta, indent=1).encode(), self.path(version, META_FILE))
+            write_all(fd, json.dumps(meta).encode(), f"{self._tmp}/{version}/{META_FILE}")
         finally:
             os.close(fd)
 
     def promote(self, version: str) -> None:
         """Move a finished version from ``tmp/`` to ``objects/`` (still unreferenced)."""
-        os.rename(self.layout.tmp / version, self.layout.objects / version)
+        os.rename(f"{self._tmp}/{version}", f"{self._objects}/{version}")
 
     def link(self, key: str, version: str) -> None:
         """Point ``key``'s entry link at a promoted ``version`` with one atomic rename: a
         reader sees the old version or the new one, never a partial one."""
-        staged = self.layout.tmp / f"{version}.link"
-        with full_is_cache_full(staged):
+        self.swap_link(key, version, self.stage_link(version))
+
+    def stage_link(self, version: str) -> str:
+        """Create the link to ``version`` in ``tmp/`` (what may run out of inodes), so that
+        publishing it is one rename: a batch stages all its links before swapping any."""
+        staged = f"{self._tmp}/{version}.link"
+        try:
             os.symlink(self.layout.link_target(version), staged)
+        except OSError as exc:
+            raise_if_full(staged, exc)
+            raise
+        return staged
+
+    def swap_link(self, key: str, version: str, staged: str) -> None:
+        """Rename a staged link over ``key``'s entry link (atomic for readers)."""
         os.replace(staged, self.layout.entry_link(key))
         self.mark_published(version)
 
     def mark_published(self, version: str) -> None:
         """The version is referenced by an entry link now: no longer ours to discard."""
-        self._pending.remove(version)
+        del self._pending[version]
 
     def discard(self, version: str) -> None:
         """Remove a version of this writer, wherever it is."""
         remove_tree(self.layout.tmp / version)
         remove_tree(self.layout.objects / version)
-        if version in self._pending:
-            self._pending.remove(version)
+        self._pending.pop(version, None)
 
     def close(self) -> None:
         for version in list(self._pending):
             self.discard(version)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{self._tmp}/{version}.link")
         try:
             os.unlink(self.lock_path)  # before unlocking: never an unlocked live lock file
         except FileNotFoundError:
@@ -160,3 +183,51 @@ class VersionWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _write_chunks(fd: int, path: Path, chunks: Iterable[np.ndarray], crc: int) -> int:
+    """Write ``chunks`` (uint8) to ``fd``; return the CRC-32 of the bytes written, chained
+    from ``crc``. Large data is cut into pieces and pipelined: this thread ``write()``s
+    piece k while a helper CRCs piece k-1 (both release the GIL), so the checksum costs
+    little beyond the write. The CRC is of the very buffers written, never of a mapping."""
+    pieces = (
+        piece[i : i + _PIPELINE_CHUNK]
+        for piece in chunks
+        for i in range(0, max(len(piece), 1), _PIPELINE_CHUNK)
+        if len(piece)
+    )
+    first = [p for _, p in zip(range(4), pieces, strict=False)]
+    if sum(len(p) for p in first) < _PIPELINE_MIN:
+        for piece in itertools.chain(first, pieces):
+            write_all(fd, piece, path)
+            crc = crc32(piece.data, crc)
+        return crc
+    state = {"crc": crc}
+    ready = threading.Semaphore(0)
+    room = threading.Semaphore(4)  # pieces written but not yet checksummed (copies, if strided)
+    queue: collections.deque[np.ndarray | None] = collections.deque()
+
+    def checksum() -> None:
+        value = state["crc"]
+        while True:
+            ready.acquire()
+            piece = queue.popleft()
+            if piece is None:
+                state["crc"] = value
+                return
+            value = crc32(piece.data, value)
+            room.release()
+
+    helper = threading.Thread(target=checksum, name="shmcache-crc", daemon=True)
+    helper.start()
+    try:
+        for piece in itertools.chain(first, pieces):
+            write_all(fd, piece, path)
+            room.acquire()
+            queue.append(piece)
+            ready.release()
+    finally:
+        queue.append(None)
+        ready.release()
+        helper.join()
+    return state["crc"]

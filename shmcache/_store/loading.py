@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import traceback
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -105,7 +104,7 @@ def _record_of(exc: Exception) -> dict[str, Any]:
     cls = type(exc)
     args = list(exc.args) if all(isinstance(a, _PLAIN) for a in exc.args) else [str(exc)]
     return {
-        "id": uuid.uuid4().hex,
+        "id": os.urandom(16).hex(),
         "pid": os.getpid(),
         "error_type": f"{cls.__module__}:{cls.__qualname__}",
         "args": args,
@@ -115,7 +114,7 @@ def _record_of(exc: Exception) -> dict[str, Any]:
 
 def _write(path: os.PathLike[str], record: dict[str, Any]) -> None:
     """Write ``record`` whole: a reader sees the old record or the new one."""
-    staging = f"{os.fspath(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    staging = f"{os.fspath(path)}.{os.getpid()}.{os.urandom(4).hex()}"
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "w") as fp:

@@ -15,16 +15,24 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from .._disk.checksum import TrailingCrc
+from .._disk.checksum import TrailingCrc, crc32
 from .._disk.fs import copy_range, write_all
 from .._disk.keys import validate_key
-from .._disk.npy import iter_npz_members, read_source_header
+from .._disk.npy import (
+    NpyHeader,
+    iter_npz_members,
+    parse_header_bytes,
+    read_source_header,
+    read_source_header_fd,
+)
 from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
 from . import array_files
 from .planned import Planned
 
 __all__ = ["PLANNERS", "Planned", "Planner", "copy_planned", "is_array_file", "plan_sources"]
+
+_SMALL = 4 << 20  # files up to this size are copied through a buffer in the calling thread
 
 
 def is_array_file(path: Path) -> bool:
@@ -65,14 +73,38 @@ def plan_sources(key: str, path: Path, allowed: Sequence[str | os.PathLike[str]]
 def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result, tops: tuple[str, ...]) -> list[Planned]:
     if path.is_dir():
         plan: list[Planned] = []
-        for file in sorted(path.rglob("*")):
-            if is_array_file(file) and file.is_file():
-                relative = file.relative_to(path).with_suffix("").as_posix()
+        for parts in _files_under(str(path)):
+            name = parts[-1]
+            suffix = name[name.rfind(".") :] if name.rfind(".") > 0 else ""
+            if suffix.lower() in PLANNERS:
+                file = path.joinpath(*parts)
+                relative = "/".join((*parts[:-1], name[: -len(suffix)]))
                 plan.extend(_plan_file(_child_key(key, relative, file), file, tops))
         if not plan:
             raise InvalidSourceError(f"directory {path} holds no {_suffixes()} files")
         return plan
     return _plan_file(key, path, tops)
+
+
+def _files_under(top: str) -> list[tuple[str, ...]]:
+    """Relative paths (as parts) of the regular files under ``top`` and of links to them,
+    in the order ``sorted(Path(top).rglob("*"))`` gives; linked directories are not
+    entered. ``os.scandir`` rather than ``pathlib``: ~5x less per file."""
+    found: list[tuple[str, ...]] = []
+    pending: list[tuple[str, ...]] = [()]
+    while pending:
+        parts = pending.pop()
+        with os.scandir(os.path.join(top, *parts)) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append((*parts, entry.name))
+                    elif entry.is_file():
+                        found.append((*parts, entry.name))
+                except OSError:
+                    continue
+    found.sort()
+    return found
 
 
 def _child_key(key: str, relative: str, file: Path) -> str:
@@ -93,7 +125,7 @@ def _plan_file(key: str, path: Path, tops: tuple[str, ...]) -> list[Planned]:
 
 
 def _plan_npy(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
-    header = read_source_header(fp, file.size, str(path))
+    header = read_source_header_fd(fp.fileno(), file.size, str(path))
     return [Planned(key, header, str(path), file, 0)]
 
 
@@ -136,6 +168,10 @@ def copy_planned(item: Planned, dst: int, target: Path, advance: Callable[[int],
     try:
         if item.write is not None:
             crc = item.write(src, dst, target, advance)
+        elif item.copy_offset is not None and item.header.file_size <= _SMALL:
+            crc = _copy_small(item, src, dst, target, advance)
+            check_unchanged(src, item.file)
+            return crc
         elif item.copy_offset is None:
             crc = _inflate_member(item, src, dst, target, advance)
         else:
@@ -144,6 +180,33 @@ def copy_planned(item: Planned, dst: int, target: Path, advance: Callable[[int],
     finally:
         os.close(src)
     _check_written_header(item, target)
+    return crc
+
+
+def _copy_small(item: Planned, src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+    """A small file in one ``pread`` and one ``write`` from this thread, checksummed in
+    between: the bytes written are the buffer checksummed, and their header is checked
+    in the buffer (a thread and a read-back cost more than the copy itself)."""
+    assert item.copy_offset is not None
+    size = item.header.file_size
+    if item.prefix is None:
+        data = os.pread(src, size, item.copy_offset)
+    else:  # a built header, then the raw payload
+        data = item.prefix + os.pread(src, item.header.nbytes, item.copy_offset)
+    if len(data) != size:
+        raise CorruptSourceError(
+            f"{item.source} changed while loading (it ended at byte {len(data)}, expected "
+            f"{size}); nothing was published, load it again"
+        )
+    try:  # the memoized parser of the attach path: the header was validated when planned
+        written = NpyHeader(*parse_header_bytes(data, item.header.data_offset, item.source))
+    except ShmCacheError:
+        written = None
+    if written != item.header:
+        raise CorruptSourceError(f"{item.source} changed while loading; nothing was published, load it again")
+    crc = crc32(data)
+    write_all(dst, data, target)
+    advance(size)
     return crc
 
 
@@ -186,7 +249,7 @@ def _inflate_member(item: Planned, src: int, dst: int, target: Path, advance: Ca
             while chunk := member.read(16 << 20):
                 piece = chunk[: item.header.file_size - written]
                 write_all(dst, piece, target)
-                crc = zlib.crc32(piece, crc)
+                crc = crc32(piece, crc)
                 written += len(piece)
                 advance(len(piece))
                 if written >= item.header.file_size:

@@ -28,7 +28,7 @@ from .._containers.encode import (
     encode_records,
     encode_strings,
 )
-from .._containers.group import SharedGroup
+from .._containers.group import SharedGroup, read_group
 from .._containers.shared import (
     SharedBlobs,
     SharedMapping,
@@ -51,7 +51,7 @@ from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, Unsuppo
 from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
 from .catalog import info_of, iter_infos, store_stats
 from .loading import last_failure, recording_failure
-from .locks import key_lock
+from .locks import key_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .planned import write_container
 from .reading import Reader, release_version
@@ -159,10 +159,12 @@ class Store:
         validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
         prefix = prefix.rstrip("/")
         self._reader.trust_root()
-        if not self.layout.names_under(prefix):  # a typo would otherwise be an empty group
+        with snapshot_lock(self.layout):  # a directory being republished: all old or all new
+            versions = read_group(self.layout, prefix)
+        if not versions:  # a typo would otherwise be an empty group
             hint = " (it is a single entry: open it with open_array/open)" if self.exists(prefix) else ""
             raise KeyNotFoundError(f"no entries under {prefix + '/'!r} in cache {self.root}{hint}")
-        return SharedGroup(self, prefix)
+        return SharedGroup(self, prefix, versions)
 
     def open_version(self, key: str, version: str, kind: str) -> Any:
         """Attach one version of a container entry."""
@@ -563,9 +565,9 @@ class Store:
         if prefix:
             validate_key(prefix.rstrip("/"))
         self._reader.trust_root()
-        return sorted(
-            (e for e in iter_infos(self.layout) if key_in_prefix(e.key, prefix)), key=lambda e: e.key
-        )
+        with snapshot_lock(self.layout):  # a directory being republished: all old or all new
+            infos = [e for e in iter_infos(self.layout) if key_in_prefix(e.key, prefix)]
+        return sorted(infos, key=lambda e: e.key)
 
     def info(self, key: str) -> EntryInfo:
         validate_key(key)

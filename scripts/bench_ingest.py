@@ -1,0 +1,420 @@
+#!/usr/bin/env python
+"""Benchmark: getting data into the cache (issue 11), each row against a baseline in the same run.
+
+Rows (full size; ``--quick`` in brackets), methods alternated in order from one repeat to
+the next, medians over ``--repeats``:
+
+- ``put_array`` of 1 GiB float32 [64 MiB] vs ``np.save`` to /dev/shm (target >= 1.0x its speed);
+- ``put_file`` of a 1 GiB ``.npy`` [64 MiB] vs ``cp`` to /dev/shm (>= 0.9x);
+- ``put_file`` of a directory of 1,000 x 100 KiB ``.npy`` [100] vs ``cp -r`` (>= 0.9x);
+- ``import shmcache`` with numpy already imported (``python -X importtime``, the
+  cumulative time of the ``shmcache`` line; median of subprocesses) vs ``import numpy``
+  alone (target <= 20 ms), and, for information, ``import shmcache`` plus a first
+  ``open_array`` (what a spawned DataLoader worker pays before its first item).
+
+Sources of file rows live on disk (the temp directory, page cache warm), targets on
+/dev/shm; every put goes to a fresh key and every copy to a fresh path, removed outside
+the timing. Speed ratios are baseline time over method time.
+
+Rows are functions in ``ROWS`` (``Context -> Row``); add one there. Usage::
+
+    python scripts/bench_ingest.py [--quick] [--repeats N] [--only name,...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _benchlib import (
+    GiB,
+    MiB,
+    Samples,
+    Target,
+    alternated,
+    environment,
+    fmt_bytes,
+    fmt_seconds,
+    markdown_table,
+    print_targets,
+    scratch_base,
+    scratch_dir,
+    write_report,
+)
+
+import shmcache
+
+
+@dataclass(frozen=True)
+class Config:
+    array_bytes: int
+    npy_bytes: int
+    dir_files: int
+    dir_file_bytes: int
+    import_runs: int
+    repeats: int
+
+
+FULL = Config(
+    array_bytes=GiB, npy_bytes=GiB, dir_files=1000, dir_file_bytes=100 * 1024, import_runs=21, repeats=5
+)
+QUICK = Config(
+    array_bytes=64 * MiB,
+    npy_bytes=64 * MiB,
+    dir_files=100,
+    dir_file_bytes=100 * 1024,
+    import_runs=5,
+    repeats=3,
+)
+
+
+@dataclass
+class Context:
+    """What every row gets: the sizes, a source directory on disk, scratch space on
+    /dev/shm, and one store (fresh keys per measurement)."""
+
+    config: Config
+    src: Path
+    shm: Path
+    store: shmcache.Store
+    _count: int = 0
+
+    def fresh(self, stem: str) -> str:
+        """A name never used before in this run (a key, or a path under ``shm``)."""
+        self._count += 1
+        return f"{stem}{self._count}"
+
+
+@dataclass
+class Row:
+    """One line of the table: a method against its baseline, and the target it is held to."""
+
+    name: str
+    method: str
+    baseline: str
+    method_s: Samples
+    baseline_s: Samples
+    target: str
+    goal: float | None
+    """For a speed row the least ratio (baseline time / method time); for a time row the
+    most milliseconds; None: shown for information."""
+    kind: str = "speed"  # or "ms"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def measured(self) -> float:
+        if self.kind == "speed":
+            return self.baseline_s.median / self.method_s.median
+        return self.method_s.median * 1e3
+
+    @property
+    def measured_text(self) -> str:
+        return f"{self.measured:.2f}x" if self.kind == "speed" else f"{self.measured:.1f} ms"
+
+    @property
+    def ok(self) -> bool | None:
+        if self.goal is None:
+            return None
+        return self.measured >= self.goal if self.kind == "speed" else self.measured <= self.goal
+
+
+def timed_pair(
+    ctx: Context,
+    baseline: Callable[[], Any],
+    method: Callable[[], Any],
+    after: Callable[[], None] = lambda: None,
+) -> tuple[Samples, Samples]:
+    """Alternate ``baseline`` and ``method`` for ``repeats`` rounds; ``after`` runs after
+    each call, untimed (removing what it wrote)."""
+    base, meth = Samples(), Samples()
+    calls = {"baseline": (baseline, base), "method": (method, meth)}
+    for repeat in range(ctx.config.repeats):
+        for name in alternated(["baseline", "method"], repeat):
+            call, samples = calls[name]
+            started = time.perf_counter()
+            call()
+            samples.add(time.perf_counter() - started)
+            after()
+    return base, meth
+
+
+def _evict_all(store: shmcache.Store) -> None:
+    for info in store.list():
+        store.evict(info.key)
+
+
+def _clear(ctx: Context) -> None:
+    _evict_all(ctx.store)
+    for child in ctx.shm.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+# ---------------------------------------------------------------------- rows
+
+
+def row_put_array(ctx: Context) -> Row:
+    array = np.random.default_rng(0).random(ctx.config.array_bytes // 4, dtype=np.float32)
+    base, meth = timed_pair(
+        ctx,
+        lambda: np.save(ctx.shm / f"{ctx.fresh('a')}.npy", array),
+        lambda: ctx.store.put_array(ctx.fresh("a"), array),
+        after=lambda: _clear(ctx),
+    )
+    size = fmt_bytes(array.nbytes)
+    return Row(
+        f"put_array {size} float32", "Store.put_array", "np.save to /dev/shm", meth, base, ">= 1.0x", 1.0
+    )
+
+
+def _write_random_npy(path: Path, nbytes: int, chunk: int = 64 * MiB) -> None:
+    rng = np.random.default_rng(0)
+    count = nbytes // 4
+    with open(path, "wb") as fp:
+        np.lib.format.write_array_header_1_0(fp, {"descr": "<f4", "fortran_order": False, "shape": (count,)})
+        left = count
+        while left:
+            n = min(left, chunk // 4)
+            fp.write(rng.random(n, dtype=np.float32).tobytes())
+            left -= n
+
+
+def row_put_file_npy(ctx: Context) -> Row:
+    source = ctx.src / "big.npy"
+    _write_random_npy(source, ctx.config.npy_bytes)
+    base, meth = timed_pair(
+        ctx,
+        lambda: subprocess.run(["cp", str(source), str(ctx.shm / ctx.fresh("c"))], check=True),
+        lambda: ctx.store.put_file(ctx.fresh("f"), source),
+        after=lambda: _clear(ctx),
+    )
+    size = fmt_bytes(source.stat().st_size)
+    return Row(f"put_file of a {size} .npy", "Store.put_file", "cp to /dev/shm", meth, base, ">= 0.9x", 0.9)
+
+
+def row_put_file_dir(ctx: Context) -> Row:
+    source = ctx.src / "small"
+    source.mkdir()
+    rng = np.random.default_rng(1)
+    rows = ctx.config.dir_file_bytes // (256 * 4)
+    for i in range(ctx.config.dir_files):
+        np.save(source / f"f{i:05d}.npy", rng.random((rows, 256), dtype=np.float32))
+    base, meth = timed_pair(
+        ctx,
+        lambda: subprocess.run(["cp", "-r", str(source), str(ctx.shm / ctx.fresh("d"))], check=True),
+        lambda: ctx.store.put_file(ctx.fresh("d"), source),
+        after=lambda: _clear(ctx),
+    )
+    name = f"put_file of {ctx.config.dir_files:,} x {fmt_bytes(ctx.config.dir_file_bytes)} .npy"
+    per_file = (meth.median - base.median) / ctx.config.dir_files
+    return Row(
+        name,
+        "Store.put_file",
+        "cp -r",
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+        note=f"{per_file * 1e6:+.0f} us/file vs cp -r",
+    )
+
+
+_IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| (\S+)\s*$")
+
+
+def _import_us(code: str, module: str) -> float:
+    """Cumulative import time of ``module`` (seconds) in a fresh interpreter running ``code``."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=scratch_base(on_shm=False),  # not the checkout: ``-c`` puts the cwd first on sys.path
+    )
+    for line in out.stderr.splitlines():
+        match = _IMPORT_LINE.match(line)
+        if match and match[2] == module:
+            return int(match[1]) / 1e6
+    raise RuntimeError(f"no import time for {module} in:\n{out.stderr[-2000:]}")
+
+
+def row_import(ctx: Context) -> Row:
+    base, meth = Samples(), Samples()
+    for repeat in range(ctx.config.import_runs):
+        for name in alternated(["numpy", "shmcache"], repeat):
+            if name == "numpy":
+                base.add(_import_us("import numpy", "numpy"))
+            else:
+                meth.add(_import_us("import numpy; import shmcache", "shmcache"))
+    return Row(
+        "import shmcache (numpy already imported)",
+        "import shmcache",
+        "import numpy",
+        meth,
+        base,
+        "<= 20 ms",
+        20.0,
+        kind="ms",
+        note=f"import numpy alone: {base.median * 1e3:.1f} ms",
+    )
+
+
+def row_first_open(ctx: Context) -> Row:
+    """For information: ``import shmcache`` plus a first ``open_array`` in a fresh process."""
+    key = ctx.fresh("open")
+    ctx.store.put_array(key, np.arange(1000, dtype=np.float32))
+    code = (
+        "import time, numpy; t = time.perf_counter(); import shmcache; "
+        f"shmcache.open_array({key!r}); print(time.perf_counter() - t)"
+    )
+    env = {**os.environ, "SHMCACHE_ROOT": str(ctx.store.root)}
+    base, meth = Samples(), Samples()
+    for _ in range(ctx.config.import_runs):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+            cwd=scratch_base(on_shm=False),
+        )
+        meth.add(float(out.stdout))
+        base.add(_import_us("import numpy", "numpy"))
+    _evict_all(ctx.store)
+    return Row(
+        "import shmcache + first open_array",
+        "import + open_array",
+        "import numpy",
+        meth,
+        base,
+        "(info)",
+        None,
+        kind="ms",
+    )
+
+
+ROWS: list[Callable[[Context], Row]] = [
+    row_put_array,
+    row_put_file_npy,
+    row_put_file_dir,
+    row_import,
+    row_first_open,
+]
+"""Every row, in table order; a row function gets the shared :class:`Context`."""
+
+
+# ---------------------------------------------------------------------- main
+
+
+@contextlib.contextmanager
+def context(config: Config) -> Iterator[Context]:
+    with (
+        scratch_dir("shmcache-bench-ingest-") as shm,
+        scratch_dir("shmcache-bench-ingest-src-", on_shm=False) as src,
+    ):
+        root = shm / "root"
+        copies = shm / "copies"
+        copies.mkdir()
+        store = shmcache.Store(root)
+        store.prepare()
+        yield Context(config, src, copies, store)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="CI size (64 MiB, 100 small files, 5 imports)")
+    parser.add_argument("--repeats", type=int, help="repeats of every timed pair")
+    parser.add_argument("--array-bytes", type=int, help="bytes of the put_array and .npy rows")
+    parser.add_argument("--dir-files", type=int, help="files of the directory row")
+    parser.add_argument("--only", help="comma-separated row function names (e.g. row_import)")
+    parser.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else FULL
+    if args.repeats:
+        config = replace(config, repeats=args.repeats)
+    if args.array_bytes:
+        config = replace(config, array_bytes=args.array_bytes, npy_bytes=args.array_bytes)
+    if args.dir_files:
+        config = replace(config, dir_files=args.dir_files)
+    selected = [f for f in ROWS if not args.only or f.__name__ in args.only.split(",")]
+
+    started = time.perf_counter()
+    rows: list[Row] = []
+    with context(config) as ctx:
+        for row_function in selected:
+            rows.append(row_function(ctx))
+            _clear(ctx)
+    elapsed = time.perf_counter() - started
+
+    env = environment()
+    print(
+        f"# bench_ingest ({'quick' if args.quick else 'full'}): {env['cpu']}, {env['cpus']} CPUs, "
+        f"python {env['python']}, numpy {env['numpy']}; {config.repeats} repeats, order alternated\n"
+    )
+    table = [
+        [
+            r.name,
+            r.baseline,
+            fmt_seconds(r.baseline_s.median),
+            r.method,
+            fmt_seconds(r.method_s.median),
+            r.measured_text,
+            r.target,
+            {True: "✓", False: "✗", None: ""}[r.ok],
+            r.note,
+        ]
+        for r in rows
+    ]
+    print(
+        markdown_table(
+            ["row", "baseline", "baseline time", "method", "method time", "measured", "target", "ok", "note"],
+            table,
+            "llrlrrll",
+        )
+    )
+    print()
+    targets = [Target(r.target, r.name, r.measured, r.measured_text, r.ok, r.note) for r in rows]
+    print_targets([t for t in targets if t.ok is not None])
+    results = {
+        r.name: {
+            "method": r.method,
+            "baseline": r.baseline,
+            "method_s": r.method_s.summary(),
+            "baseline_s": r.baseline_s.summary(),
+            "kind": r.kind,
+            "measured": r.measured,
+            "target": r.target,
+            "ok": r.ok,
+            "note": r.note,
+            **r.extra,
+        }
+        for r in rows
+    }
+    write_report(
+        args.json,
+        "bench_ingest",
+        quick=args.quick,
+        config=asdict(config),
+        results=results,
+        targets=targets,
+        elapsed_s=elapsed,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
