@@ -7,6 +7,10 @@ the next, medians over ``--repeats``:
 - ``put_array`` of 1 GiB float32 [64 MiB] vs ``np.save`` to /dev/shm (target >= 1.0x its speed);
 - ``put_file`` of a 1 GiB ``.npy`` [64 MiB] vs ``cp`` to /dev/shm (>= 0.9x);
 - ``put_file`` of a directory of 1,000 x 100 KiB ``.npy`` [100] vs ``cp -r`` (>= 0.9x);
+- ``put_blobs`` of 20,000 files of 4-200 KiB [500] vs ``cp -r`` (>= 0.9x; ``tar -cf`` shown);
+- ``share()`` of 2M annotation dicts [50,000] vs ``pa.Table.from_pylist`` + an uncompressed
+  Feather write (<= 0.5x its time), the bytes each stores (<= 1.0x), ``table[i]`` vs ``list[i]``
+  at random rows (<= 1.5x its time), a DataLoader with 4 fork workers over each (>= 1.0x);
 - ``import shmcache`` with numpy already imported (``python -X importtime``, the
   cumulative time of the ``shmcache`` line; median of subprocesses) vs ``import numpy``
   alone (target <= 20 ms), and, for information, ``import shmcache`` plus a first
@@ -46,6 +50,8 @@ from _benchlib import (
     environment,
     fmt_bytes,
     fmt_seconds,
+    make_annotations,
+    make_blob_tree,
     markdown_table,
     print_targets,
     scratch_base,
@@ -64,6 +70,10 @@ class Config:
     dir_file_bytes: int
     import_runs: int
     repeats: int
+    blob_files: int = 20_000
+    annotations: int = 2_000_000
+    item_reads: int = 200_000
+    loader_items: int = 200_000
 
 
 FULL = Config(
@@ -76,6 +86,10 @@ QUICK = Config(
     dir_file_bytes=100 * 1024,
     import_runs=5,
     repeats=3,
+    blob_files=500,
+    annotations=50_000,
+    item_reads=20_000,
+    loader_items=20_000,
 )
 
 
@@ -89,6 +103,8 @@ class Context:
     shm: Path
     store: shmcache.Store
     _count: int = 0
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Bytes stored by the share() row, for the bytes row."""
 
     def fresh(self, stem: str) -> str:
         """A name never used before in this run (a key, or a path under ``shm``)."""
@@ -109,7 +125,7 @@ class Row:
     goal: float | None
     """For a speed row the least ratio (baseline time / method time); for a time row the
     most milliseconds; None: shown for information."""
-    kind: str = "speed"  # or "ms"
+    kind: str = "speed"  # or "ms", "slowdown" (method time / baseline time), "bytes" (method / baseline size)
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -117,17 +133,29 @@ class Row:
     def measured(self) -> float:
         if self.kind == "speed":
             return self.baseline_s.median / self.method_s.median
+        if self.kind in ("slowdown", "bytes"):
+            return self.method_s.median / self.baseline_s.median
         return self.method_s.median * 1e3
 
     @property
     def measured_text(self) -> str:
-        return f"{self.measured:.2f}x" if self.kind == "speed" else f"{self.measured:.1f} ms"
+        if self.kind == "speed":
+            return f"{self.measured:.2f}x"
+        if self.kind == "slowdown":
+            return f"{self.measured:.2f}x its time"
+        if self.kind == "bytes":
+            return f"{self.measured:.2f}x its size"
+        return f"{self.measured:.1f} ms"
 
     @property
     def ok(self) -> bool | None:
         if self.goal is None:
             return None
         return self.measured >= self.goal if self.kind == "speed" else self.measured <= self.goal
+
+    def shown(self, seconds_or_bytes: float) -> str:
+        """A measurement of this row as the table shows it."""
+        return fmt_bytes(seconds_or_bytes) if self.kind == "bytes" else fmt_seconds(seconds_or_bytes)
 
 
 def timed_pair(
@@ -233,6 +261,198 @@ def row_put_file_dir(ctx: Context) -> Row:
     )
 
 
+def row_put_blobs(ctx: Context) -> Row:
+    """An image folder (20,000 files of 4-200 KiB) packed as one blobs entry vs ``cp -r``."""
+    source = ctx.src / "images"
+    total = make_blob_tree(source, ctx.config.blob_files, 4, 200)
+    tar = Samples()
+
+    def tar_to_shm() -> None:
+        started = time.perf_counter()
+        archive = ctx.shm / f"{ctx.fresh('t')}.tar"
+        subprocess.run(["tar", "-cf", str(archive), "-C", str(source), "."], check=True)
+        tar.add(time.perf_counter() - started)
+
+    base, meth = timed_pair(
+        ctx,
+        lambda: subprocess.run(["cp", "-r", str(source), str(ctx.shm / ctx.fresh("b"))], check=True),
+        lambda: ctx.store.put_blobs(ctx.fresh("b"), source),
+        after=lambda: (tar_to_shm(), _clear(ctx)),
+    )
+    name = f"put_blobs of {ctx.config.blob_files:,} files of 4-200 KiB ({fmt_bytes(total)})"
+    return Row(
+        name,
+        "Store.put_blobs",
+        "cp -r",
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+        note=f"tar -cf to /dev/shm: {fmt_seconds(tar.median)} ({base.median / tar.median:.2f}x cp -r)",
+    )
+
+
+def _feather_baseline(records: list[dict[str, Any]], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.feather as feather
+
+    feather.write_feather(pa.Table.from_pylist(records), str(path), compression="uncompressed")
+
+
+def row_share_annotations(ctx: Context) -> Row | None:
+    """``share()`` of annotation dicts vs what HF datasets does with them (Arrow from the
+    list, written as an uncompressed Arrow/Feather file: ``save_to_disk``'s format)."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return None
+    records = make_annotations(ctx.config.annotations)
+    sizes: dict[str, int] = {}
+
+    def feather_once() -> None:
+        path = ctx.shm / f"{ctx.fresh('f')}.feather"
+        _feather_baseline(records, path)
+        sizes["feather"] = path.stat().st_size
+
+    def share_once() -> None:
+        key = ctx.fresh("ann")
+        ctx.store.share(key, records)
+        sizes["shmcache"] = ctx.store.info(key).size
+
+    base, meth = timed_pair(ctx, feather_once, share_once, after=lambda: _clear(ctx))
+    ctx.sizes = sizes  # the bytes row reports them
+    return Row(
+        f"share() of {len(records):,} annotation dicts",
+        "Store.share",
+        "pa.Table.from_pylist + write_feather",
+        meth,
+        base,
+        "<= 0.5x its time",
+        0.5,
+        kind="slowdown",
+    )
+
+
+def row_bytes_stored(ctx: Context) -> Row | None:
+    sizes = ctx.sizes
+    if not sizes:
+        return None
+    base, meth = Samples(), Samples()
+    base.add(sizes["feather"])
+    meth.add(sizes["shmcache"])
+    return Row(
+        f"bytes stored for {ctx.config.annotations:,} annotation dicts",
+        "share() entry",
+        "the Feather file",
+        meth,
+        base,
+        "<= 1.0x",
+        1.0,
+        kind="bytes",
+    )
+
+
+def _per_item(sequence: Any, indices: list[int]) -> float:
+    started = time.perf_counter()
+    for i in indices:
+        sequence[i]
+    return (time.perf_counter() - started) / len(indices)
+
+
+def row_item_access(ctx: Context) -> Row:
+    """``table[i]`` (what ``share()`` of the dicts gives) vs ``list[i]``, at random rows."""
+    records = make_annotations(ctx.config.annotations)
+    table = ctx.store.share(ctx.fresh("ann"), records)
+    as_records = ctx.store.open_records(_put_records(ctx, records))
+    rng = np.random.default_rng(2)
+    indices = rng.integers(0, len(records), size=ctx.config.item_reads).tolist()
+    base, meth, recs = Samples(), Samples(), Samples()
+    for repeat in range(ctx.config.repeats):
+        for name in alternated(["list", "table", "records"], repeat):
+            if name == "list":
+                base.add(_per_item(records, indices))
+            elif name == "table":
+                meth.add(_per_item(table, indices))
+            else:
+                recs.add(_per_item(as_records, indices))
+    return Row(
+        "table[i] of those dicts, random i",
+        "SharedTable[i]",
+        "list[i]",
+        meth,
+        base,
+        "<= 1.5x its time",
+        1.5,
+        kind="slowdown",
+        note=f"records[i] (put_records, orjson): {recs.median * 1e6:.2f} us",
+        extra={"records_item_s": recs.summary()},
+    )
+
+
+def _put_records(ctx: Context, records: list[dict[str, Any]]) -> str:
+    key = ctx.fresh("rec")
+    ctx.store.put_records(key, records)
+    return key
+
+
+class _Items:
+    """A Dataset over a sequence of dicts, as a user writes it (``torch`` is imported by
+    the row only)."""
+
+    def __init__(self, items: Any) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        item = self.items[i]
+        return item["label"] + len(item["bbox"]) + len(item["id"])
+
+
+def _loader_seconds(dataset: _Items, items: int) -> float:
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    sampler = RandomSampler(dataset, num_samples=items, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        dataset, batch_size=256, sampler=sampler, num_workers=4, collate_fn=len,
+        multiprocessing_context="fork",
+    )
+    started = time.perf_counter()
+    count = sum(loader)
+    assert count == items
+    return time.perf_counter() - started
+
+
+def row_loader(ctx: Context) -> Row | None:
+    """DataLoader (4 fork workers) items/s over the dicts: the list vs ``share()``'s table."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    records = make_annotations(ctx.config.annotations)
+    table = ctx.store.share(ctx.fresh("ann"), records)
+    items = ctx.config.loader_items
+    base, meth = Samples(), Samples()
+    for repeat in range(ctx.config.repeats):
+        for name in alternated(["list", "table"], repeat):
+            if name == "list":
+                base.add(_loader_seconds(_Items(records), items))
+            else:
+                meth.add(_loader_seconds(_Items(table), items))
+    return Row(
+        f"DataLoader, 4 workers, {items:,} of those dicts",
+        "over share()'s table",
+        "over the list of dicts",
+        meth,
+        base,
+        ">= 1.0x",
+        1.0,
+        note=f"{items / meth.median:,.0f} vs {items / base.median:,.0f} items/s",
+    )
+
+
 _IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| (\S+)\s*$")
 
 
@@ -307,10 +527,15 @@ def row_first_open(ctx: Context) -> Row:
     )
 
 
-ROWS: list[Callable[[Context], Row]] = [
+ROWS: list[Callable[[Context], Row | None]] = [
     row_put_array,
     row_put_file_npy,
     row_put_file_dir,
+    row_put_blobs,
+    row_share_annotations,
+    row_bytes_stored,
+    row_item_access,
+    row_loader,
     row_import,
     row_first_open,
 ]
@@ -356,7 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     with context(config) as ctx:
         for row_function in selected:
-            rows.append(row_function(ctx))
+            row = row_function(ctx)
+            if row is not None:  # None: an optional package (pyarrow, torch) is missing
+                rows.append(row)
             _clear(ctx)
     elapsed = time.perf_counter() - started
 
@@ -369,9 +596,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         [
             r.name,
             r.baseline,
-            fmt_seconds(r.baseline_s.median),
+            r.shown(r.baseline_s.median),
             r.method,
-            fmt_seconds(r.method_s.median),
+            r.shown(r.method_s.median),
             r.measured_text,
             r.target,
             {True: "✓", False: "✗", None: ""}[r.ok],
