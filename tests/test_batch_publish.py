@@ -142,3 +142,30 @@ def test_a_group_is_a_snapshot_of_versions(store: Store, tmp_path: Path) -> None
         group["f0001"]  # not opened before the republish, and that version is gone
     again = store.open_group("d")
     assert len(again) == 4 and {int(again[name][0]) for name in again} == {2}
+
+
+@pytest.mark.parametrize("lock_file", [True, False], ids=["with-publish-lock", "root-older-than-it"])
+def test_a_cache_mounted_read_only_lists_and_opens_groups(tmp_path: Path, lock_file: bool) -> None:
+    """Readers never write: a pod that mounts the node's cache read-only (deploy/kubernetes)
+    lists and opens groups, whether or not a publisher ever created the publish lock."""
+    from tests.service_helpers import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "node", "size=8m") as mountpoint:
+        source = tmp_path / "src"
+        source.mkdir()
+        for i in range(3):
+            np.save(source / f"part{i}.npy", np.full(4, i))
+        Store(mountpoint / "cache").put_file("d", source)
+        lock = mountpoint / "cache" / "locks" / "publish.lock"
+        assert lock.exists()
+        if not lock_file:
+            lock.unlink()
+        command = ["mount", "-o", "remount,ro", str(mountpoint)]
+        remount = subprocess.run(command, capture_output=True, text=True)
+        if remount.returncode:
+            pytest.skip(f"cannot remount read-only: {remount.stderr.strip()}")
+        reader = Store(mountpoint / "cache")
+        assert [e.key for e in reader.list()] == ["d/part0", "d/part1", "d/part2"]
+        group = reader.open_group("d")
+        assert sorted(group) == ["part0", "part1", "part2"] and group["part2"][0] == 2
+        assert reader.open_array("d/part1")[-1] == 1

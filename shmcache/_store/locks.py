@@ -14,6 +14,7 @@ thread of the same process waits for it like another process would.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import threading
@@ -106,15 +107,39 @@ def publish_lock(layout: Layout, *, shared: bool) -> AbstractContextManager[None
 
 @contextmanager
 def snapshot_lock(layout: Layout) -> Iterator[None]:
-    """The publish lock shared, for a reader reading several links as one set; nothing
-    when the root has no ``locks/`` (never written to: no publish can be under way)."""
-    try:
-        lock = publish_lock(layout, shared=True)
-        lock.__enter__()
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
+    """The publish lock shared, for a reader reading several links as one set.
+
+    A reader never needs to write: the lock file is opened read-only (``flock`` works on
+    such a descriptor; a cache mounted read-only into a pod stays readable). Where the file
+    does not exist and cannot be created (no ``locks/`` yet, no inode left, a read-only
+    mount, another user's root), no publisher could have created it either, so no batch
+    publish is under way and the links are read without it."""
+    path = f"{layout.root}/locks/publish.lock"
+    slot = (path, threading.get_ident(), True)
+    if slot in _held:  # this thread holds it shared already
         yield
         return
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCK_NEEDED:
+                raise
+            yield
+            return
+    except (NotADirectoryError, PermissionError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
         yield
     finally:
-        lock.__exit__(None, None, None)
+        os.close(fd)  # drops the flock
+
+
+_NO_LOCK_NEEDED = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+)
+"""Why a reader may fail to create the publish lock file, each meaning no publisher made it."""
