@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._api import (
     cache,
+    cache_remote,
     cleanup,
     evict,
     get_store,
@@ -100,6 +101,7 @@ __all__ = [
     "UnsupportedDataError",
     "__version__",
     "cache",
+    "cache_remote",
     "cleanup",
     "default_root",
     "evict",
