@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ pytest.importorskip("moto.server")
 
 from cli_helpers import cli
 from s3_helpers import KEY, MotoServer, moto_server, npy_bytes, unique_bucket
-from service_helpers import load, scratch_dir, unique, wait_job
+from service_helpers import clean_env, load, scratch_dir, unique, wait_job
 
 import shmcache
 from shmcache._disk.layout import Layout
@@ -408,3 +409,65 @@ def test_meta_json_of_a_remote_entry_names_the_redacted_url(store: shmcache.Stor
     meta = json.loads((Layout(root).objects / store.info("m").version / "meta.json").read_text())
     assert meta["source"] == f"s3://{bucket}/m.npy" and meta["source_identity"].startswith("ETag=")
     assert os.stat(Layout(root).objects / store.info("m").version / "data.npy").st_size == meta["size"]
+
+
+# ---------------------------------------------------------------------- torchrun: two simulated nodes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_torchrun_on_two_simulated_nodes_downloads_once_per_node(s3: MotoServer, bucket: str) -> None:
+    """``--nnodes 2 --nproc-per-node 2`` as two torchrun launches on this machine, each "node"
+    with its own cache root: the server sees one download per node, every rank reads the
+    same bytes, and DDP steps run over them."""
+    pytest.importorskip("torch")
+    import zlib
+
+    array = np.random.default_rng(1).standard_normal((256, 9)).astype(np.float32)
+    _put_object(s3, bucket, "train/feats.npy", npy_bytes(array))
+    port = _free_port()
+    with scratch_dir("node0") as root0, scratch_dir("node1") as root1:
+        launches = []
+        for rank, root in enumerate((root0, root1)):
+            env = {
+                "SHMCACHE_ROOT": str(root / "cache"),
+                "SHMCACHE_KEY": "train/feats",
+                "SHMCACHE_URL": f"s3://{bucket}/train/feats.npy",
+                "AWS_ENDPOINT_URL": s3.endpoint,
+                "AWS_ACCESS_KEY_ID": KEY,
+                "AWS_SECRET_ACCESS_KEY": KEY,
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "OMP_NUM_THREADS": "1",
+            }
+            command = [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", bucket,
+                "--rdzv-conf", f"is_host={'true' if rank == 0 else 'false'}",
+                str(REPO / "deploy" / "example_train.py"),
+            ]  # fmt: skip
+            launches.append(
+                subprocess.Popen(
+                    command, env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
+        outputs = [launch.communicate(timeout=540)[0] for launch in launches]
+        assert [launch.returncode for launch in launches] == [0, 0], "\n".join(outputs)
+        for root in (root0, root1):  # each node holds its own copy
+            np.testing.assert_array_equal(shmcache.Store(root / "cache").open_array("train/feats"), array)
+    lines = re.findall(
+        r"rank (\d)/4 on \S+: train/feats \(256, 9\) crc32 ([0-9a-f]{8}), loss", "".join(outputs)
+    )
+    assert sorted(rank for rank, _ in lines) == ["0", "1", "2", "3"], outputs
+    assert {crc for _, crc in lines} == {f"{zlib.crc32(array.data):08x}"}
+    # One download per node: a header read and one part each, and nothing else.
+    assert len(s3.requests("GET", f"/{bucket}/train/feats.npy")) == 2 * 2
