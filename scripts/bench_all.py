@@ -125,6 +125,7 @@ def steps() -> list[Step]:
         Step("bench_spawn", "bench_spawn.py", out=True),
         Step("bench_loader", "bench_loader.py", out=True),
         Step("bench_load", "bench_load.py"),
+        Step("bench_remote", "bench_remote.py"),
         Step("bench_api", "bench_api.py", json=False),
         Step("soak_api", "soak_api.py"),
     ]

@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_WORKERS",
     "RemoteItem",
     "RemotePlan",
+    "auto_part_size",
     "fetch_remote",
     "plan_remote",
     "remote_identities",
@@ -69,7 +70,7 @@ _HASH_CHUNK = 1 << 20
 
 @dataclass
 class RemoteItem:
-    """One object a remote put will publish as one array entry, checked before fetching."""
+    """One object a remote put will publish as one array entry."""
 
     key: str
     path: str
@@ -80,14 +81,21 @@ class RemoteItem:
     identity: str
     """What tells this content from another (ETag, MD5, else modification time)."""
     md5: str | None
-    header: NpyHeader = field(init=False)
+    header: NpyHeader | None = None
+    """Validated header: read by the plan (``plan_file``), else from the first part fetched."""
     version: str = ""
     crc: int = 0
+    ready: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def checked_header(self) -> NpyHeader:
+        assert self.header is not None, "the object's header was not validated"
+        return self.header
 
 
 @dataclass
 class RemotePlan:
-    """Every object of a remote source, validated; ``fs`` is the fsspec filesystem."""
+    """Every object of a remote source; ``fs`` is the fsspec filesystem."""
 
     fs: Any
     url: str
@@ -97,14 +105,23 @@ class RemotePlan:
     secrets: list[str]
 
     @property
-    def size(self) -> int:
-        return sum(item.header.file_size for item in self.items)
+    def object_bytes(self) -> int:
+        """Bytes of the objects (at least the entries' sizes: a ``.npy`` may have a tail)."""
+        return sum(item.size for item in self.items)
 
 
 def plan_remote(
-    key: str, url: str, storage_options: Mapping[str, Any] | None = None, workers: int = DEFAULT_WORKERS
+    key: str,
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    read_headers: bool = True,
+    workers: int = DEFAULT_WORKERS,
 ) -> RemotePlan:
-    """List the objects under ``url`` and validate their headers (``key`` is valid already)."""
+    """List the objects under ``url`` (``key`` is valid already); with ``read_headers``, also
+    read and validate every header now (a dry run). Without, :func:`fetch_remote` validates
+    each header from the object's first part before writing a byte of it: one request
+    fewer per object."""
     secrets = secret_strings(url, storage_options)
     shown = redact_url(url)
     fs, path = _filesystem(url, storage_options, secrets)
@@ -114,11 +131,19 @@ def plan_remote(
         directory = info.get("type") == "directory"
         listing = _list_objects(fs, path) if directory else {path: info}
     items = _items(key, shown, path, directory, listing)
-    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="shmcache-head") as pool:
-        headers = pool.map(lambda it: _read_header(fs, it, secrets), items)
-        for item, header in zip(items, headers, strict=True):
-            item.header = header
+    if read_headers:
+        with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="shmcache-head") as pool:
+            headers = pool.map(lambda it: _read_header(fs, it, secrets), items)
+            for item, header in zip(items, headers, strict=True):
+                item.header = header
     return RemotePlan(fs, shown, path, directory, items, secrets)
+
+
+def auto_part_size(size: int, workers: int = DEFAULT_WORKERS) -> int:
+    """Parts of at least ``DEFAULT_PART_SIZE``, and no more parts than ``workers``: a big
+    object is read as ``workers`` parallel streams, each request large (a server that
+    pays per request, or, like moto, copies the whole object for every range, pays least)."""
+    return max(DEFAULT_PART_SIZE, -(-size // max(workers, 1)))
 
 
 def remote_identities(
@@ -126,27 +151,26 @@ def remote_identities(
 ) -> dict[str, tuple[int, str]]:
     """``{object URL (redacted): (size, identity)}`` of the ``.npy`` objects under ``url``,
     from one listing (no header read): whether loaded entries are still current."""
-    secrets = secret_strings(url, storage_options)
-    shown = redact_url(url)
-    fs, path = _filesystem(url, storage_options, secrets)
-    with _remote_errors(shown, secrets):
-        fs.invalidate_cache()
-        info = fs.info(path)
-        directory = info.get("type") == "directory"
-        listing = _list_objects(fs, path) if directory else {path: info}
-    return {item.url: (item.size, item.identity) for item in _items("k", shown, path, directory, listing)}
+    plan = plan_remote("k", url, storage_options, read_headers=False)
+    return {item.url: (item.size, item.identity) for item in plan.items}
 
 
 def fetch_remote(
     plan: RemotePlan,
     writer: VersionWriter,
     advance: Callable[[int], None],
-    part_size: int = DEFAULT_PART_SIZE,
+    part_size: int | None = None,
     workers: int = DEFAULT_WORKERS,
 ) -> None:
-    """Fetch every planned object into a new version of ``writer`` (sets ``item.version``
-    and ``item.crc``); raises if any part fails or any object changed meanwhile."""
-    if part_size < 1:
+    """Fetch every planned object into a new version of ``writer`` (sets ``item.version``,
+    ``item.header`` and ``item.crc``); raises if a header is invalid, a part fails or an
+    object changed meanwhile.
+
+    Every object is split into parts over its size; the first part of each is fetched
+    first, and its header validated before anything is written; the other parts wait for
+    that (the pool runs tasks in order, so the first part is always already running).
+    ``part_size`` None: :func:`auto_part_size` per object."""
+    if part_size is not None and part_size < 1:
         raise ValueError(f"part_size must be at least 1 byte, got {part_size}")
     stop = threading.Event()
     progress_lock = threading.Lock()
@@ -161,31 +185,36 @@ def fetch_remote(
         target = writer.path(item.version, ARRAY_FILE)
         fd = writer.create_file(item.version, ARRAY_FILE)
         try:
-            if item.header.file_size:
+            if item.size:
                 with full_is_cache_full(target):  # a full tmpfs is an error now, never mid-fetch
-                    os.posix_fallocate(fd, 0, item.header.file_size)
+                    os.posix_fallocate(fd, 0, item.size)
         finally:
             os.close(fd)
-        hashers.append(_TrailingHash(target, item.header.file_size, item.md5 is not None))
+        hashers.append(_TrailingHash(target, item.md5 is not None))
     tasks = [
-        (item, hasher, start, min(start + part_size, item.header.file_size))
+        (item, hasher, start, min(start + part, item.size))
         for item, hasher in zip(plan.items, hashers, strict=True)
-        for start in range(0, item.header.file_size, part_size)
+        for part in [part_size or auto_part_size(item.size, workers)]
+        for start in range(0, max(item.size, 1), part)
     ]
 
     def fetch(item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
         if stop.is_set():
             return
-        with _remote_errors(item.url, plan.secrets):
-            data = plan.fs.cat_file(item.path, start=start, end=end)
-        if len(data) != end - start:
-            raise CorruptSourceError(
-                f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "
-                "nothing was published, load it again"
-            )
-        _pwrite_all(hasher.path, data, start)
-        del data
-        hasher.done(start, end)
+        if start == 0:
+            try:
+                _fetch_first(plan, item, hasher, end)
+            finally:
+                item.ready.set()  # on failure too: the other parts then see stop and return
+        else:
+            item.ready.wait()
+            if stop.is_set() or item.header is None:
+                return
+            fetched = min(end, item.header.file_size)
+            if start < fetched:  # (not a part of the tail beyond the array)
+                with _remote_errors(item.url, plan.secrets):
+                    data = plan.fs.cat_file(item.path, start=start, end=fetched)
+                _write_part(item, hasher, data, start, fetched)
         progressed(end - start)
 
     with ThreadPoolExecutor(max(1, min(workers, len(tasks))), thread_name_prefix="shmcache-fetch") as pool:
@@ -199,14 +228,54 @@ def fetch_remote(
             wait(futures)
             raise failed.exception()  # type: ignore[misc]
     for item, hasher in zip(plan.items, hashers, strict=True):
+        header = item.checked_header
         item.crc, md5 = hasher.result()
-        if item.md5 is not None and item.header.file_size == item.size and md5 != item.md5:
+        if item.md5 is not None and header.file_size == item.size and md5 != item.md5:
             raise CorruptSourceError(
                 f"{item.url}: the bytes read do not match the object's MD5 (it changed while loading, "
                 "or was damaged in transit); nothing was published, load it again"
             )
+        if header.file_size < item.size:  # a tail beyond the array: not published
+            os.truncate(hasher.path, header.file_size)
         _check_written_header(item, hasher.path)
     _check_unchanged(plan)
+
+
+def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end: int) -> None:
+    """Fetch an object's first part, validate its header (against the plan's, if read) and
+    only then write the part."""
+    with _remote_errors(item.url, plan.secrets):
+        data = plan.fs.cat_file(item.path, start=0, end=end)
+        head = data
+        if len(head) >= 12 and head[:6] == b"\x93NUMPY" and end < item.size:
+            try:
+                needed = min(header_length(head, item.url), item.size)
+            except CorruptEntryError:
+                needed = len(head)
+            if needed > len(head):  # a header longer than the part (tiny parts)
+                head = head + plan.fs.cat_file(item.path, start=len(head), end=needed)
+    if len(data) != end:
+        raise CorruptSourceError(
+            f"{item.url} changed while loading (bytes 0-{end} came back as {len(data)}); "
+            "nothing was published, load it again"
+        )
+    header = read_source_header(io.BytesIO(head), item.size, item.url)
+    if item.header is not None and header != item.header:
+        raise CorruptSourceError(f"{item.url} changed while loading; nothing was published, load it again")
+    item.header = header
+    hasher.size = header.file_size
+    _write_part(item, hasher, data, 0, min(end, header.file_size))
+
+
+def _write_part(item: RemoteItem, hasher: _TrailingHash, data: bytes, start: int, end: int) -> None:
+    if len(data) < end - start:
+        raise CorruptSourceError(
+            f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "
+            "nothing was published, load it again"
+        )
+    part = memoryview(data)[: end - start]
+    _pwrite_all(hasher.path, part, start)
+    hasher.done(start, end, part)
 
 
 # ---------------------------------------------------------------------- planning
@@ -326,7 +395,7 @@ def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
 # ---------------------------------------------------------------------- fetching
 
 
-def _pwrite_all(path: Path, data: bytes, offset: int) -> None:
+def _pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         view = memoryview(data)
@@ -343,9 +412,9 @@ class _TrailingHash:
     part is recorded, and whichever thread finds the next part in file order hashes it and
     every following finished one (reading back what was just written, still in cache)."""
 
-    def __init__(self, path: Path, size: int, want_md5: bool) -> None:
+    def __init__(self, path: Path, want_md5: bool) -> None:
         self.path = path
-        self.size = size
+        self.size = -1  # set once the header says how many bytes the array file has
         self._lock = threading.Lock()
         self._finished: dict[int, int] = {}
         self._next = 0
@@ -353,7 +422,9 @@ class _TrailingHash:
         self._crc = 0
         self._md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
 
-    def done(self, start: int, end: int) -> None:
+    def done(self, start: int, end: int, data: memoryview | None = None) -> None:
+        """Record bytes ``start:end`` as written (``data``: those bytes, hashed from memory
+        when they are next in order, instead of read back)."""
         with self._lock:
             self._finished[start] = end
             if self._busy:
@@ -366,7 +437,10 @@ class _TrailingHash:
                     if end < 0:
                         self._busy = False
                         return
-                self._hash(self._next, end)
+                if data is not None and self._next == start:
+                    self._update(data)
+                else:
+                    self._hash(self._next, end)
                 self._next = end
         except BaseException:
             with self._lock:
@@ -380,12 +454,15 @@ class _TrailingHash:
                 chunk = os.pread(fd, min(_HASH_CHUNK, end - start), start)
                 if not chunk:
                     raise EOFError(f"{self.path} ended at byte {start}")
-                self._crc = zlib.crc32(chunk, self._crc)
-                if self._md5 is not None:
-                    self._md5.update(chunk)
+                self._update(chunk)
                 start += len(chunk)
         finally:
             os.close(fd)
+
+    def _update(self, data: bytes | memoryview) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+        if self._md5 is not None:
+            self._md5.update(data)
 
     def result(self) -> tuple[int, str | None]:
         if self._next != self.size:  # every part was fetched, so this is a bug
@@ -398,11 +475,13 @@ def _check_written_header(item: RemoteItem, path: Path) -> None:
     the plan and the fetch could otherwise publish bytes meta.json misdescribes)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        head = os.pread(fd, item.header.data_offset, 0)
+        head = os.pread(fd, item.checked_header.data_offset, 0)
     finally:
         os.close(fd)
     try:
-        written: NpyHeader | None = read_source_header(io.BytesIO(head), item.header.file_size, item.url)
+        written: NpyHeader | None = read_source_header(
+            io.BytesIO(head), item.checked_header.file_size, item.url
+        )
     except ShmCacheError:
         written = None
     if written != item.header:

@@ -54,7 +54,7 @@ from .locks import key_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
-from .remote import DEFAULT_PART_SIZE, fetch_remote, plan_remote
+from .remote import fetch_remote, plan_remote
 from .sources import copy_planned, plan_sources
 from .space import reserve
 from .writing import ITEM_TYPES, publish, version_meta
@@ -311,16 +311,16 @@ class Store:
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",
         storage_options: Mapping[str, Any] | None = None,
-        part_size: int = DEFAULT_PART_SIZE,
+        part_size: int | None = None,
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``) or a
         directory of them (as ``key/<relative path without suffix>``).
 
         ``path`` may be an fsspec URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
         ``http(s)://``; ``file://`` is a local path): ``.npy`` objects, or a prefix of them,
-        streamed into the cache in ranged reads of ``part_size`` bytes (see
-        :mod:`shmcache._store.remote`); ``storage_options`` go to the filesystem and are
-        never recorded or shown.
+        streamed into the cache in parallel ranged reads of ``part_size`` bytes (default:
+        8 MiB or more, at most 16 parts per object; see :mod:`shmcache._store.remote`);
+        ``storage_options`` go to the filesystem and are never recorded or shown.
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
@@ -395,13 +395,13 @@ class Store:
         pin: bool,
         progress: Callable[[int, int], None] | None,
         storage_options: Mapping[str, Any] | None,
-        part_size: int,
+        part_size: int | None,
     ) -> list[str]:
         """``put_file`` of a URL: every object planned and validated, then streamed in."""
-        plan = plan_remote(key, url, storage_options)
+        plan = plan_remote(key, url, storage_options, read_headers=False)  # validated as fetched
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
-        total, done = plan.size, 0
+        total, done = plan.object_bytes, 0
 
         def advance(nbytes: int) -> None:
             nonlocal done
@@ -415,9 +415,8 @@ class Store:
                 progress(0, total)
             fetch_remote(plan, writer, advance, part_size)
             for item in plan.items:
-                meta = version_meta(
-                    item.key, "array", item.version, {"data": item.header}, {"data": item.crc}, pin
-                )
+                header = {"data": item.checked_header}
+                meta = version_meta(item.key, "array", item.version, header, {"data": item.crc}, pin)
                 meta["source"] = item.url  # redacted: no user information, no query
                 meta["source_fingerprint"] = {"size": item.size}
                 meta["source_identity"] = item.identity
@@ -448,7 +447,7 @@ class Store:
             local = local_path_of(str(path))
             if local is None:
                 plan = plan_remote(key, str(path), storage_options)
-                return [PlannedEntry(i.key, i.url, i.url, i.header.file_size) for i in plan.items]
+                return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
             path = local
         if put_kind(Path(path), as_) == "blobs":
             with plan_blobs(path, f"blobs for key {key!r}", builtins.list(allowed_dirs)) as blobs:
@@ -519,7 +518,7 @@ class Store:
             if failed is not None and (seen is None or failed.id != seen.id):
                 raise failed.error(key)
             with recording_failure(self.layout, key):
-                self._put_remote(key, url, False, False, None, storage_options, DEFAULT_PART_SIZE)
+                self._put_remote(key, url, False, False, None, storage_options, None)
         found = self._open_cached(key)
         if found is None:  # evicted between the publish and the open
             raise KeyNotFoundError(f"{key!r} was evicted right after it was loaded from {redact_url(url)}")
