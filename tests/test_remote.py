@@ -132,6 +132,20 @@ def test_a_big_object_is_read_in_parallel_ranged_parts(
     assert store.verify("big")
 
 
+def test_a_header_longer_than_a_part_is_read_whole_before_anything_is_written(
+    store: shmcache.Store, s3: MotoServer, bucket: str
+) -> None:
+    dtype = np.dtype([(f"field_{i}", "<f4") for i in range(40)])  # a header of ~1.2 KiB
+    array = np.zeros(10, dtype=dtype)
+    array["field_3"] = np.arange(10)
+    body = npy_bytes(array)
+    _put_object(s3, bucket, "wide.npy", body)
+    store.put_file("wide", f"s3://{bucket}/wide.npy", storage_options=s3.options(), part_size=256)
+    got = store.open_array("wide")
+    assert got.dtype == dtype and np.array_equal(got["field_3"], np.arange(10))
+    assert store.verify("wide")
+
+
 def test_a_missing_object_is_source_not_found(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
@@ -351,15 +365,20 @@ def daemon_args(data_dir: Path, daemon_bucket: str) -> tuple[str, ...]:
             "--config", str(config), "--log-level", "debug")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def daemon_env(s3: MotoServer) -> dict[str, str]:
-    """The daemon's own credentials and endpoint, as botocore reads them from the environment."""
+def daemon_env_of(s3: MotoServer, secret: str) -> dict[str, str]:
+    """Credentials and endpoint as botocore reads them from the environment."""
     return {
         "AWS_ENDPOINT_URL": s3.endpoint,
         "AWS_ACCESS_KEY_ID": KEY,
-        "AWS_SECRET_ACCESS_KEY": DAEMON_SECRET,
+        "AWS_SECRET_ACCESS_KEY": secret,
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+@pytest.fixture(scope="module")
+def daemon_env(s3: MotoServer) -> dict[str, str]:
+    """The daemon's own credentials and endpoint, from its environment."""
+    return daemon_env_of(s3, DAEMON_SECRET)
 
 
 def test_the_daemon_loads_urls_under_its_allowed_prefixes(daemon, daemon_bucket: str) -> None:  # type: ignore[no-untyped-def]
@@ -387,6 +406,14 @@ def test_the_daemon_loads_urls_under_its_allowed_prefixes(daemon, daemon_bucket:
         )
         assert missing.status_code == 400 and missing.json()["error"] == "SourceNotFoundError"
 
+        # shmcache put of a URL goes through the daemon (its credentials), without storage options.
+        code, out, err = cli("put", f"s3://{daemon_bucket}/allowed/feats/a.npy", "--key", f"{key}-cli",
+                             "--root", str(daemon.root))  # fmt: skip
+        assert code == 0 and out.split() == [f"{key}-cli"], err
+        code, _, err = cli("put", f"s3://{daemon_bucket}/allowed/feats/a.npy", "--key", f"{key}-opt",
+                           "--root", str(daemon.root), "--storage-option", "anon=true")  # fmt: skip
+        assert code == 1 and "--storage-option applies to loads in this process" in err
+
         # The [[datasets]] preload of a URL ran at start-up.
         wait_job(http, _job_of(http, "pre"))
         pre = http.get("/v1/entries/pre/p").raise_for_status().json()
@@ -395,6 +422,27 @@ def test_the_daemon_loads_urls_under_its_allowed_prefixes(daemon, daemon_bucket:
     np.testing.assert_array_equal(shmcache.Store(daemon.root).open_array(f"{key}/a"), np.arange(6.0))
     assert DAEMON_SECRET not in daemon.log + jobs
     assert DAEMON_SECRET.encode() not in _everything_under(daemon.root)
+
+
+def test_a_url_preload_is_up_to_date_until_an_object_changes(
+    store: shmcache.Store, s3: MotoServer, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What lets a restarted daemon skip a [[datasets]] URL: the same objects, sizes and ETags."""
+    from shmcache.service.sources import is_up_to_date
+
+    for name, value in daemon_env_of(s3, "testing").items():  # the daemon's way: its environment
+        monkeypatch.setenv(name, value)
+    _put_object(s3, bucket, "pre/a.npy", npy_bytes(np.arange(3)))
+    _put_object(s3, bucket, "pre/b.npy", npy_bytes(np.arange(4)))
+    url = f"s3://{bucket}/pre/"
+    store.put_file("pre", url, storage_options=s3.options())
+    assert is_up_to_date(store, "pre", url)
+    _put_object(s3, bucket, "pre/b.npy", npy_bytes(np.arange(4) + 1))  # same size, other bytes
+    assert not is_up_to_date(store, "pre", url)
+    store.put_file("pre", url, storage_options=s3.options(), overwrite=True)
+    assert is_up_to_date(store, "pre", url)
+    _put_object(s3, bucket, "pre/c.npy", npy_bytes(np.arange(1)))  # one more object
+    assert not is_up_to_date(store, "pre", url)
 
 
 def _job_of(http, key: str) -> str:  # type: ignore[no-untyped-def]
