@@ -4,6 +4,7 @@ kill a server or check credentials get a server of their own."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -202,6 +203,36 @@ def test_an_object_changed_during_the_load_publishes_nothing(
             progress=rewrite_once,
         )
     assert rewritten and not store.exists("x") and not _staging(root)
+
+
+def test_a_multipart_object_changed_during_the_load_is_caught_by_its_etag(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """A multipart upload's ETag is no MD5 of the content: the object is looked up again
+    after the load, and a different ETag fails it."""
+    body = npy_bytes(np.arange((5 << 20) // 8 + 1024, dtype=np.int64))  # just over S3's 5 MiB part minimum
+    client = s3.boto()
+    upload = client.create_multipart_upload(Bucket=bucket, Key="mp.npy")["UploadId"]
+    parts = []
+    for number, piece in enumerate((body[: 5 << 20], body[5 << 20 :]), start=1):
+        etag = client.upload_part(Bucket=bucket, Key="mp.npy", UploadId=upload, PartNumber=number, Body=piece)
+        parts.append({"ETag": etag["ETag"], "PartNumber": number})
+    client.complete_multipart_upload(
+        Bucket=bucket, Key="mp.npy", UploadId=upload, MultipartUpload={"Parts": parts}
+    )
+    assert "-" in client.head_object(Bucket=bucket, Key="mp.npy")["ETag"]
+    rewritten: list[bool] = []
+
+    def rewrite_once(done: int, _total: int) -> None:
+        if done and not rewritten:
+            _put_object(s3, bucket, "mp.npy", body)  # the same bytes, uploaded again: a new ETag
+            rewritten.append(True)
+
+    with pytest.raises(CorruptSourceError, match="its size or ETag is not what it was"):
+        store.put_file("mp", f"s3://{bucket}/mp.npy", storage_options=s3.options(), progress=rewrite_once)
+    assert rewritten and not store.exists("mp") and not _staging(root)
+    store.put_file("mp", f"s3://{bucket}/mp.npy", storage_options=s3.options())  # unchanged now: loads
+    np.testing.assert_array_equal(store.open_array("mp"), np.load(io.BytesIO(body)))
 
 
 def test_wrong_credentials_are_a_typed_error_that_never_shows_the_secret(store: shmcache.Store) -> None:

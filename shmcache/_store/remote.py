@@ -127,9 +127,14 @@ def plan_remote(
     fs, path = _filesystem(url, storage_options, secrets)
     with _remote_errors(shown, secrets):
         fs.invalidate_cache()  # a listing cached by an earlier load would hide changes
-        info = fs.info(path)
-        directory = info.get("type") == "directory"
-        listing = _list_objects(fs, path) if directory else {path: info}
+        listing = {}
+        directory = urlsplit(url).path.endswith("/")
+        if directory:  # a prefix: one listing (no lookup of the prefix itself)
+            listing = _list_objects(fs, path)
+        if not listing:  # an object, or a prefix without a "/", or nothing (FileNotFoundError)
+            info = fs.info(path)
+            directory = info.get("type") == "directory"
+            listing = _list_objects(fs, path) if directory else {path: info}
     items = _items(key, shown, path, directory, listing)
     if read_headers:
         with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="shmcache-head") as pool:
@@ -227,18 +232,25 @@ def fetch_remote(
                 future.cancel()
             wait(futures)
             raise failed.exception()  # type: ignore[misc]
+    unproven: list[RemoteItem] = []
     for item, hasher in zip(plan.items, hashers, strict=True):
         header = item.checked_header
         item.crc, md5 = hasher.result()
-        if item.md5 is not None and header.file_size == item.size and md5 != item.md5:
-            raise CorruptSourceError(
-                f"{item.url}: the bytes read do not match the object's MD5 (it changed while loading, "
-                "or was damaged in transit); nothing was published, load it again"
-            )
+        if item.md5 is not None and header.file_size == item.size:
+            if md5 != item.md5:
+                raise CorruptSourceError(
+                    f"{item.url}: the bytes read do not match the object's MD5 (it changed while "
+                    "loading, or was damaged in transit); nothing was published, load it again"
+                )
+        else:
+            unproven.append(item)
         if header.file_size < item.size:  # a tail beyond the array: not published
             os.truncate(hasher.path, header.file_size)
         _check_written_header(item, hasher.path)
-    _check_unchanged(plan)
+    # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
+    # other objects are looked up again.
+    if unproven:
+        _check_unchanged(plan, unproven)
 
 
 def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end: int) -> None:
@@ -488,8 +500,8 @@ def _check_written_header(item: RemoteItem, path: Path) -> None:
         raise CorruptSourceError(f"{item.url} changed while loading; nothing was published, load it again")
 
 
-def _check_unchanged(plan: RemotePlan) -> None:
-    """Look every object up again (one listing for a directory): a size or identity that
+def _check_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
+    """Look ``items`` up again (one listing for a directory): a size or identity that
     differs from the plan's means the object changed during the load."""
     with _remote_errors(plan.url, plan.secrets):
         plan.fs.invalidate_cache()
@@ -497,7 +509,7 @@ def _check_unchanged(plan: RemotePlan) -> None:
             now = _list_objects(plan.fs, plan.path)
         else:
             now = {plan.items[0].path: plan.fs.info(plan.path)}
-    for item in plan.items:
+    for item in items:
         info = now.get(item.path)
         if info is None or info.get("size") != item.size or _identity(info) != item.identity:
             raise CorruptSourceError(
