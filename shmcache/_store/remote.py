@@ -2,15 +2,18 @@
 through fsspec, streamed into the staging files: never a full local copy first.
 
 Planning lists the objects (a URL ending in ``/``, or naming a prefix, is a directory:
-``key/<relative name without .npy>``) and reads each ``.npy`` header with one ranged read;
-headers are validated like local files (no object dtypes, sizes that match) before any
-byte is fetched. Fetching splits every object into parts of ``part_size`` bytes, read
-with ranged reads on a thread pool and written with ``pwrite`` at their offsets: a big
-object loads in parallel, many small ones concurrently, and the process holds at most
-``workers * part_size`` bytes of payload at once. A trailing hasher per object computes
-the CRC-32 recorded for ``verify`` (and the MD5 when the store offers a plain-MD5 ETag,
-compared before publishing). After the fetch every object is looked up again: one whose
-size or ETag changed fails the load (:class:`CorruptSourceError`) and nothing is published.
+``key/<relative name without .npy>``). Fetching splits every object into parts (default
+:func:`auto_part_size`), read with ranged reads on a thread pool and written with ``pwrite``
+at their offsets: a big object loads in parallel, many small ones concurrently, and the
+process holds at most ``IN_FLIGHT_BYTES`` of parts at once. Each object's first part comes
+first: its ``.npy`` header is validated like a local file's (no object dtypes, a size that
+matches) before a byte is written, and the other parts wait for that. (``plan_file``, a dry
+run, reads the headers alone with one ranged read each.) A trailing hasher per object
+computes the CRC-32 recorded for ``verify`` and, where the store offers a plain-MD5 ETag,
+the MD5, compared before publishing: bytes that match the ETag listed at the start are
+that version, whole. Objects without one are looked up again after the fetch, and one
+whose size or ETag changed fails the load (:class:`CorruptSourceError`). Nothing is
+published unless every object passed.
 
 Credentials come from each filesystem's own chain (environment, config files, instance
 roles) or ``storage_options``; they never reach a message (every text from a backend is
@@ -64,6 +67,11 @@ DEFAULT_PART_SIZE = 8 << 20
 """Bytes per ranged read: big enough to amortise a request, small enough to bound memory."""
 DEFAULT_WORKERS = 16
 """Ranged reads in flight at once (threads; fsspec's event loop does the I/O)."""
+MAX_PART_SIZE = 64 << 20
+"""The largest automatic part (a 1 GiB object: 16 parts of 64 MiB)."""
+IN_FLIGHT_BYTES = 256 << 20
+"""Bytes of parts being fetched at once, at most (a part bigger than this goes alone): what
+bounds the loader's memory, whatever the objects' sizes."""
 _HEAD = 4096  # the first read of every object: a numpy header is almost always shorter
 _HASH_CHUNK = 1 << 20
 
@@ -145,10 +153,10 @@ def plan_remote(
 
 
 def auto_part_size(size: int, workers: int = DEFAULT_WORKERS) -> int:
-    """Parts of at least ``DEFAULT_PART_SIZE``, and no more parts than ``workers``: a big
-    object is read as ``workers`` parallel streams, each request large (a server that
-    pays per request, or, like moto, copies the whole object for every range, pays least)."""
-    return max(DEFAULT_PART_SIZE, -(-size // max(workers, 1)))
+    """Parts of ``DEFAULT_PART_SIZE`` to ``MAX_PART_SIZE``, as few as ``workers`` when they
+    fit: a big object is read as parallel streams, each request large (a server that pays
+    per request, or, like moto, copies the whole object for every range, pays least)."""
+    return min(max(DEFAULT_PART_SIZE, -(-size // max(workers, 1))), MAX_PART_SIZE)
 
 
 def remote_identities(
@@ -179,6 +187,7 @@ def fetch_remote(
         raise ValueError(f"part_size must be at least 1 byte, got {part_size}")
     stop = threading.Event()
     progress_lock = threading.Lock()
+    budget = _ByteBudget(IN_FLIGHT_BYTES)
 
     def progressed(nbytes: int) -> None:
         with progress_lock:
@@ -208,7 +217,8 @@ def fetch_remote(
             return
         if start == 0:
             try:
-                _fetch_first(plan, item, hasher, end)
+                with budget.holding(end):
+                    _fetch_first(plan, item, hasher, end)
             finally:
                 item.ready.set()  # on failure too: the other parts then see stop and return
         else:
@@ -217,9 +227,13 @@ def fetch_remote(
                 return
             fetched = min(end, item.header.file_size)
             if start < fetched:  # (not a part of the tail beyond the array)
-                with _remote_errors(item.url, plan.secrets):
-                    data = plan.fs.cat_file(item.path, start=start, end=fetched)
-                _write_part(item, hasher, data, start, fetched)
+                with budget.holding(fetched - start):
+                    if stop.is_set():
+                        return
+                    with _remote_errors(item.url, plan.secrets):
+                        data = plan.fs.cat_file(item.path, start=start, end=fetched)
+                    _write_part(item, hasher, data, start, fetched)
+                    del data
         progressed(end - start)
 
     with ThreadPoolExecutor(max(1, min(workers, len(tasks))), thread_name_prefix="shmcache-fetch") as pool:
@@ -417,6 +431,28 @@ def _pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:
                 view, offset = view[written:], offset + written
     finally:
         os.close(fd)
+
+
+class _ByteBudget:
+    """At most ``limit`` bytes of parts held at once (one part alone may exceed it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def holding(self, nbytes: int) -> Iterator[None]:
+        with self._changed:
+            while self.used and self.used + nbytes > self.limit:
+                self._changed.wait()
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.used -= nbytes
+                self._changed.notify_all()
 
 
 class _TrailingHash:

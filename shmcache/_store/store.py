@@ -319,7 +319,7 @@ class Store:
         ``path`` may be an fsspec URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
         ``http(s)://``; ``file://`` is a local path): ``.npy`` objects, or a prefix of them,
         streamed into the cache in parallel ranged reads of ``part_size`` bytes (default:
-        8 MiB or more, at most 16 parts per object; see :mod:`shmcache._store.remote`);
+        8 to 64 MiB, 16 parts per object where they fit; see :mod:`shmcache._store.remote`);
         ``storage_options`` go to the filesystem and are never recorded or shown.
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
