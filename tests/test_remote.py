@@ -550,3 +550,85 @@ def test_torchrun_on_two_simulated_nodes_downloads_once_per_node(s3: MotoServer,
     assert {crc for _, crc in lines} == {f"{zlib.crc32(array.data):08x}"}
     # One download per node (one GET each: the object fits in one part), and nothing else.
     assert len(s3.requests("GET", f"/{bucket}/train/feats.npy")) == 2
+
+
+# ---------------------------------------------------------------------- http(s): a presigned-style URL
+
+
+class _RangeServer:
+    """A loopback HTTP server of a few objects with Range and ETag support that, like a
+    presigned URL, wants ``?token=<token>`` (else 403)."""
+
+    def __init__(self, objects: dict[str, bytes], token: str) -> None:
+        import hashlib
+        import http.server
+        import threading
+        from urllib.parse import parse_qs, urlsplit
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, body: bool) -> None:
+                parts = urlsplit(self.path)
+                data = objects.get(parts.path)
+                if parse_qs(parts.query).get("token") != [token]:
+                    self.send_error(403, "bad token")
+                    return
+                if data is None:
+                    self.send_error(404)
+                    return
+                start, end, status = 0, len(data), 200
+                wanted = self.headers.get("Range")
+                if wanted:
+                    first, _, last = wanted.removeprefix("bytes=").partition("-")
+                    start, end, status = int(first), min(int(last) + 1, len(data)), 206
+                self.send_response(status)
+                self.send_header("Content-Length", str(end - start))
+                self.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')
+                self.send_header("Accept-Ranges", "bytes")
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.end_headers()
+                if body:
+                    self.wfile.write(data[start:end])
+
+            def do_GET(self) -> None:
+                self._answer(True)
+
+            def do_HEAD(self) -> None:
+                self._answer(False)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_http_url_with_a_token_loads_and_the_token_is_never_recorded(
+    store: shmcache.Store, root: Path
+) -> None:
+    pytest.importorskip("aiohttp")
+    token = f"tok{uuid.uuid4().hex}"
+    array = np.arange(50_000, dtype=np.int32)
+    server = _RangeServer({"/data/x.npy": npy_bytes(array)}, token)
+    try:
+        keys = store.put_file("h", f"{server.url}/data/x.npy?token={token}", part_size=64 << 10)
+        assert keys == ["h"]
+        np.testing.assert_array_equal(store.open_array("h"), array)
+        assert store.info("h").source == f"{server.url}/data/x.npy"
+        assert token.encode() not in _everything_under(root)
+
+        wrong = f"tok{uuid.uuid4().hex}"
+        with pytest.raises(InvalidSourceError) as caught:
+            store.put_file("w", f"{server.url}/data/x.npy?token={wrong}")
+        text = "".join(traceback.format_exception(caught.value))
+        assert f"{server.url}/data/x.npy" in text and wrong not in text
+        with pytest.raises(SourceNotFoundError):
+            store.put_file("w", f"{server.url}/data/none.npy?token={token}")
+    finally:
+        server.close()
+    assert not store.exists("w")

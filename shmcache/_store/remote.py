@@ -351,8 +351,8 @@ def _items(
         if directory:
             relative = name[len(base) :].lstrip("/")
             url = f"{shown.rstrip('/')}/{relative}"
-        else:
-            relative, url = name, shown
+        else:  # the suffix of the URL's path (an HTTP path may end with a query)
+            relative, url = urlsplit(shown).path, shown
         if relative.endswith(".npz"):
             raise InvalidSourceError(
                 f"{url}: remote .npz archives are not loaded (their members need the whole archive); "
