@@ -332,6 +332,26 @@ def test_urls_are_redacted_and_prefixes_match_whole_segments() -> None:
     assert not url_allowed("gs://b/data/x.npy", ["s3://b/data"])
 
 
+def test_settings_take_url_prefixes_and_url_datasets(tmp_path: Path) -> None:
+    from shmcache.service.settings import SettingsError, load_settings
+
+    data = tmp_path / "data"
+    data.mkdir()
+    config = tmp_path / "preload.toml"
+    config.write_text(
+        'allow_source = ["data", "s3://bucket/datasets/"]\n\n'
+        '[[datasets]]\nkey = "remote"\nsource = "s3://bucket/datasets/scannet/"\n\n'
+        '[[datasets]]\nkey = "local"\nsource = "data"\n'
+    )
+    settings = load_settings({"root": tmp_path / "root"}, env={}, config_file=config)
+    assert settings.allow_dirs == (data.resolve(),) and settings.allow_urls == ("s3://bucket/datasets",)
+    assert [spec.source for spec in settings.datasets] == ["s3://bucket/datasets/scannet/", data.resolve()]
+    flags = load_settings({"root": tmp_path / "root", "allow_source": [f"file://{data}", "gs://b/x"]}, env={})
+    assert flags.allow_source == (data.resolve(), "gs://b/x")
+    with pytest.raises(SettingsError, match="must not carry user information or a query"):
+        load_settings({"root": tmp_path / "root", "allow_source": ["https://user:pw@host/data"]}, env={})
+
+
 # ---------------------------------------------------------------------- CLI
 
 
