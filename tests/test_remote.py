@@ -205,6 +205,27 @@ def test_an_object_changed_during_the_load_publishes_nothing(
     assert rewritten and not store.exists("x") and not _staging(root)
 
 
+def test_a_load_cancelled_by_its_progress_callback_stops_and_publishes_nothing(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """What the daemon's cancel does: the callback raises in a fetching thread; the parts
+    still queued are dropped, those running return, the error comes out of ``put_file``."""
+    for i in range(24):
+        _put_object(s3, bucket, f"many/{i:02d}.npy", npy_bytes(np.full(4096, i, dtype=np.int64)))
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(done: int, _total: int) -> None:
+        if done:
+            raise Cancelled("cancelled on request")
+
+    with pytest.raises(Cancelled):
+        store.put_file("many", f"s3://{bucket}/many/", storage_options=s3.options(), part_size=8 << 10,
+                       progress=cancel)  # fmt: skip
+    assert store.list() == [] and not _staging(root)
+
+
 def test_a_multipart_object_changed_during_the_load_is_caught_by_its_etag(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:

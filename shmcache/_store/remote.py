@@ -213,14 +213,14 @@ def fetch_remote(
     ]
 
     def fetch(item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
-        if stop.is_set():
-            return
         if start == 0:
             try:
+                if stop.is_set():
+                    return
                 with budget.holding(end):
                     _fetch_first(plan, item, hasher, end)
             finally:
-                item.ready.set()  # on failure too: the other parts then see stop and return
+                item.ready.set()  # on failure or stop too: the other parts then return
         else:
             item.ready.wait()
             if stop.is_set() or item.header is None:
