@@ -238,14 +238,16 @@ def fetch_remote(
 
     with ThreadPoolExecutor(max(1, min(workers, len(tasks))), thread_name_prefix="shmcache-fetch") as pool:
         futures: list[Future[None]] = [pool.submit(fetch, *task) for task in tasks]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-        if failed is not None:
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+        except BaseException:  # a part failed, or Ctrl+C here: the parts left return at once
             stop.set()
             for future in futures:
                 future.cancel()
-            wait(futures)
-            raise failed.exception()  # type: ignore[misc]
+            raise
     unproven: list[RemoteItem] = []
     for item, hasher in zip(plan.items, hashers, strict=True):
         header = item.checked_header
