@@ -54,7 +54,6 @@ from .locks import key_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
-from .remote import fetch_remote, plan_remote
 from .sources import copy_planned, plan_sources
 from .space import reserve
 from .writing import ITEM_TYPES, publish, version_meta
@@ -398,6 +397,8 @@ class Store:
         part_size: int | None,
     ) -> list[str]:
         """``put_file`` of a URL: every object planned and validated, then streamed in."""
+        from .remote import fetch_remote, plan_remote  # here: threads and hashing only for URLs
+
         plan = plan_remote(key, url, storage_options, read_headers=False)  # validated as fetched
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
@@ -446,6 +447,8 @@ class Store:
         if is_url(path):
             local = local_path_of(str(path))
             if local is None:
+                from .remote import plan_remote
+
                 plan = plan_remote(key, str(path), storage_options)
                 return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
             path = local
