@@ -168,7 +168,7 @@ def test_a_truncated_object_is_corrupt_and_nothing_is_published(
     assert store.list() == [] and not _staging(root)
 
 
-def test_object_dtypes_and_npz_are_refused_before_any_byte_is_fetched(
+def test_object_dtypes_and_npz_are_refused_before_anything_is_written(
     store: shmcache.Store, s3: MotoServer, bucket: str
 ) -> None:
     header = npy_bytes(np.zeros(3, dtype=np.float64)).replace(b"'<f8'", b"'|O' ")
