@@ -21,6 +21,7 @@ import httpx
 
 from shmcache import EntryInfo, default_root, validate_key
 from shmcache._disk.layout import ENV_ROOT, ENV_SOCKET, ENV_TOKEN, Layout
+from shmcache._disk.urls import is_url
 from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
 from ._errors import JobCancelledError, error_from_body
@@ -207,16 +208,18 @@ class Client:
         ``.pt``/``.pth`` or ``.h5``/``.hdf5`` as ``key/<member, tensor or dataset>``; a
         directory as ``key/<relative path>``) under ``key`` in the background.
 
-        ``source`` is a path on the daemon's machine; over the Unix socket a relative
-        path is made absolute here. Returns the job at once, or with ``wait=True`` once
-        it finished, calling ``progress(job)`` at every poll and raising the job's error
-        (``CacheFullError``..., :class:`JobCancelledError` when cancelled) if it did not
-        succeed. Interrupting the wait does not cancel the job: call :meth:`cancel`.
+        ``source`` is a path on the daemon's machine (over the Unix socket a relative
+        path is made absolute here), or a URL under one of the daemon's ``--allow-source``
+        URL prefixes, which the daemon loads with its own credentials. Returns the job at
+        once, or with ``wait=True`` once it finished, calling ``progress(job)`` at every
+        poll and raising the job's error (``CacheFullError``..., :class:`JobCancelledError`
+        when cancelled) if it did not succeed. Interrupting the wait does not cancel the
+        job: call :meth:`cancel`.
         ``as_`` is what a directory becomes (``auto``, ``arrays`` or ``blobs``: see
         :meth:`Store.put_file <shmcache.Store.put_file>`).
         """
         path = os.fspath(source)
-        if self.socket_path is not None:
+        if self.socket_path is not None and not is_url(path):
             path = os.path.abspath(path)
         body: dict[str, Any] = {"source": path, "pin": pin, "overwrite": overwrite}
         if as_ != "auto":  # only when asked: a daemon that predates blobs refuses the field

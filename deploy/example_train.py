@@ -4,6 +4,10 @@ Every rank opens the entry ``$SHMCACHE_KEY`` (a 2-D float array) from its own no
 (a read-only mapping: no copy, no download), trains a linear model for a few DDP steps on
 its share of the rows, and prints its node, the checksum of the data it saw and the loss,
 so that the ranks of every node can be compared. Launch it with torchrun.
+
+With ``$SHMCACHE_URL`` (a ``.npy`` object, e.g. ``s3://bucket/feats.npy``) no daemon or
+preload is needed: ``shmcache.cache_remote`` downloads it once per node (the first rank to
+take the key's lock) and every other rank of the node opens that copy.
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
 
-    data = shmcache.open_array(key)  # this node's copy; KeyNotFoundError if it was not preloaded
+    url = os.environ.get("SHMCACHE_URL")
+    if url:  # one download per node, whichever rank gets there first
+        data = shmcache.cache_remote(key, url)
+        assert isinstance(data, np.ndarray), f"{url} is a prefix; name one .npy object"
+    else:
+        data = shmcache.open_array(key)  # this node's copy; KeyNotFoundError if it was not preloaded
     checksum = zlib.crc32(np.ascontiguousarray(data).data)
     rows = torch.from_numpy(np.array(data[rank::world], dtype=np.float32)).to(device)  # a private copy
     inputs, target = rows[:, :-1], rows[:, -1:]

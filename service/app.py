@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -127,7 +128,7 @@ def _start(service: Service) -> None:
         logger.warning("%s", warning)  # accepted (the tmpfs may be enlarged later), but said at start
     for spec in service.settings.datasets:
         try:
-            if not spec.source.exists():
+            if isinstance(spec.source, Path) and not spec.source.exists():
                 logger.warning("preload %s: source %s does not exist; skipped", spec.key, spec.source)
             elif is_up_to_date(service.store, spec.key, spec.source):
                 logger.info("preload %s: %s unchanged since it was loaded; skipped", spec.key, spec.source)

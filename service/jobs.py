@@ -62,7 +62,8 @@ class LoadJob:
     """One load of ``source`` under ``key`` as it runs; the API reads :meth:`snapshot`."""
 
     key: str
-    source: Path
+    source: Path | str
+    """A resolved path, or a URL (without credentials: ``sources.resolve_source`` refuses those)."""
     pin: bool
     overwrite: bool
     as_: str = "auto"
@@ -156,7 +157,7 @@ class JobManager:
     # ------------------------------------------------------------------ changes
 
     def submit(
-        self, key: str, source: Path, *, pin: bool = False, overwrite: bool = False, as_: str = "auto"
+        self, key: str, source: Path | str, *, pin: bool = False, overwrite: bool = False, as_: str = "auto"
     ) -> tuple[LoadJob, bool]:
         """Queue a load; returns ``(job, created)``. A queued or running load of the same
         key and source is returned instead of starting another one."""
@@ -251,9 +252,12 @@ class JobManager:
                 elapsed,
             )
 
-    def _confinement(self, source: Path) -> tuple[Path, ...]:
+    def _confinement(self, source: Path | str) -> tuple[Path, ...]:
         """The allowed directories, for a source inside one of them (every API load; a
-        config preload from elsewhere is the operator's choice and loads unconfined)."""
+        config preload from elsewhere is the operator's choice and loads unconfined).
+        A URL has none: its prefix was checked when the load was asked for."""
+        if isinstance(source, str):
+            return ()
         inside = any(source == top or source.is_relative_to(top) for top in self.allowed_dirs)
         return self.allowed_dirs if inside else ()
 

@@ -83,7 +83,9 @@ class LoadRequest(BaseModel):
     source: str = Field(
         min_length=1,
         max_length=MAX_SOURCE_LENGTH,
-        description=f"Absolute path on the daemon's machine (at most {MAX_SOURCE_LENGTH} characters).",
+        description=f"Absolute path on the daemon's machine, or a URL (s3://, gs://, az://, hf://, "
+        "https://) under one of the daemon's --allow-source URL prefixes, loaded with the daemon's "
+        f"own credentials (at most {MAX_SOURCE_LENGTH} characters).",
     )
     pin: bool = Field(default=False, description="Never evict it to stay within the budget.")
     overwrite: bool = Field(default=False, description="Replace existing entries.")

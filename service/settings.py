@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from shmcache._disk.layout import ENV_PREFIX, SOCKET_NAME, Layout, default_root
+from shmcache._disk.urls import is_url, local_path_of, redact_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,7 +78,8 @@ class DatasetSpec:
     """One ``[[datasets]]`` table of the config file: loaded at start-up."""
 
     key: str
-    source: Path
+    source: Path | str
+    """A path, or a URL (``s3://...``: loaded with the daemon's own credentials)."""
     pin: bool = False
 
 
@@ -164,6 +166,21 @@ def _directory(path: Path) -> Path:
     return real
 
 
+def _source_prefix(value: object) -> object:
+    """An ``--allow-source`` entry: a directory (resolved), or a URL prefix (``s3://bucket/data``)
+    kept as text, without credentials (they would show in the settings and in messages)."""
+    if isinstance(value, str) and is_url(value):
+        local = local_path_of(value)
+        if local is None:
+            if redact_url(value) != value:
+                raise ValueError(f"URL prefix {redact_url(value)} must not carry user information or a query")
+            return value.rstrip("/")
+        value = local
+    if isinstance(value, (str, os.PathLike)):
+        return _directory(Path(value))
+    return value
+
+
 def _one_or_many(value: object) -> object:
     return [value] if isinstance(value, (str, os.PathLike)) else value
 
@@ -205,7 +222,17 @@ def _dataset_tables(value: object) -> object:
 
 
 def _resolve_sources(specs: tuple[DatasetSpec, ...]) -> tuple[DatasetSpec, ...]:
-    return tuple(replace(spec, source=Path(os.path.realpath(spec.source))) for spec in specs)
+    return tuple(replace(spec, source=_dataset_source(spec.source)) for spec in specs)
+
+
+def _dataset_source(source: Path | str) -> Path | str:
+    """A preload's source: a URL as given (``file://`` as its path), a path resolved."""
+    if isinstance(source, str) and is_url(source):
+        local = local_path_of(source)
+        if local is None:
+            return source
+        source = local
+    return Path(os.path.realpath(source))
 
 
 Size = Annotated[int | None, BeforeValidator(_optional_size), _TakesText()]
@@ -263,11 +290,12 @@ class Settings(BaseSettings):
         "stops DNS rebinding.",
     )
     allow_source: Annotated[
-        tuple[Annotated[Path, AfterValidator(_directory)], ...], BeforeValidator(_one_or_many)
+        tuple[Annotated[Path | str, BeforeValidator(_source_prefix)], ...], BeforeValidator(_one_or_many)
     ] = Field(
         (),
         description="Directory the API may load from (repeatable; symlinks and .. are resolved "
-        "first). Default: anything the daemon can read.",
+        "first), or URL prefix (s3://bucket/data: loads under it, with the daemon's own "
+        "credentials). Default: anything the daemon can read, and no URL.",
     )
     request_timeout: float = Field(
         DEFAULT_REQUEST_TIMEOUT,
@@ -331,6 +359,16 @@ class Settings(BaseSettings):
                     "so it only loads from directories you allow"
                 )
         return self
+
+    @property
+    def allow_dirs(self) -> tuple[Path, ...]:
+        """The directories of ``allow_source``."""
+        return tuple(p for p in self.allow_source if isinstance(p, Path))
+
+    @property
+    def allow_urls(self) -> tuple[str, ...]:
+        """The URL prefixes of ``allow_source``."""
+        return tuple(p for p in self.allow_source if isinstance(p, str))
 
     @property
     def socket_path(self) -> Path:
@@ -448,11 +486,15 @@ def _mentions(annotation: Any, kind: type[Any]) -> bool:
 
 def _relative_to(base: Path, annotation: Any, value: Any) -> Any:
     """A config file's paths (strings where the field holds paths) made relative to its directory."""
+    if isinstance(value, str) and is_url(value):
+        return value  # a URL is not relative to anything
     if isinstance(value, list):
         return [_relative_to(base, annotation, item) for item in value]
     if isinstance(value, dict) and _mentions(annotation, DatasetSpec):
         source = value.get("source")
-        return {**value, "source": str(base / source)} if isinstance(source, str) else value
+        if isinstance(source, str) and not is_url(source):
+            return {**value, "source": str(base / source)}
+        return value
     if isinstance(value, str) and _mentions(annotation, Path):
         return str(base / value)
     return value

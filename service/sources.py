@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from shmcache import Store
+from shmcache._disk.meta import read_meta
+from shmcache._disk.urls import is_url, local_path_of, redact_url, url_allowed
 from shmcache._store.blobs import directory_fingerprint
+from shmcache._store.remote import remote_identities
 from shmcache._store.sources import PLANNERS
 from shmcache._units import human_bytes
 from shmcache.errors import (
@@ -37,12 +40,18 @@ _R = TypeVar("_R")
 _NOT_FOUND = (errno.ENOENT, errno.ENOTDIR)
 
 
-def resolve_source(source: str, allowed: Sequence[Path]) -> Path:
+def resolve_source(source: str, allowed: Sequence[Path | str]) -> Path | str:
     """The real path of ``source``, if it is absolute, exists and lies in ``allowed``
-    (an empty ``allowed`` allows everything the daemon can read)."""
-    given = short(source)
+    (an empty ``allowed`` allows everything the daemon can read); or ``source`` itself if
+    it is a URL under one of the URL prefixes of ``allowed`` (none: no URL is allowed)."""
     if "\x00" in source:
         raise InvalidSourceError("the source path contains a NUL character")
+    if is_url(source):
+        local = local_path_of(source)
+        if local is None:
+            return _allowed_url(source, [p for p in allowed if isinstance(p, str)])
+        source = local
+    given = short(source)
     try:
         os.fsencode(source)
     except UnicodeEncodeError:
@@ -59,7 +68,8 @@ def resolve_source(source: str, allowed: Sequence[Path]) -> Path:
         real = Path(os.path.realpath(source))
     except OSError as exc:  # e.g. a symlink loop
         raise _unusable(given, exc) from None
-    if allowed and not any(real == top or real.is_relative_to(top) for top in allowed):
+    dirs = [top for top in allowed if isinstance(top, Path)]
+    if allowed and not any(real == top or real.is_relative_to(top) for top in dirs):
         # Never where it resolves to: a link to /proc/self/cwd would map the daemon's files for a TCP client.
         raise SourceNotAllowedError(
             f"source {given} is outside the directories this daemon may load from: "
@@ -71,6 +81,25 @@ def resolve_source(source: str, allowed: Sequence[Path]) -> Path:
     except OSError as exc:
         raise _unusable(given, exc) from None
     return real
+
+
+def _allowed_url(url: str, prefixes: Sequence[str]) -> str:
+    """``url`` if it lies under one of the URL prefixes; the daemon loads it with its own
+    credentials, so a URL carrying some (user information, a query) is refused: it would be
+    kept in job records."""
+    shown = short(redact_url(url))
+    if redact_url(url) != url:
+        raise InvalidSourceError(
+            f"source {shown}: the daemon loads URLs with its own credentials (its environment, "
+            "config files or instance role); send the URL without user information or query"
+        )
+    if not url_allowed(url, prefixes):
+        raise SourceNotAllowedError(
+            f"source {shown} is not under a URL prefix this daemon may load from"
+            + (f" ({', '.join(prefixes)})" if prefixes else " (it allows none)")
+            + ". Start the daemon with --allow-source for its prefix (e.g. s3://bucket/datasets)"
+        )
+    return url
 
 
 def _unusable(shown: str, exc: OSError) -> InvalidSourceError:
@@ -103,7 +132,12 @@ def _as_source_errors(check: Callable[_P, _R]) -> Callable[_P, _R]:
 
 @_as_source_errors
 def check_loadable(
-    store: Store, key: str, source: Path, overwrite: bool, allowed: Sequence[Path] = (), as_: str = "auto"
+    store: Store,
+    key: str,
+    source: Path | str,
+    overwrite: bool,
+    allowed: Sequence[Path | str] = (),
+    as_: str = "auto",
 ) -> list[str]:
     """Validate every source file (headers, dtypes, key names), refuse loads that cannot
     fit, and existing keys unless ``overwrite``; returns the keys the load would publish.
@@ -111,7 +145,8 @@ def check_loadable(
     The store validates again when it loads; this only turns bad input into an immediate
     HTTP error instead of a failed job.
     """
-    plan = store.plan_file(key, source, allowed_dirs=allowed, as_=as_)  # headers only; links out refused
+    dirs = [top for top in allowed if isinstance(top, Path)]
+    plan = store.plan_file(key, source, allowed_dirs=dirs, as_=as_)  # headers only; links out refused
     keys = [item.key for item in plan]
     needed = sum(item.size for item in plan)
     if store.max_bytes is not None and needed > store.max_bytes:
@@ -136,12 +171,23 @@ def check_loadable(
     return keys
 
 
-def is_up_to_date(store: Store, key: str, source: Path) -> bool:
+def is_up_to_date(store: Store, key: str, source: Path | str) -> bool:
     """Whether the entries under ``key`` were loaded from ``source`` as it is now
-    (same files, sizes and modification times): a config preload can then be skipped."""
+    (same files, sizes and modification times; for a URL, the same objects, sizes and
+    ETags): a config preload can then be skipped."""
     entries = [e for e in store.list(key) if e.source is not None]
     if not entries:
         return False
+    if isinstance(source, str):
+        now = remote_identities(source)
+        loaded = {
+            e.source: (
+                (e.source_fingerprint or {}).get("size"),
+                read_meta(store.layout, e.version).get("source_identity"),
+            )
+            for e in entries
+        }
+        return loaded == now
     if len(entries) == 1 and entries[0].kind == "blobs":  # a packed directory: one fingerprint
         entry = entries[0]
         return entry.source == str(source) and entry.source_fingerprint == directory_fingerprint(source)

@@ -248,7 +248,7 @@ class Service:
             workers=settings.load_workers,
             max_load_rate=settings.max_load_rate,
             on_finish=self._job_finished,
-            allowed_dirs=settings.allow_source,
+            allowed_dirs=settings.allow_dirs,
         )
         self.readers = MappingScans(store)
         self.started = time.time()

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from ._api import (
         cache,
+        cache_remote,
         cleanup,
         evict,
         get_store,
@@ -110,6 +111,7 @@ __all__ = [
     "UnsupportedDataError",
     "__version__",
     "cache",
+    "cache_remote",
     "cleanup",
     "default_root",
     "evict",
@@ -143,6 +145,7 @@ __all__ = [
 # name here and to `__all__` (and to the TYPE_CHECKING imports above, for type checkers).
 _HOMES: dict[str, str] = {
     "cache": "._api",
+    "cache_remote": "._api",
     "cleanup": "._api",
     "evict": "._api",
     "get_store": "._api",

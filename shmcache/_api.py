@@ -21,6 +21,7 @@ Root = str | os.PathLike[str] | None
 
 __all__ = [
     "cache",
+    "cache_remote",
     "cleanup",
     "evict",
     "get_store",
@@ -98,11 +99,15 @@ def put_file(
     overwrite: bool = False,
     pin: bool = False,
     as_: str = "auto",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Publish a ``.npy``, ``.npz``, ``.safetensors``, torch ``.pt``/``.pth`` state dict,
     ``.h5``/``.hdf5`` or a directory of them; returns the keys. A directory of other files
-    (or any directory with ``as_="blobs"``) becomes one blobs entry."""
-    return get_store(root).put_file(key, path, overwrite=overwrite, pin=pin, as_=as_)
+    (or any directory with ``as_="blobs"``) becomes one blobs entry. ``path`` may be an
+    fsspec URL (``s3://bucket/prefix/``...), with ``storage_options`` for its filesystem."""
+    return get_store(root).put_file(
+        key, path, overwrite=overwrite, pin=pin, as_=as_, storage_options=storage_options
+    )
 
 
 def cache(
@@ -114,6 +119,19 @@ def cache(
 ) -> np.ndarray:
     """Get-or-create ``key``: ``loader`` runs once across all processes."""
     return get_store(root).cache(key, loader, timeout=timeout)
+
+
+def cache_remote(
+    key: str,
+    url: str,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+) -> np.ndarray | SharedGroup:
+    """Get-or-create ``key`` from ``url``: one download per machine (every rank of a node
+    may call it), then an array (one ``.npy`` object) or a group (a prefix of them)."""
+    return get_store(root).cache_remote(key, url, storage_options=storage_options, timeout=timeout)
 
 
 def evict(key: str, *, root: str | os.PathLike[str] | None = None) -> int:

@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from .._disk.keys import validate_key
+from .._disk.urls import is_url
 from .._store import Store, StoreStats
 from .._store.sources import PLANNERS
 from .._units import human_bytes
 from ..errors import (
     CorruptEntryError,
     InvalidKeyError,
+    InvalidSourceError,
     KeyExistsError,
     KeyNotFoundError,
     ShmCacheError,
@@ -103,8 +105,21 @@ def put(
             "it holds no array files; a directory mixing both asks for one of the two).",
         ),
     ] = PutAs.auto,
+    storage_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--storage-option",
+            help="KEY=VALUE for the filesystem of a URL PATH (repeatable; a dotted KEY nests: "
+            "client_kwargs.endpoint_url=http://...; true/false/numbers are parsed). Loads in this "
+            "process: a daemon loads URLs with its own credentials. Never shown or recorded.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Load PATH into the cache under KEY and print the keys published.
+
+    PATH may be a URL (s3://bucket/prefix/, gs://, az://, hf://, https://):
+    its .npy objects are streamed into the cache.
 
     Through the daemon when one serves the root (its budget applies;
     Ctrl+C cancels the load), else (or with --local) in this process, with
@@ -112,14 +127,23 @@ def put(
     """
     with failures_exit_1():
         sources = _sources(path, key)
+        options = _storage_options(storage_option or [])
     bar, title = _progress_bar(progress), f"put {key}"
     try:
         with open_backend(root, local) as control:
             if isinstance(control, Store):
                 with failures_exit_1():
-                    published = _put_here(control, sources, pin, overwrite, bar, title, local, as_.value)
+                    published = _put_here(
+                        control, sources, pin, overwrite, bar, title, local, as_.value, options
+                    )
             else:
                 with failures_exit_1():
+                    if options:
+                        raise InvalidSourceError(
+                            "--storage-option applies to loads in this process, and a daemon serves "
+                            "this root: it loads URLs with its own credentials (its environment, "
+                            "config files or instance role). Drop the options, or add --local"
+                        )
                     jobs = _put_through(control, sources, pin, overwrite, bar, title, as_.value)
                 _report_jobs(jobs)
                 return
@@ -130,17 +154,42 @@ def put(
         typer.echo(published_key)
 
 
-def _sources(path: str, key: str) -> list[tuple[str, Path]]:
-    """``(key, source)`` pairs for PATH: itself if it exists, else the matches of a glob,
-    each under ``key/<name without its suffix>`` (suffixes ``put_file`` takes)."""
+def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--storage-option`` pairs as fsspec storage options (a dotted key nests)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise InvalidSourceError(f"--storage-option takes KEY=VALUE, got one without '=' ({name[:40]!r})")
+        try:
+            value: Any = json.loads(text)
+            if not isinstance(value, (bool, int, float)):
+                value = text
+        except ValueError:
+            value = text
+        *parents, last = name.split(".")
+        target = options
+        for parent in parents:
+            target = target.setdefault(parent, {})
+            if not isinstance(target, dict):
+                raise InvalidSourceError(f"--storage-option {name}: {parent} is both a value and a table")
+        target[last] = value
+    return options
+
+
+def _sources(path: str, key: str) -> list[tuple[str, Path | str]]:
+    """``(key, source)`` pairs for PATH: itself if it exists (or is a URL), else the matches
+    of a glob, each under ``key/<name without its suffix>`` (suffixes ``put_file`` takes)."""
     validate_key(key)
+    if is_url(path):
+        return [(key, path)]
     literal = Path(path).expanduser()
     if literal.exists() or not glob.has_magic(path):
         return [(key, literal)]
     matches = sorted(glob.glob(os.path.expanduser(path)))
     if not matches:
         raise SourceNotFoundError(f"no file or directory matches {path!r}")
-    pairs: dict[str, Path] = {}
+    pairs: dict[str, Path | str] = {}
     for match in matches:
         name = Path(match).name
         stem = name.rsplit(".", 1)[0] if Path(match).suffix.lower() in PLANNERS else name
@@ -192,16 +241,20 @@ def _progress_bar(enabled: bool | None) -> Progress:
 
 def _put_here(
     store: Store,
-    sources: list[tuple[str, Path]],
+    sources: list[tuple[str, Path | str]],
     pin: bool,
     overwrite: bool,
     bar: Progress,
     title: str,
     local: bool = False,
     as_: str = "auto",
+    options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Validate every source first (nothing is copied if one is bad), then put them."""
-    plans = [(key, source, store.plan_file(key, source, as_=as_)) for key, source in sources]
+    plans = [
+        (key, source, store.plan_file(key, source, as_=as_, storage_options=options))
+        for key, source in sources
+    ]
     if not overwrite:
         for _, _, plan in plans:
             for entry in plan:
@@ -221,7 +274,8 @@ def _put_here(
                 bar.update(task, completed=base + done)
 
             published += store.put_file(
-                key, source, overwrite=overwrite, pin=pin, progress=advance, as_=as_
+                key, source, overwrite=overwrite, pin=pin, progress=advance, as_=as_,
+                storage_options=options,
             )
             offset += sum(entry.size for entry in plan)
     return published
@@ -229,7 +283,7 @@ def _put_here(
 
 def _put_through(
     client: Client,
-    sources: list[tuple[str, Path]],
+    sources: list[tuple[str, Path | str]],
     pin: bool,
     overwrite: bool,
     bar: Progress,
@@ -261,7 +315,7 @@ def _put_through(
         raise
 
 
-def _cancel(client: Client, jobs: Sequence[Job], sources: Sequence[tuple[str, Path]]) -> None:
+def _cancel(client: Client, jobs: Sequence[Job], sources: Sequence[tuple[str, Path | str]]) -> None:
     """Cancel our loads: those submitted, and any still active for our keys and sources
     (Ctrl+C may land after the daemon queued a load but before we read its answer)."""
     try:  # an interrupted request may have left the connection half-read: start afresh
@@ -269,7 +323,9 @@ def _cancel(client: Client, jobs: Sequence[Job], sources: Sequence[tuple[str, Pa
     except Exception:
         pass
     ours = {
-        (key, path) for key, source in sources for path in (os.path.abspath(source), os.path.realpath(source))
+        (key, path)
+        for key, source in sources
+        for path in ((source,) if is_url(source) else (os.path.abspath(source), os.path.realpath(source)))
     }
     try:
         active = [job for job in client.jobs() if job.active and (job.key, job.source) in ours]

@@ -129,7 +129,10 @@ def _flag_type(field: FieldInfo) -> Any:
         return bool
     if get_origin(kind) is tuple:  # a repeatable flag
         item = get_args(kind)[0]
-        return list[get_args(item)[0] if get_origin(item) is Annotated else item] | None  # type: ignore[misc]
+        item = get_args(item)[0] if get_origin(item) is Annotated else item
+        if get_origin(item) in (Union, types.UnionType):  # e.g. a directory or a URL: as text
+            item = str
+        return list[item] | None  # type: ignore[valid-type]
     return kind | None
 
 

@@ -46,6 +46,7 @@ from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root, read_
 from .._disk.meta import read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
+from .._disk.urls import is_url, local_path_of, redact_url
 from .._disk.writer import VersionWriter
 from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
@@ -335,12 +336,20 @@ class Store:
         progress: Callable[[int, int], None] | None = None,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",
+        storage_options: Mapping[str, Any] | None = None,
+        part_size: int | None = None,
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``), a
         ``.safetensors``, torch ``.pt``/``.pth`` state dict or ``.h5``/``.hdf5`` (as
         ``key/<tensor or dataset name>``), or a directory of them (as ``key/<relative path
         without suffix>``; see ``sources.PLANNERS``); a ``.parquet``, ``.feather``/``.arrow``,
         ``.csv`` or ``.jsonl`` file as one table entry.
+
+        ``path`` may be an fsspec URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
+        ``http(s)://``; ``file://`` is a local path): ``.npy`` objects, or a prefix of them,
+        streamed into the cache in parallel ranged reads of ``part_size`` bytes (default:
+        8 to 64 MiB, 16 parts per object where they fit; see :mod:`shmcache._store.remote`);
+        ``storage_options`` go to the filesystem and are never recorded or shown.
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
@@ -358,6 +367,11 @@ class Store:
         A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
+        if is_url(path):
+            local = local_path_of(str(path))
+            if local is None:
+                return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
+            path = local
         kind = put_kind(Path(path), as_)
         if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):  # one table entry
             files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
@@ -416,6 +430,52 @@ class Store:
         logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
         return keys
 
+    def _put_remote(
+        self,
+        key: str,
+        url: str,
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+        storage_options: Mapping[str, Any] | None,
+        part_size: int | None,
+    ) -> list[str]:
+        """``put_file`` of a URL: every object planned and validated, then streamed in."""
+        from .remote import fetch_remote, plan_remote  # here: threads and hashing only for URLs
+
+        plan = plan_remote(key, url, storage_options, read_headers=False)  # validated as fetched
+        keys = [item.key for item in plan.items]
+        self._refuse_existing(keys, overwrite)
+        total, done = plan.object_bytes, 0
+
+        def advance(nbytes: int) -> None:
+            nonlocal done
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
+
+        with self._writer() as writer:
+            self._reserve(writer, total + _PAGE * len(keys), keys if overwrite else ())
+            if progress is not None:
+                progress(0, total)
+            fetch_remote(plan, writer, advance, part_size)
+            for item in plan.items:
+                header = {"data": item.checked_header}
+                meta = version_meta(item.key, "array", item.version, header, {"data": item.crc}, pin)
+                meta["source"] = item.url  # redacted: no user information, no query
+                meta["source_fingerprint"] = {"size": item.size}
+                meta["source_identity"] = item.identity
+                writer.write_meta(item.version, meta)
+            publish(
+                self.layout,
+                writer,
+                [(item.key, item.version) for item in plan.items],
+                overwrite=overwrite,
+                lock_timeout=self.lock_timeout,
+            )
+        logger.info("put %s from %s (%d entries, %d bytes)", key, plan.url, len(keys), total)
+        return keys
+
     def plan_file(
         self,
         key: str,
@@ -423,10 +483,19 @@ class Store:
         *,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",
+        storage_options: Mapping[str, Any] | None = None,
     ) -> builtins.list[PlannedEntry]:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
+        if is_url(path):
+            local = local_path_of(str(path))
+            if local is None:
+                from .remote import plan_remote
+
+                plan = plan_remote(key, str(path), storage_options)
+                return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
+            path = local
         kind = put_kind(Path(path), as_)
         if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):
             return [plan_table_file(key, Path(path), builtins.list(allowed_dirs))]
@@ -470,6 +539,51 @@ class Store:
             with recording_failure(self.layout, key):
                 self.put_array(key, loader())
         return self.open_array(key)
+
+    def cache_remote(
+        self,
+        key: str,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray | SharedGroup:
+        """Get-or-create from a URL: open ``key``, or load ``url`` once per machine.
+
+        The per-node form of :meth:`cache`: every rank of a node calls it, one takes the
+        key's lock and downloads, the others wait and open what it published (an array for
+        one ``.npy`` object, a group for a prefix of them). A failed load is raised by the
+        callers that waited for it too, rather than each downloading again.
+        """
+        validate_key(key)
+        found = self._open_cached(key)
+        if found is not None:
+            return found
+        seen = last_failure(self.layout, key)
+        with self._key_lock(key, timeout):
+            found = self._open_cached(key)
+            if found is not None:
+                return found
+            failed = last_failure(self.layout, key)
+            if failed is not None and (seen is None or failed.id != seen.id):
+                raise failed.error(key)
+            with recording_failure(self.layout, key):
+                self._put_remote(key, url, False, False, None, storage_options, None)
+        found = self._open_cached(key)
+        if found is None:  # evicted between the publish and the open
+            raise KeyNotFoundError(f"{key!r} was evicted right after it was loaded from {redact_url(url)}")
+        return found
+
+    def _open_cached(self, key: str) -> np.ndarray | SharedGroup | None:
+        """The array under ``key``, or the group of entries under it, or None."""
+        try:
+            return self.open_array(key)
+        except KeyNotFoundError:
+            pass
+        try:
+            return self.open_group(key)
+        except KeyNotFoundError:
+            return None
 
     def _refuse_existing(self, keys: builtins.list[str], overwrite: bool) -> None:
         if overwrite:

@@ -1,0 +1,577 @@
+"""Remote sources of ``put_file`` (``s3://``, ``gs://``, ``az://``, ``hf://``, ``http(s)://``)
+through fsspec, streamed into the staging files: never a full local copy first.
+
+Planning lists the objects (a URL ending in ``/``, or naming a prefix, is a directory:
+``key/<relative name without .npy>``). Fetching splits every object into parts (default
+:func:`auto_part_size`), read with ranged reads on a thread pool and written with ``pwrite``
+at their offsets: a big object loads in parallel, many small ones concurrently, and the
+process holds at most ``IN_FLIGHT_BYTES`` of parts at once. Each object's first part comes
+first: its ``.npy`` header is validated like a local file's (no object dtypes, a size that
+matches) before a byte is written, and the other parts wait for that. (``plan_file``, a dry
+run, reads the headers alone with one ranged read each.) A trailing hasher per object
+computes the CRC-32 recorded for ``verify`` and, where the store offers a plain-MD5 ETag,
+the MD5, compared before publishing: bytes that match the ETag listed at the start are
+that version, whole. Objects without one are looked up again after the fetch, and one
+whose size or ETag changed fails the load (:class:`CorruptSourceError`). Nothing is
+published unless every object passed.
+
+Credentials come from each filesystem's own chain (environment, config files, instance
+roles) or ``storage_options``; they never reach a message (every text from a backend is
+scrubbed of them), a log line or ``meta.json`` (the recorded source is the redacted URL).
+``.npz`` archives are refused: their members would need the whole archive's central
+directory and inflation; unpack them into ``.npy`` objects (or download and put the file).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from .._disk.fs import full_is_cache_full
+from .._disk.keys import validate_key
+from .._disk.layout import ARRAY_FILE
+from .._disk.npy import NpyHeader, header_length, read_source_header
+from .._disk.urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
+from .._disk.writer import VersionWriter
+from ..errors import (
+    CorruptEntryError,
+    CorruptSourceError,
+    InvalidSourceError,
+    ShmCacheError,
+    SourceNotFoundError,
+)
+
+__all__ = [
+    "DEFAULT_PART_SIZE",
+    "DEFAULT_WORKERS",
+    "RemoteItem",
+    "RemotePlan",
+    "auto_part_size",
+    "fetch_remote",
+    "plan_remote",
+    "remote_identities",
+]
+
+DEFAULT_PART_SIZE = 8 << 20
+"""Bytes per ranged read: big enough to amortise a request, small enough to bound memory."""
+DEFAULT_WORKERS = 16
+"""Ranged reads in flight at once (threads; fsspec's event loop does the I/O)."""
+MAX_PART_SIZE = 64 << 20
+"""The largest automatic part (a 1 GiB object: 16 parts of 64 MiB)."""
+IN_FLIGHT_BYTES = 256 << 20
+"""Bytes of parts being fetched at once, at most (a part bigger than this goes alone): what
+bounds the loader's memory, whatever the objects' sizes."""
+_HEAD = 4096  # the first read of every object: a numpy header is almost always shorter
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass
+class RemoteItem:
+    """One object a remote put will publish as one array entry."""
+
+    key: str
+    path: str
+    """The object's path in its filesystem (never shown: may carry a query)."""
+    url: str
+    """The redacted URL: what messages and ``meta.json`` name."""
+    size: int
+    identity: str
+    """What tells this content from another (ETag, MD5, else modification time)."""
+    md5: str | None
+    header: NpyHeader | None = None
+    """Validated header: read by the plan (``plan_file``), else from the first part fetched."""
+    version: str = ""
+    crc: int = 0
+    ready: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def checked_header(self) -> NpyHeader:
+        assert self.header is not None, "the object's header was not validated"
+        return self.header
+
+
+@dataclass
+class RemotePlan:
+    """Every object of a remote source; ``fs`` is the fsspec filesystem."""
+
+    fs: Any
+    url: str
+    path: str
+    directory: bool
+    items: list[RemoteItem]
+    secrets: list[str]
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of the objects (at least the entries' sizes: a ``.npy`` may have a tail)."""
+        return sum(item.size for item in self.items)
+
+
+def plan_remote(
+    key: str,
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    read_headers: bool = True,
+    workers: int = DEFAULT_WORKERS,
+) -> RemotePlan:
+    """List the objects under ``url`` (``key`` is valid already); with ``read_headers``, also
+    read and validate every header now (a dry run). Without, :func:`fetch_remote` validates
+    each header from the object's first part before writing a byte of it: one request
+    fewer per object."""
+    secrets = secret_strings(url, storage_options)
+    shown = redact_url(url)
+    fs, path = _filesystem(url, storage_options, secrets)
+    with _remote_errors(shown, secrets):
+        fs.invalidate_cache()  # a listing cached by an earlier load would hide changes
+        listing = {}
+        directory = urlsplit(url).path.endswith("/")
+        if directory:  # a prefix: one listing (no lookup of the prefix itself)
+            listing = _list_objects(fs, path)
+        if not listing:  # an object, or a prefix without a "/", or nothing (FileNotFoundError)
+            info = fs.info(path)
+            directory = info.get("type") == "directory"
+            listing = _list_objects(fs, path) if directory else {path: info}
+    items = _items(key, shown, path, directory, listing)
+    if read_headers:
+        with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="shmcache-head") as pool:
+            headers = pool.map(lambda it: _read_header(fs, it, secrets), items)
+            for item, header in zip(items, headers, strict=True):
+                item.header = header
+    return RemotePlan(fs, shown, path, directory, items, secrets)
+
+
+def auto_part_size(size: int, workers: int = DEFAULT_WORKERS) -> int:
+    """Parts of ``DEFAULT_PART_SIZE`` to ``MAX_PART_SIZE``, as few as ``workers`` when they
+    fit: a big object is read as parallel streams, each request large (a server that pays
+    per request, or, like moto, copies the whole object for every range, pays least)."""
+    return min(max(DEFAULT_PART_SIZE, -(-size // max(workers, 1))), MAX_PART_SIZE)
+
+
+def remote_identities(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> dict[str, tuple[int, str]]:
+    """``{object URL (redacted): (size, identity)}`` of the ``.npy`` objects under ``url``,
+    from one listing (no header read): whether loaded entries are still current."""
+    plan = plan_remote("k", url, storage_options, read_headers=False)
+    return {item.url: (item.size, item.identity) for item in plan.items}
+
+
+def fetch_remote(
+    plan: RemotePlan,
+    writer: VersionWriter,
+    advance: Callable[[int], None],
+    part_size: int | None = None,
+    workers: int = DEFAULT_WORKERS,
+) -> None:
+    """Fetch every planned object into a new version of ``writer`` (sets ``item.version``,
+    ``item.header`` and ``item.crc``); raises if a header is invalid, a part fails or an
+    object changed meanwhile.
+
+    Every object is split into parts over its size; the first part of each is fetched
+    first, and its header validated before anything is written; the other parts wait for
+    that (the pool runs tasks in order, so the first part is always already running).
+    ``part_size`` None: :func:`auto_part_size` per object."""
+    if part_size is not None and part_size < 1:
+        raise ValueError(f"part_size must be at least 1 byte, got {part_size}")
+    stop = threading.Event()
+    progress_lock = threading.Lock()
+    budget = _ByteBudget(IN_FLIGHT_BYTES)
+
+    def progressed(nbytes: int) -> None:
+        with progress_lock:
+            advance(nbytes)
+
+    hashers: list[_TrailingHash] = []
+    for item in plan.items:
+        item.version = writer.new_version()
+        target = writer.path(item.version, ARRAY_FILE)
+        fd = writer.create_file(item.version, ARRAY_FILE)
+        try:
+            if item.size:
+                with full_is_cache_full(target):  # a full tmpfs is an error now, never mid-fetch
+                    os.posix_fallocate(fd, 0, item.size)
+        finally:
+            os.close(fd)
+        hashers.append(_TrailingHash(target, item.md5 is not None))
+    tasks = [
+        (item, hasher, start, min(start + part, item.size))
+        for item, hasher in zip(plan.items, hashers, strict=True)
+        for part in [part_size or auto_part_size(item.size, workers)]
+        for start in range(0, max(item.size, 1), part)
+    ]
+
+    def fetch(item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
+        if start == 0:
+            try:
+                if stop.is_set():
+                    return
+                with budget.holding(end):
+                    _fetch_first(plan, item, hasher, end)
+            finally:
+                item.ready.set()  # on failure or stop too: the other parts then return
+        else:
+            item.ready.wait()
+            if stop.is_set() or item.header is None:
+                return
+            fetched = min(end, item.header.file_size)
+            if start < fetched:  # (not a part of the tail beyond the array)
+                with budget.holding(fetched - start):
+                    if stop.is_set():
+                        return
+                    with _remote_errors(item.url, plan.secrets):
+                        data = plan.fs.cat_file(item.path, start=start, end=fetched)
+                    _write_part(item, hasher, data, start, fetched)
+                    del data
+        progressed(end - start)
+
+    with ThreadPoolExecutor(max(1, min(workers, len(tasks))), thread_name_prefix="shmcache-fetch") as pool:
+        futures: list[Future[None]] = [pool.submit(fetch, *task) for task in tasks]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+        except BaseException:  # a part failed, or Ctrl+C here: the parts left return at once
+            stop.set()
+            for future in futures:
+                future.cancel()
+            raise
+    unproven: list[RemoteItem] = []
+    for item, hasher in zip(plan.items, hashers, strict=True):
+        header = item.checked_header
+        item.crc, md5 = hasher.result()
+        if item.md5 is not None and header.file_size == item.size:
+            if md5 != item.md5:
+                raise CorruptSourceError(
+                    f"{item.url}: the bytes read do not match the object's MD5 (it changed while "
+                    "loading, or was damaged in transit); nothing was published, load it again"
+                )
+        else:
+            unproven.append(item)
+        if header.file_size < item.size:  # a tail beyond the array: not published
+            os.truncate(hasher.path, header.file_size)
+        _check_written_header(item, hasher.path)
+    # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
+    # other objects are looked up again.
+    if unproven:
+        _check_unchanged(plan, unproven)
+
+
+def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end: int) -> None:
+    """Fetch an object's first part, validate its header (against the plan's, if read) and
+    only then write the part."""
+    with _remote_errors(item.url, plan.secrets):
+        data = plan.fs.cat_file(item.path, start=0, end=end)
+        head = data
+        if len(head) >= 12 and head[:6] == b"\x93NUMPY" and end < item.size:
+            try:
+                needed = min(header_length(head, item.url), item.size)
+            except CorruptEntryError:
+                needed = len(head)
+            if needed > len(head):  # a header longer than the part (tiny parts)
+                head = head + plan.fs.cat_file(item.path, start=len(head), end=needed)
+    if len(data) != end:
+        raise CorruptSourceError(
+            f"{item.url} changed while loading (bytes 0-{end} came back as {len(data)}); "
+            "nothing was published, load it again"
+        )
+    header = read_source_header(io.BytesIO(head), item.size, item.url)
+    if item.header is not None and header != item.header:
+        raise CorruptSourceError(f"{item.url} changed while loading; nothing was published, load it again")
+    item.header = header
+    hasher.size = header.file_size
+    _write_part(item, hasher, data, 0, min(end, header.file_size))
+
+
+def _write_part(item: RemoteItem, hasher: _TrailingHash, data: bytes, start: int, end: int) -> None:
+    if len(data) < end - start:
+        raise CorruptSourceError(
+            f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "
+            "nothing was published, load it again"
+        )
+    part = memoryview(data)[: end - start]
+    _pwrite_all(hasher.path, part, start)
+    hasher.done(start, end, part)
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def _filesystem(url: str, options: Mapping[str, Any] | None, secrets: list[str]) -> tuple[Any, str]:
+    scheme = urlsplit(url).scheme.lower()
+    package, extra = BACKEND_EXTRAS.get(scheme, (None, None))
+    hint = f": pip install 'shmcache[{extra}]'" if extra else ""
+    try:
+        import fsspec  # type: ignore[import-untyped]
+        import fsspec.core  # type: ignore[import-untyped]
+    except ImportError:
+        raise InvalidSourceError(
+            f"loading {scheme}:// sources needs fsspec{f' and {package}' if package else ''}{hint}"
+        ) from None
+    try:
+        return fsspec.core.url_to_fs(url, **dict(options or {}))  # type: ignore[no-any-return]
+    except ImportError:
+        raise InvalidSourceError(
+            f"loading {scheme}:// sources needs {package or 'an fsspec backend for ' + scheme}{hint}"
+        ) from None
+    except ValueError as exc:
+        if "protocol" in str(exc).lower():
+            raise InvalidSourceError(f"{redact_url(url)}: fsspec knows no {scheme}:// filesystem") from None
+        raise InvalidSourceError(f"{redact_url(url)}: {scrub(str(exc), secrets)}") from None
+    except TypeError as exc:  # a storage option the filesystem does not take
+        raise InvalidSourceError(
+            f"{redact_url(url)}: the {scheme}:// filesystem refused its storage options "
+            f"({scrub(str(exc), secrets)})"
+        ) from None
+
+
+def _list_objects(fs: Any, path: str) -> dict[str, dict[str, Any]]:
+    found = fs.find(path, detail=True)
+    return {name: info for name, info in found.items() if info.get("type", "file") == "file"}
+
+
+def _items(
+    key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]]
+) -> list[RemoteItem]:
+    base = path.rstrip("/")
+    items: list[RemoteItem] = []
+    seen: dict[str, str] = {}
+    for name in sorted(listing):
+        info = listing[name]
+        if directory:
+            relative = name[len(base) :].lstrip("/")
+            url = f"{shown.rstrip('/')}/{relative}"
+        else:  # the suffix of the URL's path (an HTTP path may end with a query)
+            relative, url = urlsplit(shown).path, shown
+        if relative.endswith(".npz"):
+            raise InvalidSourceError(
+                f"{url}: remote .npz archives are not loaded (their members need the whole archive); "
+                "store the arrays as .npy objects, or download the archive and put the local file"
+            )
+        if not relative.endswith(".npy"):
+            if directory:
+                continue
+            raise CorruptSourceError(f"{url}: not a .npy object (or a prefix of them)")
+        child = key
+        if directory:
+            child = f"{key}/{relative[: -len('.npy')]}"
+            try:
+                validate_key(child)
+            except ShmCacheError as exc:
+                raise type(exc)(f"{url}: its name does not make a valid key ({exc})") from None
+        if child in seen:
+            raise InvalidSourceError(f"{seen[child]} and {url} would both become key {child!r}")
+        seen[child] = url
+        size = info.get("size")
+        if not isinstance(size, int) or size < 0:
+            raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
+        items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info)))
+    if not items:
+        raise InvalidSourceError(f"{shown} holds no .npy objects")
+    return items
+
+
+def _identity(info: Mapping[str, Any]) -> str:
+    names = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "LastModified", "mtime", "last_modified")
+    for field_name in names:
+        value = info.get(field_name)
+        if value:
+            return f"{field_name}={value}"
+    return ""
+
+
+def _md5_of(info: Mapping[str, Any]) -> str | None:
+    """The object's MD5 when the store gives it: an S3 ETag of a single-part upload, or
+    GCS's ``md5Hash`` (multipart ETags and others are not MD5s of the content)."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
+    if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag):
+        return etag
+    md5 = info.get("md5Hash")
+    if isinstance(md5, str):
+        try:
+            return base64.b64decode(md5).hex()
+        except ValueError:
+            return None
+    return None
+
+
+def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
+    with _remote_errors(item.url, secrets):
+        head = fs.cat_file(item.path, start=0, end=min(item.size, _HEAD))
+        if len(head) >= 12 and head[:6] == b"\x93NUMPY":
+            try:
+                needed = header_length(head, item.url)
+            except CorruptEntryError:
+                needed = len(head)
+            if needed > len(head) and needed <= item.size:
+                head += fs.cat_file(item.path, start=len(head), end=needed)
+    return read_source_header(io.BytesIO(head), item.size, item.url)
+
+
+# ---------------------------------------------------------------------- fetching
+
+
+def _pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        view = memoryview(data)
+        with full_is_cache_full(path):
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+    finally:
+        os.close(fd)
+
+
+class _ByteBudget:
+    """At most ``limit`` bytes of parts held at once (one part alone may exceed it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def holding(self, nbytes: int) -> Iterator[None]:
+        with self._changed:
+            while self.used and self.used + nbytes > self.limit:
+                self._changed.wait()
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.used -= nbytes
+                self._changed.notify_all()
+
+
+class _TrailingHash:
+    """CRC-32 (and MD5) of a staging file whose parts arrive in any order: each finished
+    part is recorded, and whichever thread finds the next part in file order hashes it and
+    every following finished one (reading back what was just written, still in cache)."""
+
+    def __init__(self, path: Path, want_md5: bool) -> None:
+        self.path = path
+        self.size = -1  # set once the header says how many bytes the array file has
+        self._lock = threading.Lock()
+        self._finished: dict[int, int] = {}
+        self._next = 0
+        self._busy = False
+        self._crc = 0
+        self._md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
+
+    def done(self, start: int, end: int, data: memoryview | None = None) -> None:
+        """Record bytes ``start:end`` as written (``data``: those bytes, hashed from memory
+        when they are next in order, instead of read back)."""
+        with self._lock:
+            self._finished[start] = end
+            if self._busy:
+                return
+            self._busy = True
+        try:
+            while True:
+                with self._lock:
+                    end = self._finished.pop(self._next, -1)
+                    if end < 0:
+                        self._busy = False
+                        return
+                if data is not None and self._next == start:
+                    self._update(data)
+                else:
+                    self._hash(self._next, end)
+                self._next = end
+        except BaseException:
+            with self._lock:
+                self._busy = False
+            raise
+
+    def _hash(self, start: int, end: int) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while start < end:
+                chunk = os.pread(fd, min(_HASH_CHUNK, end - start), start)
+                if not chunk:
+                    raise EOFError(f"{self.path} ended at byte {start}")
+                self._update(chunk)
+                start += len(chunk)
+        finally:
+            os.close(fd)
+
+    def _update(self, data: bytes | memoryview) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+        if self._md5 is not None:
+            self._md5.update(data)
+
+    def result(self) -> tuple[int, str | None]:
+        if self._next != self.size:  # every part was fetched, so this is a bug
+            raise RuntimeError(f"{self.path}: hashed {self._next} of {self.size} bytes")
+        return self._crc, None if self._md5 is None else self._md5.hexdigest()
+
+
+def _check_written_header(item: RemoteItem, path: Path) -> None:
+    """The header fetched is the one the metadata is built from (an object rewritten between
+    the plan and the fetch could otherwise publish bytes meta.json misdescribes)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, item.checked_header.data_offset, 0)
+    finally:
+        os.close(fd)
+    try:
+        written: NpyHeader | None = read_source_header(
+            io.BytesIO(head), item.checked_header.file_size, item.url
+        )
+    except ShmCacheError:
+        written = None
+    if written != item.header:
+        raise CorruptSourceError(f"{item.url} changed while loading; nothing was published, load it again")
+
+
+def _check_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
+    """Look ``items`` up again (one listing for a directory): a size or identity that
+    differs from the plan's means the object changed during the load."""
+    with _remote_errors(plan.url, plan.secrets):
+        plan.fs.invalidate_cache()
+        if plan.directory:
+            now = _list_objects(plan.fs, plan.path)
+        else:
+            now = {plan.items[0].path: plan.fs.info(plan.path)}
+    for item in items:
+        info = now.get(item.path)
+        if info is None or info.get("size") != item.size or _identity(info) != item.identity:
+            raise CorruptSourceError(
+                f"{item.url} changed while loading (its size or ETag is not what it was); "
+                "nothing was published, load it again"
+            )
+
+
+@contextmanager
+def _remote_errors(where: str, secrets: list[str]) -> Iterator[None]:
+    """A backend's exceptions as typed errors naming ``where`` (the redacted URL), with any
+    secret scrubbed from their text and their chain dropped (it may quote credentials)."""
+    try:
+        yield
+    except ShmCacheError:
+        raise
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"{where} does not exist") from None
+    except PermissionError as exc:
+        raise InvalidSourceError(
+            f"{where}: access denied ({scrub(str(exc), secrets)}); check the credentials "
+            "(the filesystem's standard chain: environment, config files, instance role; or storage options)"
+        ) from None
+    except Exception as exc:
+        raise InvalidSourceError(
+            f"{where} could not be read: {type(exc).__name__}: {scrub(str(exc), secrets)}"
+        ) from None
