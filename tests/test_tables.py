@@ -335,8 +335,9 @@ def test_share_keeps_records_when_a_type_would_change(store: shmcache.Store, col
     assert len(shared) == len(column) and shared[0] == {"v": column[0]}
 
 
-_PLAIN = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6)
-_NUMBER = st.booleans() | st.integers() | st.floats(allow_nan=False)
+_FLOAT = st.floats(allow_nan=False, allow_infinity=False)  # records refuse inf
+_PLAIN = st.none() | st.booleans() | st.integers() | _FLOAT | st.text(max_size=6)
+_NUMBER = st.booleans() | st.integers() | _FLOAT
 
 
 def _typed(value: Any) -> Any:
@@ -359,6 +360,19 @@ def test_share_round_trips_any_column_with_exact_types(store: shmcache.Store, co
         assert [_typed(row["v"]) for row in shared] == [_typed(value) for value in column]
     else:
         assert isinstance(shared, shmcache.SharedRecords) and len(shared) == len(column)
+
+
+def test_rows_are_compiled_with_any_column_name(store: shmcache.Store) -> None:
+    """Column names become literals in the compiled row: quotes, newlines, backslashes,
+    lone surrogates and code-like text stay plain keys."""
+    names = ["a'b\"c", "line\nbreak", "back\\slash", "\udcff", "}, __import__('os'): {", ""]
+    anns = [{name: i * 10 + j for j, name in enumerate(names)} for i in range(3)]
+    table = store.share("names", anns)
+    assert isinstance(table, shmcache.SharedTable)
+    assert table.columns == names and list(table) == anns and table[-1] == anns[-1]
+    assert table[0] is not table[0] and table[1:] == anns[1:]
+    with pytest.raises(IndexError):
+        table[3]
 
 
 def test_records_fast_path_keeps_the_exact_cases(store: shmcache.Store) -> None:

@@ -92,7 +92,11 @@ def _string_column(texts: Sequence[Any], valid: np.ndarray | None) -> Column:
     count = len(texts)
     # Joined by NULs, the separators give the byte offsets in C (no per-string len), unless
     # a string holds a NUL itself.
-    separated = "\0".join(texts).encode("utf-8", "surrogatepass")  # TypeError if not all str
+    joined_by_nul = "\0".join(texts)  # TypeError if not all str
+    try:  # strict UTF-8 (no lone surrogate): rows then decode without an error handler
+        separated, strict = joined_by_nul.encode("utf-8"), True
+    except UnicodeEncodeError:
+        separated, strict = joined_by_nul.encode("utf-8", "surrogatepass"), False
     if count and separated.count(b"\0") == count - 1:
         data = separated.replace(b"\0", b"")
         offsets = np.empty(count + 1, dtype=np.int64)
@@ -113,7 +117,10 @@ def _string_column(texts: Sequence[Any], valid: np.ndarray | None) -> Column:
     files: dict[str, np.ndarray] = {"bytes": np.frombuffer(data, dtype=np.uint8), "offsets": offsets}
     if valid is not None:
         files["valid"] = validity(valid)
-    return files, {"kind": "string", "dtype": "str", "arrow": "large_string"}
+    desc: dict[str, Any] = {"kind": "string", "dtype": "str", "arrow": "large_string"}
+    if strict:  # SharedTable rows decode it without the surrogatepass handler (faster)
+        desc["strict_utf8"] = True
+    return files, desc
 
 
 def _list_column(lists: Sequence[Any], valid: np.ndarray | None, strict: bool) -> Column:
