@@ -138,9 +138,11 @@ class SharedTable(_Shared, Sequence[dict[str, Any]]):
         self._names = tuple(desc["name"] for desc in self._columns)
         self._length = int(meta["length"])
         self._row, getitem = _row_functions(self._columns, self._files, self._length)
-        # table[i] calls the compiled getitem directly: a subclass of one's own (no state)
-        self.__class__ = type("SharedTable", (SharedTable,), {"__slots__": (), "__getitem__": getitem,
-                                                            "__module__": __name__})
+        if type(self) is SharedTable:  # table[i] calls the compiled getitem: a stateless subclass
+            self.__class__ = type("SharedTable", (SharedTable,), {
+                "__slots__": (), "__getitem__": getitem, "__module__": __name__,
+                "__qualname__": "SharedTable", "__doc__": SharedTable.__doc__,
+            })  # fmt: skip
 
     def __len__(self) -> int:
         return self._length
