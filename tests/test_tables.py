@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 from cli_helpers import cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from service_helpers import Daemon, load, unique
 
 import shmcache
@@ -283,6 +285,94 @@ def test_share_keeps_records_for_mixed_or_nested_dicts(store: shmcache.Store, an
     shared = store.share("r", anns)
     assert isinstance(shared, shmcache.SharedRecords)
     assert list(shared) == json.loads(json.dumps(anns))
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        [True, False, True],  # bools stay bools (marshal's T/F tags)
+        [0, -(2**31), 2**31 - 1],  # int32 range: packed from marshal's 4-byte ints
+        [2**31, -(2**31) - 1, 2**63 - 1],  # beyond int32: the general path, still int64
+        [0.5, -0.0, float("inf"), 1e-300],
+        [[1, 2], [3, -(2**31)]],  # fixed-size lists of ints
+        [[1.5, 2.0], [0.0, 1e300]],  # fixed-size lists of floats
+        [[1.5], [2.5, 3.5], []],  # ragged lists: offsets
+        [[True, False], [False, True]],  # lists of bools: the general path
+        ["ascii", "é€😀", "", "\udcff", "nul\0inside"],  # non-ASCII, lone surrogate, a NUL
+        ["a", None, "ü"],
+        [1, None, 3],
+        [[1.0, 2.0], None],
+    ],
+)
+def test_share_columns_come_back_with_their_exact_types(store: shmcache.Store, column: list[Any]) -> None:
+    anns = [{"v": value, "n": i} for i, value in enumerate(column)]
+    table = store.share("t", anns)
+    assert isinstance(table, shmcache.SharedTable)
+    assert list(table) == anns
+    for row, ann in zip(table, anns, strict=True):
+        assert type(row["v"]) is type(ann["v"])
+        if isinstance(ann["v"], list):
+            assert [type(x) for x in row["v"]] == [type(x) for x in ann["v"]]
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        [1, True],  # bool among ints
+        [True, 1],
+        [1.0, 2],  # int among floats
+        [np.float64(1.0), 2.0],  # a float subclass would come back a float
+        [[1.0, 2.0], [1.0, 2]],  # an int inside fixed-size float lists
+        [[1.0, 2.0], [1.0, True]],
+        [[1, 2], [3, 2**80]],
+        [[1.0, 2.0], (1.0, 2.0)],
+        [[1.0, 2.0], [1.0, [2.0]]],
+    ],
+)
+def test_share_keeps_records_when_a_type_would_change(store: shmcache.Store, column: list[Any]) -> None:
+    shared = store.share("r", [{"v": value} for value in column])
+    assert isinstance(shared, shmcache.SharedRecords)
+    assert len(shared) == len(column) and shared[0] == {"v": column[0]}
+
+
+_FLOAT = st.floats(allow_nan=False, allow_infinity=False)  # records refuse inf
+_PLAIN = st.none() | st.booleans() | st.integers() | _FLOAT | st.text(max_size=6)
+_NUMBER = st.booleans() | st.integers() | _FLOAT
+
+
+def _typed(value: Any) -> Any:
+    """``value`` with the type of every part beside it (what must survive share)."""
+    if isinstance(value, list):
+        return [_typed(x) for x in value]
+    return (type(value), value)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    column=st.lists(_PLAIN, min_size=1, max_size=12)
+    | st.lists(st.lists(_NUMBER, min_size=2, max_size=2), min_size=1, max_size=12)
+    | st.lists(st.lists(_NUMBER, max_size=3) | st.none(), min_size=1, max_size=12)
+)
+def test_share_round_trips_any_column_with_exact_types(store: shmcache.Store, column: list[Any]) -> None:
+    anns = [{"v": value} for value in column]
+    shared = store.share("h", anns)
+    if isinstance(shared, shmcache.SharedTable):
+        assert [_typed(row["v"]) for row in shared] == [_typed(value) for value in column]
+    else:
+        assert isinstance(shared, shmcache.SharedRecords) and len(shared) == len(column)
+
+
+def test_rows_are_compiled_with_any_column_name(store: shmcache.Store) -> None:
+    """Column names become literals in the compiled row: quotes, newlines, backslashes,
+    lone surrogates and code-like text stay plain keys."""
+    names = ["a'b\"c", "line\nbreak", "back\\slash", "\udcff", "}, __import__('os'): {", ""]
+    anns = [{name: i * 10 + j for j, name in enumerate(names)} for i in range(3)]
+    table = store.share("names", anns)
+    assert isinstance(table, shmcache.SharedTable)
+    assert table.columns == names and list(table) == anns and table[-1] == anns[-1]
+    assert table[0] is not table[0] and table[1:] == anns[1:]
+    with pytest.raises(IndexError):
+        table[3]
 
 
 def test_records_fast_path_keeps_the_exact_cases(store: shmcache.Store) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedDataError
+from .table_pack import pack_lists, pack_numbers
 
 __all__ = [
     "Column",
@@ -88,19 +89,38 @@ def _number_column(values: np.ndarray, valid: np.ndarray | None) -> Column:
 def _string_column(texts: Sequence[Any], valid: np.ndarray | None) -> Column:
     if valid is not None:
         texts = ["" if t is None else t for t in texts]
-    joined = "".join(texts)  # TypeError if any is not a str
-    data = joined.encode("utf-8", "surrogatepass")
-    lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-    if len(data) != len(joined):  # not all ASCII: characters are not bytes
-        lengths = np.fromiter(
-            (len(t.encode("utf-8", "surrogatepass")) for t in texts), dtype=np.int64, count=len(texts)
-        )
-    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    count = len(texts)
+    # Joined by NULs, the separators give the byte offsets in C (no per-string len), unless
+    # a string holds a NUL itself.
+    joined_by_nul = "\0".join(texts)  # TypeError if not all str
+    try:  # strict UTF-8 (no lone surrogate): rows then decode without an error handler
+        separated, strict = joined_by_nul.encode("utf-8"), True
+    except UnicodeEncodeError:
+        separated, strict = joined_by_nul.encode("utf-8", "surrogatepass"), False
+    if count and separated.count(b"\0") == count - 1:
+        data = separated.replace(b"\0", b"")
+        offsets = np.empty(count + 1, dtype=np.int64)
+        offsets[0] = 0
+        offsets[1:count] = np.flatnonzero(np.frombuffer(separated, dtype=np.uint8) == 0)
+        offsets[1:count] -= np.arange(count - 1)
+        offsets[count] = len(data)
+    else:
+        joined = "".join(texts)
+        data = joined.encode("utf-8", "surrogatepass")
+        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=count)
+        if len(data) != len(joined):  # not all ASCII: characters are not bytes
+            lengths = np.fromiter(
+                (len(t.encode("utf-8", "surrogatepass")) for t in texts), dtype=np.int64, count=count
+            )
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
     files: dict[str, np.ndarray] = {"bytes": np.frombuffer(data, dtype=np.uint8), "offsets": offsets}
     if valid is not None:
         files["valid"] = validity(valid)
-    return files, {"kind": "string", "dtype": "str", "arrow": "large_string"}
+    desc: dict[str, Any] = {"kind": "string", "dtype": "str", "arrow": "large_string"}
+    if strict:  # SharedTable rows decode it without the surrogatepass handler (faster)
+        desc["strict_utf8"] = True
+    return files, desc
 
 
 def _list_column(lists: Sequence[Any], valid: np.ndarray | None, strict: bool) -> Column:
@@ -155,6 +175,14 @@ def encode_column_values(values: Any, strict: bool = False) -> Column:
         values = values.tolist()
     count = len(values)
     first = type(values[0]) if count else float
+    if first in _NUMBER_TYPES:  # one C pass that checks exact types and packs (the usual case)
+        packed = pack_numbers(values)
+        if packed is not None:
+            return _number_column(packed, None)
+    elif first is list:
+        packed = pack_lists(values)
+        if packed is not None:
+            return {"values": packed}, list_description(packed.dtype, packed.shape[1])
     # One C pass when every value has the first one's type (the usual case), else a set.
     types = {first} if operator.countOf(map(type, values), first) == count else set(map(type, values))
     valid = None
