@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 import numpy as np
 import numpy.lib.format as npy_format
 
-from ..errors import CorruptEntryError, CorruptSourceError, UnsupportedDataError
+from ..errors import CorruptEntryError, CorruptSourceError, ShmCacheError, UnsupportedDataError
 
 if TYPE_CHECKING:
     import zipfile
@@ -30,6 +30,7 @@ __all__ = [
     "NpzMember",
     "build_header",
     "check_storable_dtype",
+    "check_written_header",
     "header_length",
     "iter_npz_members",
     "parse_header_bytes",
@@ -187,6 +188,24 @@ def _check_shape(shape: tuple[int, ...], dtype: np.dtype) -> None:
         raise ValueError(f"shape {shape} has a dimension beyond {_INTP_MAX}, numpy's largest")
     if math.prod(d for d in shape if d) * max(dtype.itemsize, 1) > _INTP_MAX:
         raise ValueError(f"shape {shape} of {dtype} would be more than {_INTP_MAX} bytes")
+
+
+def check_written_header(path: str | os.PathLike[str], expected: NpyHeader, source: str) -> None:
+    """The header written at the start of ``path`` is ``expected``, the one the entry's
+    metadata is built from: a source rewritten between its check and its copy could
+    otherwise publish bytes ``meta.json`` misdescribes. :class:`CorruptSourceError` naming
+    ``source`` if not."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, expected.data_offset, 0)
+    finally:
+        os.close(fd)
+    try:
+        written: NpyHeader | None = read_source_header(io.BytesIO(head), expected.file_size, source)
+    except ShmCacheError:
+        written = None
+    if written != expected:
+        raise CorruptSourceError(f"{source} changed while loading; nothing was published, load it again")
 
 
 def read_source_header(fp: BinaryIO, size: int, where: str) -> NpyHeader:

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from .._disk.fs import full_is_cache_full
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE
-from .._disk.npy import NpyHeader, header_length, read_source_header
+from .._disk.npy import NpyHeader, check_written_header, header_length, read_source_header
 from .._disk.urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 from .._disk.writer import VersionWriter
 from ..errors import (
@@ -262,7 +262,7 @@ def fetch_remote(
             unproven.append(item)
         if header.file_size < item.size:  # a tail beyond the array: not published
             os.truncate(hasher.path, header.file_size)
-        _check_written_header(item, hasher.path)
+        check_written_header(hasher.path, item.checked_header, item.url)
     # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
     # other objects are looked up again.
     if unproven:
@@ -518,24 +518,6 @@ class _TrailingHash:
         if self._next != self.size:  # every part was fetched, so this is a bug
             raise RuntimeError(f"{self.path}: hashed {self._next} of {self.size} bytes")
         return self._crc, None if self._md5 is None else self._md5.hexdigest()
-
-
-def _check_written_header(item: RemoteItem, path: Path) -> None:
-    """The header fetched is the one the metadata is built from (an object rewritten between
-    the plan and the fetch could otherwise publish bytes meta.json misdescribes)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        head = os.pread(fd, item.checked_header.data_offset, 0)
-    finally:
-        os.close(fd)
-    try:
-        written: NpyHeader | None = read_source_header(
-            io.BytesIO(head), item.checked_header.file_size, item.url
-        )
-    except ShmCacheError:
-        written = None
-    if written != item.header:
-        raise CorruptSourceError(f"{item.url} changed while loading; nothing was published, load it again")
 
 
 def _check_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:

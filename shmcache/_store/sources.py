@@ -7,7 +7,6 @@ are inflated. Which suffixes are taken, and what each file becomes, is :data:`PL
 
 from __future__ import annotations
 
-import io
 import os
 import zipfile
 import zlib
@@ -20,9 +19,9 @@ from .._disk.fs import copy_range, write_all
 from .._disk.keys import validate_key
 from .._disk.npy import (
     NpyHeader,
+    check_written_header,
     iter_npz_members,
     parse_header_bytes,
-    read_source_header,
     read_source_header_fd,
 )
 from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
@@ -179,7 +178,7 @@ def copy_planned(item: Planned, dst: int, target: Path, advance: Callable[[int],
         check_unchanged(src, item.file)
     finally:
         os.close(src)
-    _check_written_header(item, target)
+    check_written_header(target, item.header, item.source)
     return crc
 
 
@@ -260,18 +259,3 @@ def _inflate_member(item: Planned, src: int, dst: int, target: Path, advance: Ca
         raise CorruptSourceError(f"{item.source}: truncated member ({written} bytes)")
     return crc
 
-
-def _check_written_header(item: Planned, target: Path) -> None:
-    """The header written is the one the metadata is built from (a rewrite of the source
-    between the checks and the copy could otherwise publish bytes meta.json misdescribes)."""
-    fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        head = os.pread(fd, item.header.data_offset, 0)
-    finally:
-        os.close(fd)
-    try:
-        written = read_source_header(io.BytesIO(head), item.header.file_size, item.source)
-    except ShmCacheError:
-        written = None
-    if written != item.header:
-        raise CorruptSourceError(f"{item.source} changed while loading; nothing was published, load it again")

@@ -391,14 +391,7 @@ class Store:
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
         total = sum(item.header.file_size for item in plan)
-        done = 0
-
-        def advance(nbytes: int) -> None:
-            nonlocal done
-            done += nbytes
-            if progress is not None:
-                progress(done, total)
-
+        advance = _progress_counter(progress, total)
         with self._writer() as writer:
             self._reserve(writer, total + _PAGE * len(plan), keys if overwrite else ())
             if progress is not None:
@@ -446,14 +439,8 @@ class Store:
         plan = plan_remote(key, url, storage_options, read_headers=False)  # validated as fetched
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
-        total, done = plan.object_bytes, 0
-
-        def advance(nbytes: int) -> None:
-            nonlocal done
-            done += nbytes
-            if progress is not None:
-                progress(done, total)
-
+        total = plan.object_bytes
+        advance = _progress_counter(progress, total)
         with self._writer() as writer:
             self._reserve(writer, total + _PAGE * len(keys), keys if overwrite else ())
             if progress is not None:
@@ -725,6 +712,20 @@ class Store:
         the entry's bytes changed.
         """
         return verify_entry(self.layout, self.info(key))
+
+
+def _progress_counter(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None]:
+    """``advance(nbytes)`` for a copy of ``total`` bytes: adds up what was copied and
+    reports ``progress(done, total)`` (an exception it raises cancels the put)."""
+    done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    return advance
 
 
 def _as_storable_array(value: Any, what: str) -> np.ndarray:
