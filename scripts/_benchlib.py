@@ -611,3 +611,18 @@ def make_annotations(n: int, seed: int = 0) -> list[dict[str, Any]]:
         {"bbox": box, "label": label, "id": f"ann-{seed}-{i:09d}"}
         for i, (box, label) in enumerate(zip(boxes, labels, strict=True))
     ]
+
+
+def write_random_npy(path: Path, nbytes: int, chunk: int = 64 * MiB) -> None:
+    """A float32 ``.npy`` of ``nbytes`` random data bytes, written in chunks (no big copy in RAM)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    count = nbytes // 4
+    with open(path, "wb") as fp:
+        np.lib.format.write_array_header_1_0(fp, {"descr": "<f4", "fortran_order": False, "shape": (count,)})
+        left = count
+        while left:
+            n = min(left, chunk // 4)
+            fp.write(rng.random(n, dtype=np.float32).tobytes())
+            left -= n

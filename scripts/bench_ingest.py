@@ -56,6 +56,7 @@ from _benchlib import (
     print_targets,
     scratch_base,
     scratch_dir,
+    write_random_npy,
     write_report,
 )
 
@@ -209,21 +210,9 @@ def row_put_array(ctx: Context) -> Row:
     )
 
 
-def _write_random_npy(path: Path, nbytes: int, chunk: int = 64 * MiB) -> None:
-    rng = np.random.default_rng(0)
-    count = nbytes // 4
-    with open(path, "wb") as fp:
-        np.lib.format.write_array_header_1_0(fp, {"descr": "<f4", "fortran_order": False, "shape": (count,)})
-        left = count
-        while left:
-            n = min(left, chunk // 4)
-            fp.write(rng.random(n, dtype=np.float32).tobytes())
-            left -= n
-
-
 def row_put_file_npy(ctx: Context) -> Row:
     source = ctx.src / "big.npy"
-    _write_random_npy(source, ctx.config.npy_bytes)
+    write_random_npy(source, ctx.config.npy_bytes)
     base, meth = timed_pair(
         ctx,
         lambda: subprocess.run(["cp", str(source), str(ctx.shm / ctx.fresh("c"))], check=True),

@@ -50,6 +50,7 @@ from _benchlib import (
     scratch_base,
     scratch_dir,
     serve,
+    write_random_npy,
     write_report,
 )
 from shmcache.client import Client
@@ -84,19 +85,6 @@ class Case:
 
 
 # ---------------------------------------------------------------------- sources
-
-
-def write_random_npy(path: Path, nbytes: int, chunk: int = 64 * MiB) -> None:
-    """A float32 ``.npy`` of ``nbytes`` random data bytes, written in chunks (no big copy in RAM)."""
-    rng = np.random.default_rng(0)
-    count = nbytes // 4
-    with open(path, "wb") as fp:
-        np.lib.format.write_array_header_1_0(fp, {"descr": "<f4", "fortran_order": False, "shape": (count,)})
-        left = count
-        while left:
-            n = min(left, chunk // 4)
-            fp.write(rng.random(n, dtype=np.float32).tobytes())
-            left -= n
 
 
 def make_sources(directory: Path, config: Config) -> list[Case]:
