@@ -114,11 +114,13 @@ def cache(
     key: str,
     loader: Callable[[], Any],
     *,
+    version: Any = None,
     root: str | os.PathLike[str] | None = None,
     timeout: float | None = None,
 ) -> np.ndarray:
-    """Get-or-create ``key``: ``loader`` runs once across all processes."""
-    return get_store(root).cache(key, loader, timeout=timeout)
+    """Get-or-create ``key``: ``loader`` runs once across all processes. ``version`` (a str,
+    an int, a file path or a tuple of those) is recorded: another version loads again."""
+    return get_store(root).cache(key, loader, version=version, timeout=timeout)
 
 
 def cache_remote(
@@ -220,14 +222,15 @@ def open_group(prefix: str, *, root: Root = None) -> SharedGroup:
     return get_store(root).open_group(prefix)
 
 
-def share(key: str, obj: Any, *, root: Root = None) -> Any:
-    """Put ``obj`` in the shared form that fits it (reusing identical content) and open it.
+def share(key: str, obj: Any, *, root: Root = None, overwrite: bool = False) -> Any:
+    """Put ``obj`` in the shared form that fits it (reusing identical content) and open it;
+    other content under ``key`` is a ``KeyExistsError`` unless ``overwrite=True``.
 
     The one-line fix for a Dataset's big lists and dicts::
 
         self.paths = shmcache.share("paths", self.paths)
     """
-    return get_store(root).share(key, obj)
+    return get_store(root).share(key, obj, overwrite=overwrite)
 
 
 def put_blobs(

@@ -226,7 +226,7 @@ def test_mapping_value_forms(store: shmcache.Store) -> None:
 
 
 def test_mapping_refuses_mixed_values_and_non_str_keys(store: shmcache.Store) -> None:
-    with pytest.raises(shmcache.UnsupportedDataError, match="all"):
+    with pytest.raises(shmcache.UnsupportedDataError, match="arrays may not be mixed"):
         store.put_mapping("m", {"a": "x", "b": np.zeros(2)})
     with pytest.raises(shmcache.UnsupportedDataError, match="key 1"):
         store.put_mapping("m", {1: "x"})  # type: ignore[dict-item]
@@ -322,12 +322,15 @@ def test_share_picks_the_form(store: shmcache.Store) -> None:
     assert not store.exists("bad")
 
 
-def test_share_reuses_identical_content_and_replaces_different(store: shmcache.Store) -> None:
+def test_share_reuses_identical_content_and_refuses_different(store: shmcache.Store) -> None:
     store.share("paths", ["a", "b"])
     first = store.info("paths").version
     store.share("paths", ["a", "b"])
     assert store.info("paths").version == first
-    assert list(store.share("paths", ["a", "c"])) == ["a", "c"]
+    with pytest.raises(shmcache.KeyExistsError, match=r"other content.*overwrite=True"):
+        store.share("paths", ["a", "c"])  # another experiment's list under the same key
+    assert store.info("paths").version == first and list(store.open_strings("paths")) == ["a", "b"]
+    assert list(store.share("paths", ["a", "c"], overwrite=True)) == ["a", "c"]
     assert store.info("paths").version != first
 
 

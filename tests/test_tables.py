@@ -355,7 +355,7 @@ def _typed(value: Any) -> Any:
 )
 def test_share_round_trips_any_column_with_exact_types(store: shmcache.Store, column: list[Any]) -> None:
     anns = [{"v": value} for value in column]
-    shared = store.share("h", anns)
+    shared = store.share("h", anns, overwrite=True)  # one key across examples
     if isinstance(shared, shmcache.SharedTable):
         assert [_typed(row["v"]) for row in shared] == [_typed(value) for value in column]
     else:

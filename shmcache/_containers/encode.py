@@ -25,6 +25,7 @@ import numpy as np
 from .._disk.npy import check_storable_dtype
 from ..errors import UnsupportedDataError
 from .table_encode import NotTabular, encode_table_records
+from .table_pack import pack_numbers
 
 __all__ = [
     "Encoded",
@@ -197,10 +198,50 @@ def _value_form(values: Sequence[Any]) -> str:
     if all(isinstance(v, (np.ndarray, np.generic, int, float, bool, complex)) for v in values):
         shapes = {np.shape(v) for v in values}
         return "rows" if len(shapes) <= 1 else "ragged"
+    if all(isinstance(v, _JSON_VALUES) for v in values):  # numbers, str and lists mixed: JSON each
+        return "records"
     kinds = sorted({type(v).__name__ for v in values})
     raise UnsupportedDataError(
-        f"mapping values must all be arrays/numbers, all str, or all dicts/lists; got {', '.join(kinds)}"
+        "mapping values must be arrays/numbers, str, dicts/lists or None (JSON values may be "
+        f"mixed; arrays may not be mixed with the others); got {', '.join(kinds)}"
     )
+
+
+_JSON_VALUES = (str, int, float, bool, type(None), Mapping, list, tuple)
+_NUMBERS = (int, float, np.integer, np.floating, np.bool_)
+_EXACT_FLOAT_INT = 2**53  # a larger int mixed with floats would be rounded in float64
+
+
+def _number_list(values: Sequence[Any], what: str) -> np.ndarray | None:
+    """A list of numbers (labels, scores) as one array, or None if ``values`` is not one:
+    exact ints -> int64, floats (or ints mixed with floats) -> float64, bools -> bool.
+    Refused rather than changed: bools mixed with numbers, ints beyond int64, and ints that
+    float64 would round."""
+    packed = pack_numbers(values)  # the exact-type C pass: most label lists end here
+    if packed is not None:
+        return packed
+    if not values or not all(isinstance(v, _NUMBERS) for v in values):
+        return None
+    bools = sum(isinstance(v, (bool, np.bool_)) for v in values)
+    if bools not in (0, len(values)):
+        raise UnsupportedDataError(
+            f"{what} mixes bools with numbers: convert it first (np.asarray(values, dtype=...))"
+        )
+    try:
+        array = np.asarray(values)
+    except OverflowError:
+        array = np.empty(0, dtype=object)
+    if array.dtype == object or array.dtype.kind not in "biuf":
+        raise UnsupportedDataError(
+            f"{what} holds ints beyond int64: convert it first (e.g. to str, or np.asarray with a dtype)"
+        )
+    if array.dtype.kind == "f" and any(
+        type(v) is int and abs(v) > _EXACT_FLOAT_INT for v in values
+    ):
+        raise UnsupportedDataError(
+            f"{what} mixes floats with ints beyond 2**53, which float64 would round: convert it first"
+        )
+    return array
 
 
 def encode_mapping(mapping: Mapping[Any, Any], what: str, allow_nan: bool = False) -> Encoded:
@@ -241,6 +282,9 @@ def encode_any(obj: Any, what: str) -> Encoded:
     if isinstance(obj, (list, tuple)):
         if all(isinstance(x, str) for x in obj):
             return "strings", encode_strings(obj, what), {"length": len(obj)}
+        numbers = _number_list(obj, what)
+        if numbers is not None:
+            return "array", {"data": numbers}, {}
         if obj and all(isinstance(x, np.ndarray) for x in obj):
             files, meta = encode_ragged(obj, what)
             return "ragged", files, meta | {"length": len(obj)}
@@ -254,8 +298,8 @@ def encode_any(obj: Any, what: str) -> Encoded:
             return "records", encode_records(obj, what), {"length": len(obj)}
         kinds = sorted({type(x).__name__ for x in obj})
         raise UnsupportedDataError(
-            f"{what} is a list of {', '.join(kinds)}: shmcache.share takes a list of str, of "
-            "equal-dtype arrays, or of dicts/lists (or convert it with np.asarray)"
+            f"{what} is a list of {', '.join(kinds)}: shmcache.share takes a list of numbers, of "
+            "str, of equal-dtype arrays, or of dicts/lists (or convert it with np.asarray)"
         )
     raise UnsupportedDataError(
         f"{what} is a {type(obj).__name__}; shmcache.share takes an ndarray, a list of str, "

@@ -23,11 +23,58 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._disk.layout import Layout
-from ..errors import ShmCacheError
+from ..errors import ShmCacheError, SourceNotFoundError, UnsupportedDataError
 
-__all__ = ["LoadFailure", "last_failure", "recording_failure"]
+__all__ = ["CacheVersion", "LoadFailure", "cache_version_token", "last_failure", "recording_failure"]
 
 _PLAIN = (str, int, float, bool, type(None))
+_TOKEN_MAX = 200  # longer version tokens are recorded as their hash
+
+CacheVersion = Any
+"""What ``cache(..., version=)`` takes: a str, an int, a path (its size and mtime are the
+version: a loader that reads it reloads when the file changes), or a tuple/list of those."""
+
+
+def cache_version_token(version: CacheVersion) -> str:
+    """The recorded form of a ``cache()`` version: two calls agree on a version exactly when
+    their tokens are equal (an int and its str differ: ``2`` is not ``"2"``)."""
+    token = _token(version, depth=0)
+    if len(token) <= _TOKEN_MAX:
+        return token
+    import hashlib  # deferred: long tokens are rare
+
+    return "sha256:" + hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _token(version: CacheVersion, depth: int) -> str:
+    if isinstance(version, bool) or depth > 8:
+        raise _not_a_version(version)
+    if isinstance(version, str):
+        return f"s:{version}"
+    if isinstance(version, int):
+        return f"i:{version}"
+    if isinstance(version, os.PathLike):
+        path = os.fspath(version)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise SourceNotFoundError(
+                f"cache() version names the file {path!r}, which cannot be read ({exc.strerror}): "
+                "pass the path of a file that the loader reads"
+            ) from None
+        return f"f:{path}:{st.st_size}:{st.st_mtime_ns}"
+    if isinstance(version, (tuple, list)):
+        return "(" + ",".join(_token(v, depth + 1) for v in version) + ")"
+    raise _not_a_version(version)
+
+
+def _not_a_version(version: object) -> UnsupportedDataError:
+    shown = repr(version)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return UnsupportedDataError(
+        f"cache() version {shown} ({type(version).__name__}) is not a version: pass a str, an "
+        "int, a file path (its size and modification time are the version) or a tuple of those"
+    )
 
 
 class _LoaderTraceback(Exception):

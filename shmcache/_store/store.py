@@ -51,7 +51,7 @@ from .._disk.writer import VersionWriter
 from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
 from .catalog import info_of, iter_infos, store_stats
-from .loading import last_failure, recording_failure
+from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
 from .locks import key_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .planned import write_container
@@ -275,24 +275,35 @@ class Store:
             files, meta = encode_table(data, f"table for key {key!r}")
         return self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
 
-    def share(self, key: str, obj: Any) -> Any:
+    def share(self, key: str, obj: Any, *, overwrite: bool = False) -> Any:
         """Put ``obj`` in the form that fits it and return the opened shared object.
 
-        ndarray -> array; list of str -> strings; list of equal-dtype arrays -> ragged;
-        list of dicts with one set of keys and plain values (int, float, bool, str, lists of
-        numbers, None) -> table (``SharedTable``: rows come back equal, same types); other
-        lists of dicts/lists -> records; dict -> mapping. If ``key`` already holds the
-        same content (many experiments sharing one dataset), it is reused, not written
-        again; different content replaces it (processes reading the old version keep it).
+        ndarray, or a list of numbers (labels) -> array; list of str -> strings; list of
+        equal-dtype arrays -> ragged; list of dicts with one set of keys and plain values
+        (int, float, bool, str, lists of numbers, None) -> table (``SharedTable``: rows come
+        back equal, same types); other lists of dicts/lists -> records; dict -> mapping. If
+        ``key`` already holds the same content (many experiments sharing one dataset), it
+        is reused, not written again. Different content under ``key`` is refused with
+        :class:`~shmcache.errors.KeyExistsError` unless ``overwrite=True`` (which replaces
+        it; processes reading the old version keep it): another experiment may be sharing
+        its own object under that key.
         """
         validate_key(key)
         kind, files, meta = encode_any(obj, f"object for key {key!r}")
         digest = content_digest(kind, files)
         with self._key_lock(key, self.lock_timeout):
             version = read_version(self.layout.entry_link(key))
-            if version is None or read_meta(self.layout, version).get("content_hash") != digest:
-                meta["content_hash"] = digest
-                self._put_entry(key, kind, files, meta, overwrite=True, pin=False)
+            if version is not None and read_meta(self.layout, version).get("content_hash") == digest:
+                return self.open(key)
+            if version is not None and not overwrite:
+                raise KeyExistsError(
+                    f"entry {key!r} in {self._root_str} holds other content than this object "
+                    "(share() reuses an entry only when the content is identical); pass "
+                    "overwrite=True to replace it (processes reading it keep their version), "
+                    "or share under another key"
+                )
+            meta["content_hash"] = digest
+            self._put_entry(key, kind, files, meta, overwrite=True, pin=False)
         return self.open(key)
 
     def _put_entry(
@@ -500,8 +511,20 @@ class Store:
         self._check_root_identity()
         self._prepare()
 
-    def cache(self, key: str, loader: Callable[[], Any], *, timeout: float | None = None) -> np.ndarray:
+    def cache(
+        self,
+        key: str,
+        loader: Callable[[], Any],
+        *,
+        version: CacheVersion = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
         """Get-or-create: open ``key``, or run ``loader`` once across all processes.
+
+        ``version`` (a str, an int, a file path, or a tuple of those) is recorded with the
+        entry: a call with another version runs the loader again and replaces the entry
+        (processes reading the old one keep it), so a changed loader or input is never
+        answered with a stale value. ``None`` accepts whatever the key holds.
 
         Concurrent callers wait on the key's lock and then open what the first one
         published. If the load fails (the loader raises, or its result cannot be
@@ -510,22 +533,36 @@ class Store:
         again. If the loading process dies, the kernel releases its lock and the next
         waiter loads instead; nothing partial is ever visible.
         """
-        try:
-            return self.open_array(key)
-        except KeyNotFoundError:
-            pass
+        wanted = None if version is None else cache_version_token(version)
+        found = self._open_cached_version(key, wanted)
+        if found is not None:
+            return found
         seen = last_failure(self.layout, key)  # a different one after the wait failed meanwhile
         with self._key_lock(key, timeout):
-            try:
-                return self.open_array(key)
-            except KeyNotFoundError:
-                pass
+            found = self._open_cached_version(key, wanted)
+            if found is not None:
+                return found
             failed = last_failure(self.layout, key)
             if failed is not None and (seen is None or failed.id != seen.id):
                 raise failed.error(key)
             with recording_failure(self.layout, key):
-                self.put_array(key, loader())
+                array = _as_storable_array(loader(), f"the value that cache()'s loader returned for {key!r}")
+                extra = {} if wanted is None else {"cache_version": wanted}
+                self._put_entry(key, "array", {"data": array}, extra, overwrite=wanted is not None, pin=False)
         return self.open_array(key)
+
+    def _open_cached_version(self, key: str, wanted: str | None) -> np.ndarray | None:
+        """``key``'s array if it exists and was made for version ``wanted`` (any, if None)."""
+        try:
+            array = self.open_array(key)
+        except KeyNotFoundError:
+            return None
+        if wanted is None:
+            return array
+        version = read_version(self.layout.entry_link(key))
+        if version is None or read_meta(self.layout, version).get("cache_version") != wanted:
+            return None
+        return array
 
     def cache_remote(
         self,
