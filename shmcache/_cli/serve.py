@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_
 
 import typer
 
+from .._diagnose.logind import removeipc_risk
 from .._disk.layout import SOCKET_NAME
 from ..errors import ShmCacheError
 from .common import debug_enabled, fail
@@ -77,6 +78,9 @@ def _run(**values: Any) -> None:
             raise
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    risk = removeipc_risk(settings.root)
+    if risk is not None:  # before the daemon's own log: it is about where the cache will not last
+        typer.echo(f"warning: {risk.summary}; fix: {risk.fix}", err=True)
     try:
         status = run_daemon(settings)
     except (ShmCacheError, OSError) as exc:

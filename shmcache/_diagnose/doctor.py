@@ -4,8 +4,8 @@ each with a fix.
 The /dev/shm size and free space (Docker's 64 MB default), a cgroup memory limit below the
 cache, the root's owner and mode, the daemon (probed with :class:`shmcache.client.Client`,
 imported only when its socket exists) and its budget against the tmpfs size, the
-multiprocessing start method, ``ulimit -n`` and
-vm.overcommit.
+multiprocessing start method, ``ulimit -n``, vm.overcommit, and systemd-logind's RemoveIPC
+(which deletes a regular user's /dev/shm files at logout).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .._disk.trust import untrusted_reason
 from .._store import Store, StoreStats
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError, ShmCacheError
+from .logind import removeipc_risk
 
 __all__ = ["Check", "Status", "run_checks"]
 
@@ -356,6 +357,13 @@ def _check_overcommit() -> Check:
     return Check("overcommit", "ok", f"vm.overcommit_memory={mode}", "", details)
 
 
+def _check_logout(root: Path) -> Check:
+    risk = removeipc_risk(root)
+    if risk is None:
+        return Check("logout", "ok", "the cache outlives its owner's logout (no RemoveIPC risk)", "", {})
+    return Check("logout", "warn", risk.summary, risk.fix, {"user": risk.user, "source": risk.source})
+
+
 def _check_held(store: Store) -> Check:
     try:
         scan = store.scan_mappings()
@@ -388,6 +396,7 @@ def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
     checks += [
         _check_cgroup(used, tmpfs_capacity if isinstance(tmpfs_capacity, int) else None),
         _check_root(store.root),
+        _check_logout(store.root),
     ]
     daemon, daemon_stats = _check_daemon(
         store.root, socket_path if socket_path is not None else store.layout.socket
