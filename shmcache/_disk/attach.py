@@ -157,6 +157,8 @@ def is_shared_read_only(array: np.ndarray) -> bool:
 def _map(
     root: str, version: str, filename: str, key: str, read_header: bool, mode: MapMode = COPY_ON_WRITE
 ) -> tuple[mmap.mmap, bytes, int]:
+    if mode != COPY_ON_WRITE and mode != SHARED and mode != WRITABLE:
+        raise ValueError(f"unknown mapping mode {mode!r}: one of 'copy-on-write', 'shared', 'writable'")
     path = object_path(root, version, filename)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -211,8 +213,6 @@ def _mmap(fd: int, key: str, mode: MapMode) -> mmap.mmap:
         mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
         mapping.shared = True
         return mapping
-    if mode != WRITABLE:
-        raise ValueError(f"unknown mapping mode {mode!r}: one of 'copy-on-write', 'shared', 'writable'")
     try:
         return mmap.mmap(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY)
     except OSError as exc:
