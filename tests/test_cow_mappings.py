@@ -21,9 +21,20 @@ import pytest
 from service_helpers import clean_env
 
 import shmcache
-from shmcache._disk.attach import SHARED, MappedFile, attach_array, is_shared_read_only, map_entry_file
+from shmcache._disk.attach import (
+    SHARED,
+    MappedFile,
+    attach_array,
+    is_shared_read_only,
+    map_entry_file,
+    overcommit_is_strict,
+)
 from shmcache._disk.layout import ARRAY_FILE, ENV_ROOT, Layout
 
+pytestmark = pytest.mark.skipif(
+    overcommit_is_strict(),
+    reason="strict overcommit (vm.overcommit_memory=2): entries are mapped shared read-only",
+)
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
 
@@ -247,6 +258,41 @@ def test_a_refused_private_mapping_falls_back_to_shared_read_only_said_once(stor
     assert store.verify("big1")
 
 
+_STRICT = """
+import numpy as np
+import shmcache
+from shmcache._disk import attach
+
+assert attach._STRICT_OVERCOMMIT is False  # this machine's policy (the test checks it first)
+attach._STRICT_OVERCOMMIT = True  # what reading vm.overcommit_memory=2 sets
+first, second = shmcache.open_array("a"), shmcache.open_array("b")
+assert attach.is_shared_read_only(first) and attach.is_shared_read_only(second)
+assert not first.flags.writeable and first.tolist() == [0, 1, 2]
+print("ok")
+"""
+
+
+def test_under_strict_overcommit_entries_are_mapped_shared_said_once(store: shmcache.Store) -> None:
+    """Strict overcommit would charge each copy-on-write mapping in full, again at each fork
+    (every DataLoader worker): entries are mapped shared read-only there. (This machine's
+    policy cannot be changed by a test: the policy read is set in the child instead.)"""
+    assert overcommit_is_strict(b"2\n") and not overcommit_is_strict(b"0\n")
+    assert not overcommit_is_strict(b"1")
+    store.put_array("a", np.arange(3))
+    store.put_array("b", np.arange(4))
+    done = subprocess.run(
+        [sys.executable, "-c", _STRICT],
+        env=clean_env({ENV_ROOT: str(store.root)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+    assert done.stderr.count("vm.overcommit_memory=2 (strict overcommit)") == 1
+    assert "mapped shared read-only" in done.stderr
+
+
 def test_the_shared_mode_maps_read_only_and_shared_for_device_registration(store: shmcache.Store) -> None:
     """Issue 20 registers pages with cudaHostRegister read-only: no page may be copied."""
     store.put_array("k", np.arange(4096, dtype=np.int64))
@@ -274,4 +320,3 @@ def test_an_unpickled_array_is_read_only_on_a_copy_on_write_mapping(store: shmca
     again = pickle.loads(pickle.dumps(store.open_array("k")[10:20]))
     assert isinstance(again.base, MappedFile) and not again.base.shared
     assert not again.flags.writeable and again.tolist() == list(range(10, 20))
-

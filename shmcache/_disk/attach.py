@@ -16,11 +16,13 @@ How an entry is mapped (``mode``):
   tensor's in-place op, ``setflags(write=True)``) copies just the touched pages into
   this process instead of killing it with SIGSEGV, and no other process or the cache
   sees it. ``MAP_NORESERVE`` keeps the kernel from charging the whole size to the
-  commit limit under the default heuristic overcommit. Under strict overcommit
-  (``vm.overcommit_memory=2``, which ignores ``MAP_NORESERVE``) or an ``RLIMIT_DATA``
-  smaller than the entry, the kernel may refuse such a mapping with ENOMEM: the entry
-  is then mapped ``"shared"`` instead (logged once per process): numpy still refuses
-  writes, but a torch tensor written in place over it gets SIGSEGV again.
+  commit limit under the default heuristic overcommit. Strict overcommit
+  (``vm.overcommit_memory=2``) ignores ``MAP_NORESERVE`` and charges such a mapping in
+  full, in every process and again at every fork (each DataLoader worker): there,
+  entries are mapped ``"shared"`` instead, and so is one whose mapping the kernel
+  refuses with ENOMEM (an ``RLIMIT_DATA`` smaller than the entry). Either is logged once
+  per process: numpy still refuses writes, but a torch tensor written in place over
+  such a mapping gets SIGSEGV again.
 - ``"shared"``: ``MAP_SHARED`` with ``PROT_READ`` only: no page can ever be copied or
   written (for registering the pages with a device read-only, e.g.
   ``cudaHostRegister``). A write through it is a SIGSEGV.
@@ -61,6 +63,7 @@ __all__ = [
     "is_shared_read_only",
     "map_entry_file",
     "mapped_base",
+    "overcommit_is_strict",
     "private_view",
 ]
 
@@ -98,12 +101,27 @@ _MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
 _PROT_COPY = mmap.PROT_READ | mmap.PROT_WRITE
 # MAP_NORESERVE (no constant before Python 3.12): 0x4000 on x86, ARM, RISC-V and s390.
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
-if not _NORESERVE and sys.platform == "linux" and platform.machine().startswith(
-    ("x86", "i686", "amd64", "aarch64", "arm", "riscv", "s390")
-):
+_NORESERVE_0x4000 = ("x86", "i686", "amd64", "aarch64", "arm", "riscv", "s390")
+if not _NORESERVE and sys.platform == "linux" and platform.machine().startswith(_NORESERVE_0x4000):
     _NORESERVE = 0x4000
 _FLAGS_COPY = mmap.MAP_PRIVATE | _NORESERVE
-_refusal_logged = False
+_OVERCOMMIT_SETTING = "/proc/sys/vm/overcommit_memory"
+_shared_fallback_logged = False
+
+
+def overcommit_is_strict(setting: bytes | None = None) -> bool:
+    """Whether the kernel's overcommit policy (``setting``: the contents of
+    /proc/sys/vm/overcommit_memory, read when None) is strict (2)."""
+    if setting is None:
+        try:
+            with open(_OVERCOMMIT_SETTING, "rb") as fp:
+                setting = fp.read()
+        except OSError:  # no procfs: not Linux's strict mode
+            return False
+    return setting.strip() == b"2"
+
+
+_STRICT_OVERCOMMIT = overcommit_is_strict()
 
 
 def map_entry_file(
@@ -197,15 +215,22 @@ def _map(
 
 
 def _mmap(fd: int, key: str, mode: MapMode) -> mmap.mmap:
-    """One mapping of ``fd`` in ``mode``; a copy-on-write one the kernel refuses (ENOMEM:
-    strict overcommit or RLIMIT_DATA) becomes a shared read-only one."""
+    """One mapping of ``fd`` in ``mode``; a copy-on-write one is a shared read-only one
+    under strict overcommit, or where the kernel refuses it (ENOMEM: RLIMIT_DATA)."""
     if mode == COPY_ON_WRITE:
-        try:
-            return MappedFile(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY, **_MMAP_OPTIONS)
-        except OSError as exc:
-            if exc.errno != errno.ENOMEM:
-                raise
-            _log_refusal(key, os.fstat(fd).st_size)
+        if not _STRICT_OVERCOMMIT:
+            try:
+                return MappedFile(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY, **_MMAP_OPTIONS)
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                _say_shared_once(_refused(key, os.fstat(fd).st_size))
+        else:
+            _say_shared_once(
+                "vm.overcommit_memory=2 (strict overcommit) would charge a copy-on-write mapping "
+                "of each entry in full to the commit limit, in every process and again at every "
+                "fork (each DataLoader worker)"
+            )
         mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
         mapping.shared = True
         return mapping
@@ -218,12 +243,13 @@ def _mmap(fd: int, key: str, mode: MapMode) -> mmap.mmap:
     except OSError as exc:
         if exc.errno != errno.ENOMEM:
             raise
-        raise MappingRefusedError(_refused(key, os.fstat(fd).st_size) + (
+        advice = (
             ": a writable tensor of this entry needs one. Read it with numpy "
             "(shmcache.open_array: read-only, shared), take rows of it (CachedDataset copies "
             "the rows of such entries), or give the kernel room (swap, vm.overcommit_ratio, "
             "`ulimit -d`)"
-        )) from exc
+        )
+        raise MappingRefusedError(_refused(key, os.fstat(fd).st_size) + advice) from exc
 
 
 def _refused(key: str, size: int) -> str:
@@ -234,16 +260,16 @@ def _refused(key: str, size: int) -> str:
     )
 
 
-def _log_refusal(key: str, size: int) -> None:
-    global _refusal_logged
-    if not _refusal_logged:
-        _refusal_logged = True
+def _say_shared_once(reason: str) -> None:
+    global _shared_fallback_logged
+    if not _shared_fallback_logged:
+        _shared_fallback_logged = True
         logger.warning(
             "shmcache: %s; such entries are mapped shared read-only in this process instead "
             "(said once): numpy still refuses writes, but an in-place write through a torch "
             "tensor of one (torch.from_numpy, torch.as_tensor) kills the process with SIGSEGV: "
             "copy what you write to, or use shmcache.torch.CachedDataset",
-            _refused(key, size),
+            reason,
         )
 
 
