@@ -39,7 +39,6 @@ import errno
 import logging
 import mmap
 import os
-import platform
 import resource
 import sys
 import weakref
@@ -99,10 +98,11 @@ _MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
     weakref.WeakValueDictionary()
 )
 _PROT_COPY = mmap.PROT_READ | mmap.PROT_WRITE
-# MAP_NORESERVE (no constant before Python 3.12): 0x4000 on x86, ARM, RISC-V and s390.
+# MAP_NORESERVE: older Pythons' mmap module has no constant; Linux's is 0x4000 on x86,
+# ARM, RISC-V and s390 (other architectures go without: only the accounting differs).
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
 _NORESERVE_0x4000 = ("x86", "i686", "amd64", "aarch64", "arm", "riscv", "s390")
-if not _NORESERVE and sys.platform == "linux" and platform.machine().startswith(_NORESERVE_0x4000):
+if not _NORESERVE and sys.platform == "linux" and os.uname().machine.startswith(_NORESERVE_0x4000):
     _NORESERVE = 0x4000
 _FLAGS_COPY = mmap.MAP_PRIVATE | _NORESERVE
 _OVERCOMMIT_SETTING = "/proc/sys/vm/overcommit_memory"
@@ -127,11 +127,13 @@ _STRICT_OVERCOMMIT = overcommit_is_strict()
 def map_entry_file(
     root: str, version: str, filename: str, key: str, *, mode: MapMode = COPY_ON_WRITE
 ) -> MappedFile:
-    """Map ``root/objects/<version>/<filename>`` (``mode``: see the module docstring;
-    ``mode="shared"`` is the ``MAP_SHARED``/``PROT_READ`` one, where no page is ever copied).
+    """Map ``root/objects/<version>/<filename>`` copy-on-write, or with ``mode="shared"``
+    ``MAP_SHARED``/``PROT_READ``, where no page is ever copied (see the module docstring).
 
     Raises FileNotFoundError if the version is gone (replaced or evicted).
     """
+    if mode == WRITABLE:
+        raise ValueError("map_entry_file maps to share; a writable array: attach_array(..., mode='writable')")
     mapping = _map(root, version, filename, key, False, mode)[0]
     assert isinstance(mapping, MappedFile)
     return mapping
