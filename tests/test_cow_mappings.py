@@ -155,6 +155,10 @@ for key in ("strings", "records", "table", "blobs", "mapping"):  # the buffers b
     entry = shmcache.open(key)
     files = [f for f in open("/proc/self/maps").read().splitlines() if entry._ref.version in f]
     assert files and all(line.split()[1] == "rw-p" for line in files), (key, files)
+for key in ("strings", "records"):  # even a write into the raw mapping they decode from
+    entry = shmcache.open(key)
+    entry._buffer[entry._start] = ord("Z")
+    assert entry._buffer[entry._start] == ord("Z")
 print("ok")
 """
 
