@@ -172,12 +172,12 @@ def test_cached_dataset_batches_take_in_place_writes(
     num_workers: int, batch_size: int | None, store: shmcache.Store, tmp_path: Path
 ) -> None:
     store.put_array("k", ORIGINAL)
+    collate = "shmcache.torch.collate" if batch_size else "None"  # None: torch's default_convert
     body = f"""
         import shmcache.torch
         ds = shmcache.torch.CachedDataset("k")
         loader = torch.utils.data.DataLoader(
-            ds, num_workers={num_workers}, batch_size={batch_size}, collate_fn=shmcache.torch.collate
-            if {batch_size} else None,
+            ds, num_workers={num_workers}, batch_size={batch_size}, collate_fn={collate}
         )
         for _epoch in range(2):
             for b in loader:
