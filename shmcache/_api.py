@@ -71,10 +71,11 @@ def get_store(root: str | os.PathLike[str] | None = None) -> Store:
 def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.ndarray:
     """Read-only array over the shared entry ``key`` (pickles by reference).
 
-    The mapping itself is read-only: ``torch.from_numpy`` of it makes a tensor that kills
-    the process with SIGSEGV on its first in-place write (torch ignores numpy's read-only
-    flag). For tensors use ``shmcache.torch.as_tensor(key)``: the same shared pages, with
-    writes private to the process.
+    The mapping is copy-on-write: an in-place write through ``torch.from_numpy`` of it
+    (torch ignores numpy's read-only flag) copies the touched pages into this process,
+    where this array shows them too; other processes and the cache keep the original.
+    For tensors use ``shmcache.torch.as_tensor(key)``: the same shared pages, with
+    writes private to the tensor.
     """
     return get_store(root).open_array(key)
 

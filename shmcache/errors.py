@@ -15,6 +15,7 @@ The tree (built-in bases in brackets)::
     ├── UnsupportedDataError        [TypeError]         object dtypes, wrong entry kind...
     ├── CacheFullError              [OSError]           tmpfs or budget has no room
     ├── TooManyOpenFilesError       [OSError]           the descriptor limit is exhausted
+    ├── MappingRefusedError         [MemoryError]       the kernel refused a private mapping
     ├── LockTimeoutError            [TimeoutError]      another process holds a lock too long
     ├── CorruptEntryError           [ValueError]        a published entry was damaged
     ├── CacheRootError              [PermissionError]   the root is unusable or not ours
@@ -52,6 +53,7 @@ __all__ = [
     "KeyExistsError",
     "KeyNotFoundError",
     "LockTimeoutError",
+    "MappingRefusedError",
     "ShmCacheError",
     "SourceNotAllowedError",
     "SourceNotFoundError",
@@ -91,6 +93,11 @@ class CacheFullError(ShmCacheError, OSError):
 
 class TooManyOpenFilesError(ShmCacheError, OSError):
     """The process ran out of file descriptors while attaching an entry."""
+
+
+class MappingRefusedError(ShmCacheError, MemoryError):
+    """The kernel refused the private copy-on-write mapping a writable tensor needs
+    (strict overcommit, ``vm.overcommit_memory=2``, or ``RLIMIT_DATA``)."""
 
 
 class LockTimeoutError(ShmCacheError, TimeoutError):

@@ -2,13 +2,20 @@
 
 Needs torch (``import shmcache`` never imports this module). Tensors made here share
 the cache's memory without a copy and without torch's "non-writable NumPy array"
-warning: they sit on a private copy-on-write mapping of the entry, so a training loop
-that writes into one changes only its own process's copy, never the cache.
+warning: they sit on a private copy-on-write mapping of the entry of their own, so a
+training loop that writes into one changes only that tensor's copy of the touched pages,
+never the cache, another process, or the arrays ``open_array`` returns.
+
+Where the kernel refuses such a mapping (strict overcommit, ``vm.overcommit_memory=2``,
+for an entry bigger than the room left under the commit limit), ``as_tensor`` raises
+:class:`~shmcache.errors.MappingRefusedError` and ``CachedDataset`` reads the shared
+read-only mapping and hands out copies of its rows.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +34,7 @@ from torch.utils.data import Dataset, default_collate
 
 from ._api import get_store
 from ._disk.attach import private_view
+from .errors import MappingRefusedError
 
 __all__ = ["CachedDataset", "GatheredBatch", "as_tensor", "collate"]
 
@@ -37,8 +45,10 @@ def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Ten
     """A CPU tensor over a cached array: no copy, writable, private on write.
 
     The way to make tensors of entries: ``torch.from_numpy(shmcache.open_array(key))``
-    sits on the read-only shared mapping, and its first in-place write kills the process
-    with SIGSEGV.
+    works too (with torch's "not writable" warning), but its writes land in the
+    mapping that ``open_array`` shares within this process, so that array (and the
+    next ``open_array(key)`` here) shows them. This tensor's writes stay in it.
+    Raises :class:`MappingRefusedError` where the kernel refuses its private mapping.
 
     Do not keep such tensors in a Dataset that is pickled to spawn/forkserver workers
     (torch would copy them into its own shared memory); keep keys or shmcache arrays
@@ -111,6 +121,7 @@ class CachedDataset(Dataset[Any]):
         self._root = None if root is None else os.fspath(root)
         self._pid = -1
         self._tensors: list[torch.Tensor] = []
+        self._copy_rows = False
         lengths = {len(get_store(self._root).open_array(k)) for k in self._keys}
         if len(lengths) != 1:
             raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
@@ -119,9 +130,19 @@ class CachedDataset(Dataset[Any]):
     def _columns(self) -> list[torch.Tensor]:
         if self._pid != os.getpid():  # first use in this process (or a fresh worker)
             store = get_store(self._root)
-            self._tensors = [torch.from_numpy(store.open_private_array(k)) for k in self._keys]
+            self._copy_rows = False
+            self._tensors = [self._column(store, k) for k in self._keys]
             self._pid = os.getpid()
         return self._tensors
+
+    def _column(self, store: Any, key: str) -> torch.Tensor:
+        try:
+            return torch.from_numpy(store.open_private_array(key))
+        except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
+            self._copy_rows = True
+            with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(store.open_array(key))
 
     def _pack(self, values: Sequence[torch.Tensor]) -> Any:
         if self._names is not None:
@@ -132,7 +153,10 @@ class CachedDataset(Dataset[Any]):
         return self._length
 
     def __getitem__(self, index: int) -> Any:
-        return self._pack([column[index] for column in self._columns()])
+        columns = self._columns()
+        if self._copy_rows:
+            return self._pack([column[index].clone() for column in columns])
+        return self._pack([column[index] for column in columns])
 
     def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
         positions = torch.as_tensor(indices, dtype=torch.long)
@@ -146,3 +170,4 @@ class CachedDataset(Dataset[Any]):
         self.__dict__.update(state)
         self._pid = -1
         self._tensors = []
+        self._copy_rows = False

@@ -30,6 +30,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.CorruptEntryError: ValueError,
     errors.CacheRootError: PermissionError,
     errors.TooManyOpenFilesError: OSError,
+    errors.MappingRefusedError: MemoryError,
     errors.DaemonRunningError: RuntimeError,
     errors.UnauthorizedError: PermissionError,
     errors.InvalidRequestError: ValueError,

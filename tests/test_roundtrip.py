@@ -70,11 +70,10 @@ def _assert_same(result: np.ndarray, expected: np.ndarray) -> None:
 
 
 def _assert_read_only(result: np.ndarray) -> None:
+    # (setflags(write=True) is allowed: the mapping is copy-on-write, tests/test_torch_writes.py)
     assert not result.flags.writeable
     with pytest.raises(ValueError):
         result[...] = np.zeros((), dtype=result.dtype)
-    with pytest.raises(ValueError):
-        result.flags.writeable = True
 
 
 @SETTINGS

@@ -1,45 +1,87 @@
-"""Read-only mappings of entry files, and pickling of arrays by reference.
+"""Mappings of entry files that no write can crash through, and pickling of arrays by reference.
 
 An array handed out by shmcache is a plain ``ndarray`` (full indexing speed, unlike
-``np.memmap``) whose buffer is a :class:`MappedFile`. Pickling such an array, or
-any view of it, sends ``(root, version, file, offset, shape, strides, dtype)`` instead
-of the data, and the receiving process maps the same file again: DataLoader workers
-started with ``spawn``/``forkserver`` get the dataset in microseconds, not a copy.
+``np.memmap``) flagged read-only, whose buffer is a :class:`MappedFile`. Pickling such
+an array, or any view of it, sends ``(root, version, file, offset, shape, strides,
+dtype)`` instead of the data, and the receiving process maps the same file again:
+DataLoader workers started with ``spawn``/``forkserver`` get the dataset in
+microseconds, not a copy.
+
+How an entry is mapped (``mode``):
+
+- ``"copy-on-write"`` (the default, what every reader gets): ``MAP_PRIVATE`` with
+  ``PROT_READ | PROT_WRITE``, as ``np.load(mmap_mode="c")`` does. Reads share the
+  cache's pages (one physical copy however many processes map it); numpy refuses writes
+  (``writeable=False``), but a write that gets past numpy (a ``torch.from_numpy``
+  tensor's in-place op, ``setflags(write=True)``) copies just the touched pages into
+  this process instead of killing it with SIGSEGV, and no other process or the cache
+  sees it. ``MAP_NORESERVE`` keeps the kernel from charging the whole size to the
+  commit limit under the default heuristic overcommit. Strict overcommit
+  (``vm.overcommit_memory=2``) ignores ``MAP_NORESERVE`` and charges such a mapping in
+  full, in every process and again at every fork (each DataLoader worker): there,
+  entries are mapped ``"shared"`` instead, and so is one whose mapping the kernel
+  refuses with ENOMEM (an ``RLIMIT_DATA`` smaller than the entry). Either is logged once
+  per process: numpy still refuses writes, but a torch tensor written in place over
+  such a mapping gets SIGSEGV again.
+- ``"shared"``: ``MAP_SHARED`` with ``PROT_READ`` only: no page can ever be copied or
+  written (for registering the pages with a device read-only, e.g.
+  ``cudaHostRegister``). A write through it is a SIGSEGV.
+- ``"writable"``: a fresh ``MAP_PRIVATE`` mapping whose array is writable (for
+  ``shmcache.torch`` tensors): writes stay in this array, not even the other arrays of
+  the same entry in this process see them; it pickles by value, like any array of its
+  own. Refused by the kernel: :class:`MappingRefusedError`, never a fallback.
 """
 
 from __future__ import annotations
 
 import copyreg
 import errno
+import logging
 import mmap
 import os
 import resource
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import CorruptEntryError, KeyNotFoundError, TooManyOpenFilesError
+from ..errors import CorruptEntryError, KeyNotFoundError, MappingRefusedError, TooManyOpenFilesError
 from .layout import object_path
 from .npy import header_length, parse_header_bytes
 
 __all__ = [
+    "COPY_ON_WRITE",
+    "SHARED",
+    "WRITABLE",
+    "MapMode",
     "MappedFile",
     "attach_array",
     "install_pickle_by_reference",
+    "is_shared_read_only",
     "map_entry_file",
     "mapped_base",
+    "overcommit_is_strict",
     "private_view",
 ]
 
+logger = logging.getLogger(__name__)
+
+MapMode = Literal["copy-on-write", "shared", "writable"]
+COPY_ON_WRITE: MapMode = "copy-on-write"
+SHARED: MapMode = "shared"
+WRITABLE: MapMode = "writable"
+
 
 class MappedFile(mmap.mmap):
-    """A read-only mapping of one published entry file that knows where it came from."""
+    """A mapping of one published entry file that knows where it came from."""
 
     origin: tuple[str, str, str, str]
     """``(root, version, filename, key)`` of the mapped file."""
+    shared: bool = False
+    """True for a ``MAP_SHARED`` read-only mapping (mode ``"shared"``, or the fallback
+    when the kernel refused a copy-on-write one): a write through it is a SIGSEGV."""
     _start: int | None = None
 
     def start_address(self) -> int:
@@ -55,46 +97,88 @@ _HEADER_READ = 256  # numpy pads headers to 64 bytes; nearly all fit in 128
 _MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
     weakref.WeakValueDictionary()
 )
+_PROT_COPY = mmap.PROT_READ | mmap.PROT_WRITE
+# MAP_NORESERVE: older Pythons' mmap module has no constant; Linux's is 0x4000 on x86,
+# ARM, RISC-V and s390 (other architectures go without: only the accounting differs).
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
+_NORESERVE_0x4000 = ("x86", "i686", "amd64", "aarch64", "arm", "riscv", "s390")
+if not _NORESERVE and sys.platform == "linux" and os.uname().machine.startswith(_NORESERVE_0x4000):
+    _NORESERVE = 0x4000
+_FLAGS_COPY = mmap.MAP_PRIVATE | _NORESERVE
+_OVERCOMMIT_SETTING = "/proc/sys/vm/overcommit_memory"
+_shared_fallback_logged = False
 
 
-def map_entry_file(root: str, version: str, filename: str, key: str) -> MappedFile:
-    """Map ``root/objects/<version>/<filename>`` read-only.
+def overcommit_is_strict(setting: bytes | None = None) -> bool:
+    """Whether the kernel's overcommit policy (``setting``: the contents of
+    /proc/sys/vm/overcommit_memory, read when None) is strict (2)."""
+    if setting is None:
+        try:
+            with open(_OVERCOMMIT_SETTING, "rb") as fp:
+                setting = fp.read()
+        except OSError:  # no procfs: not Linux's strict mode
+            return False
+    return setting.strip() == b"2"
+
+
+_STRICT_OVERCOMMIT = overcommit_is_strict()
+
+
+def map_entry_file(
+    root: str, version: str, filename: str, key: str, *, mode: MapMode = COPY_ON_WRITE
+) -> MappedFile:
+    """Map ``root/objects/<version>/<filename>`` copy-on-write, or with ``mode="shared"``
+    ``MAP_SHARED``/``PROT_READ``, where no page is ever copied (see the module docstring).
 
     Raises FileNotFoundError if the version is gone (replaced or evicted).
     """
-    mapping = _map(root, version, filename, key, read_header=False)[0]
+    if mode == WRITABLE:
+        raise ValueError("map_entry_file maps to share; a writable array: attach_array(..., mode='writable')")
+    mapping = _map(root, version, filename, key, False, mode)[0]
     assert isinstance(mapping, MappedFile)
     return mapping
 
 
 def attach_array(
-    root: str, version: str, filename: str, key: str, *, copy_on_write: bool = False
+    root: str, version: str, filename: str, key: str, *, mode: MapMode = COPY_ON_WRITE
 ) -> np.ndarray:
-    """The read-only array a published ``.npy`` file holds (a plain ``ndarray``).
+    """The array a published ``.npy`` file holds (a plain ``ndarray``), read-only
+    unless ``mode="writable"`` (see the module docstring for the modes).
 
     The header is read with ``pread`` rather than through the mapping: touching the
     mapping would cost a page fault, more than the rest of the attach together.
-    With ``copy_on_write`` the array is writable over a private mapping instead (reads
-    share the cache's pages; a write copies the touched page into this process only);
-    it pickles by value, like any array of its own.
-    Raises FileNotFoundError if the version is gone (replaced or evicted).
+    Raises FileNotFoundError if the version is gone (replaced or evicted), and
+    :class:`MappingRefusedError` if the kernel refuses a ``"writable"`` mapping.
     """
-    mapping, head, end = _map(root, version, filename, key, True, copy_on_write)
+    mapping, head, end = _map(root, version, filename, key, True, mode)
     dtype, shape, fortran_order, offset = parse_header_bytes(head, end, f"entry {key!r}")
     try:
         if fortran_order:
-            return np.ndarray(shape, dtype, mapping, offset, order="F")
-        return np.ndarray(shape, dtype, mapping, offset)
+            array = np.ndarray(shape, dtype, mapping, offset, order="F")
+        else:
+            array = np.ndarray(shape, dtype, mapping, offset)
     except TypeError as exc:  # "buffer is too small for requested array"
         raise CorruptEntryError(
             f"entry {key!r} ({filename}) is truncated: {len(mapping)} bytes, fewer than its "
             f"header promises ({shape} of {dtype}); evict it and put it again"
         ) from exc
+    if mode != WRITABLE:
+        array.setflags(write=False)
+    return array
+
+
+def is_shared_read_only(array: np.ndarray) -> bool:
+    """Whether ``array`` lies on a ``MAP_SHARED`` read-only mapping of an entry, where a
+    write that gets past numpy's flag (a torch tensor's in-place op) is a SIGSEGV."""
+    base = mapped_base(array)
+    return isinstance(base, MappedFile) and base.shared
 
 
 def _map(
-    root: str, version: str, filename: str, key: str, read_header: bool, private: bool = False
+    root: str, version: str, filename: str, key: str, read_header: bool, mode: MapMode = COPY_ON_WRITE
 ) -> tuple[mmap.mmap, bytes, int]:
+    if mode != COPY_ON_WRITE and mode != SHARED and mode != WRITABLE:
+        raise ValueError(f"unknown mapping mode {mode!r}: one of 'copy-on-write', 'shared', 'writable'")
     path = object_path(root, version, filename)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -112,10 +196,7 @@ def _map(
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: {path} is truncated inside its header")
         try:
-            if private:
-                mapping: mmap.mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-            else:
-                mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
+            mapping = _mmap(fd, key, mode)
         except ValueError as exc:  # an empty file cannot be mapped
             raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
         except OSError as exc:
@@ -133,6 +214,65 @@ def _map(
     if not _installed:
         install_pickle_by_reference()
     return mapping, head, end
+
+
+def _mmap(fd: int, key: str, mode: MapMode) -> mmap.mmap:
+    """One mapping of ``fd`` in ``mode``; a copy-on-write one is a shared read-only one
+    under strict overcommit, or where the kernel refuses it (ENOMEM: RLIMIT_DATA)."""
+    if mode == COPY_ON_WRITE:
+        if not _STRICT_OVERCOMMIT:
+            try:
+                return MappedFile(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY, **_MMAP_OPTIONS)
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                _say_shared_once(_refused(key, os.fstat(fd).st_size))
+        else:
+            _say_shared_once(
+                "vm.overcommit_memory=2 (strict overcommit) would charge a copy-on-write mapping "
+                "of each entry in full to the commit limit, in every process and again at every "
+                "fork (each DataLoader worker)"
+            )
+        mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
+        mapping.shared = True
+        return mapping
+    if mode == SHARED:
+        mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
+        mapping.shared = True
+        return mapping
+    try:
+        return mmap.mmap(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY)
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        advice = (
+            ": a writable tensor of this entry needs one. Read it with numpy "
+            "(shmcache.open_array: read-only, shared), take rows of it (CachedDataset copies "
+            "the rows of such entries), or give the kernel room (swap, vm.overcommit_ratio, "
+            "`ulimit -d`)"
+        )
+        raise MappingRefusedError(_refused(key, os.fstat(fd).st_size) + advice) from exc
+
+
+def _refused(key: str, size: int) -> str:
+    return (
+        f"the kernel refused a private copy-on-write mapping of entry {key!r} ({size:,} bytes; "
+        "strict overcommit, vm.overcommit_memory=2, charges it in full to the commit limit, "
+        "and RLIMIT_DATA counts it)"
+    )
+
+
+def _say_shared_once(reason: str) -> None:
+    global _shared_fallback_logged
+    if not _shared_fallback_logged:
+        _shared_fallback_logged = True
+        logger.warning(
+            "shmcache: %s; such entries are mapped shared read-only in this process instead "
+            "(said once): numpy still refuses writes, but an in-place write through a torch "
+            "tensor of one (torch.from_numpy, torch.as_tensor) kills the process with SIGSEGV: "
+            "copy what you write to, or use shmcache.torch.CachedDataset",
+            reason,
+        )
 
 
 def _too_many_open(key: str) -> TooManyOpenFilesError:
@@ -157,12 +297,13 @@ def _raise_open_file_limit() -> None:
 
 
 def private_view(array: np.ndarray) -> np.ndarray:
-    """A writable copy-on-write view of a shared array's bytes.
+    """A writable view of a shared array's bytes over a mapping of its own.
 
-    The file is mapped again with ``MAP_PRIVATE``: reads share the cache's pages (no
-    copy); a write copies just the touched page into this process, so the cache and
-    every other process keep the original. Raises ValueError for arrays that do not
-    live in the cache.
+    The file is mapped again (mode ``"writable"``): reads share the cache's pages (no
+    copy); a write copies just the touched page into this view's mapping, so the cache,
+    every other process and the other arrays of the entry in this process keep the
+    original. Raises ValueError for arrays that do not live in the cache,
+    :class:`MappingRefusedError` if the kernel refuses the mapping.
     """
     base = mapped_base(array)
     if not isinstance(base, MappedFile):
@@ -170,15 +311,11 @@ def private_view(array: np.ndarray) -> np.ndarray:
     root, version, filename, key = base.origin
     offset = int(array.__array_interface__["data"][0]) - base.start_address()
     try:
-        fd = os.open(object_path(root, version, filename), os.O_RDONLY | os.O_CLOEXEC)
+        private = _map(root, version, filename, key, False, WRITABLE)[0]
     except FileNotFoundError:
         raise KeyNotFoundError(
             f"entry {key!r} (version {version}) was replaced or evicted; open the key again"
         ) from None
-    try:
-        private = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
     return np.ndarray(array.shape, array.dtype, buffer=private, offset=offset, strides=array.strides)
 
 
@@ -205,7 +342,9 @@ def _reattach(
             "process could attach to it; open the key again"
         ) from None
     _MAPPINGS[ident] = mapping
-    return np.ndarray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+    array = np.ndarray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+    array.setflags(write=False)
+    return array
 
 
 _previous_reducer: Callable[[np.ndarray], Any] | None = None

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._containers.shared import open_version, wrong_kind
-from .._disk.attach import attach_array
+from .._disk.attach import WRITABLE, attach_array
 from .._disk.generations import map_generations
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, Layout, generation_slot, read_version
@@ -70,8 +70,8 @@ class Reader:
     def open_array(self, key: str) -> np.ndarray:
         """The read-only array of ``key`` (the same object while the key is unchanged).
 
-        Never written through: a ``torch.from_numpy`` tensor of it dies with SIGSEGV on a
-        write (``Store.open_array``); ``open_private_array`` is the writable one."""
+        Over a copy-on-write mapping (``_disk/attach``): a write that gets past numpy's
+        flag stays in this process; ``open_private_array`` is the writable one."""
         try:
             hit = self._arrays.get(key)
         except TypeError:  # unhashable: let validation explain
@@ -119,8 +119,9 @@ class Reader:
             )
 
     def open_private_array(self, key: str) -> np.ndarray:
-        """A writable copy-on-write array of ``key`` with one mapping (for tensors):
-        reads share the cache's pages, writes stay in this process."""
+        """A writable copy-on-write array of ``key`` on a mapping of its own (for tensors):
+        reads share the cache's pages, writes stay in this array. Raises
+        ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit)."""
         validate_key(key)
         self.trust_root()
         link = self.layout.entry_link(key)
@@ -129,7 +130,7 @@ class Reader:
             if version is None:
                 raise self.not_found(key)
             try:
-                return attach_array(self._root_str, version, ARRAY_FILE, key, copy_on_write=True)
+                return attach_array(self._root_str, version, ARRAY_FILE, key, mode=WRITABLE)
             except FileNotFoundError:
                 self._explain_missing_array(key, version, link)
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")

@@ -117,15 +117,17 @@ class Store:
         """A read-only array over the entry's shared mapping (a plain ``ndarray``).
 
         Repeated opens in one process return the attached array in well under a
-        microsecond until this key is published or evicted again. The mapping is
-        read-only: a ``torch.from_numpy`` tensor of it kills the process with SIGSEGV on
-        its first in-place write; ``shmcache.torch.as_tensor`` makes writable tensors.
+        microsecond until this key is published or evicted again. numpy refuses writes;
+        one that gets past it (an in-place op on a ``torch.from_numpy`` tensor of it)
+        lands in this process's private copy of the touched pages, never in the cache
+        (and this array shows it); ``shmcache.torch.as_tensor`` makes tensors of their own.
         """
         return self._reader.open_array(key)
 
     def open_private_array(self, key: str) -> np.ndarray:
-        """A writable copy-on-write array over the entry (one mapping, no copy): writes
-        stay in this process. What ``shmcache.torch`` builds tensors on."""
+        """A writable copy-on-write array over the entry (a mapping of its own, no copy):
+        writes stay in this array. What ``shmcache.torch`` builds tensors on.
+        ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit)."""
         return self._reader.open_private_array(key)
 
     def open(self, key: str) -> Any:
