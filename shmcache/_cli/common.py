@@ -14,7 +14,20 @@ import typer
 
 from ..errors import ShmCacheError
 
-__all__ = ["debug_enabled", "fail", "failures_exit_1", "print_table", "set_debug", "warn_or_raise"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "debug_enabled", "fail", "failures_exit_1", "print_table", "set_debug", "warn_or_raise"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""The operation failed (one line on stderr says why)."""
+EXIT_USAGE = 2
+"""Bad flags or arguments (Typer's own)."""
+EXIT_INTERRUPTED = 130
+"""Interrupted (Ctrl+C), and nothing was published by the interrupted operation."""
 
 _state = {"debug": False}
 
