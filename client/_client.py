@@ -11,12 +11,13 @@ import builtins
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+import httpcore
 import httpx
 
 from shmcache import EntryInfo, default_root, validate_key
@@ -27,6 +28,7 @@ from shmcache.errors import DaemonUnavailableError, ShmCacheError
 from ._errors import JobCancelledError, error_from_body
 from ._liveness import LiveDaemon, live_daemon
 from ._records import EntryDetail, Health, Job, ServiceStats, entry_from_json
+from ._transport import CheckedUnixBackend, expected_uids
 
 if TYPE_CHECKING:
     from shmcache._control import CacheControl
@@ -49,6 +51,11 @@ class Client:
     (``http://host:port``) it talks TCP and sends ``token`` (default
     ``$SHMCACHE_TOKEN``) as ``Authorization: Bearer``.
 
+    On the Unix socket, the process that answers must run as the root's owner (or as one
+    of ``daemon_uids``: a team's service account), checked before anything is sent
+    (:class:`~shmcache.errors.UntrustedDaemonError` otherwise). A stopped daemon (SIGSTOP,
+    Ctrl+Z) is reported within a few seconds, whatever ``timeout``; a slow one gets all of it.
+
     One keep-alive connection is reused across calls (and re-created in a forked
     child). Use it as a context manager, or call :meth:`close`. Errors come back as the
     exceptions the core raises (``KeyNotFoundError``, ``CacheFullError``...); a daemon
@@ -63,6 +70,7 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         *,
         socket: str | os.PathLike[str] | None = None,
+        daemon_uids: Iterable[int] = (),
     ) -> None:
         self._root = Path(os.path.abspath(root if root is not None else default_root()))
         self.url = url.rstrip("/") if url else None
@@ -76,6 +84,7 @@ class Client:
         else:
             self.socket_path = None
             self._token = token if token is not None else os.environ.get(ENV_TOKEN) or None
+        self.daemon_uids = frozenset(daemon_uids)
         self._http: httpx.Client | None = None
         self._pid = -1
 
@@ -111,15 +120,27 @@ class Client:
         if self._http is None or self._pid != os.getpid():  # never share a socket with a forked parent
             headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
             if self.socket_path is not None:
-                transport = httpx.HTTPTransport(uds=str(self.socket_path))
                 self._http = httpx.Client(
-                    transport=transport, base_url="http://shmcache", timeout=self.timeout, headers=headers
+                    transport=self._unix_transport(), base_url="http://shmcache", timeout=self.timeout,
+                    headers=headers,
                 )
             else:
                 assert self.url is not None
                 self._http = httpx.Client(base_url=self.url, timeout=self.timeout, headers=headers)
             self._pid = os.getpid()
         return self._http
+
+    def _unix_transport(self) -> httpx.HTTPTransport:
+        """httpx's transport over a connection pool whose connections check who answers
+        and notice a stopped daemon (:mod:`._transport`)."""
+        assert self.socket_path is not None
+        backend = CheckedUnixBackend(
+            self.socket_path, self.root, lambda: expected_uids(self.root, self.daemon_uids)
+        )
+        transport = httpx.HTTPTransport()
+        # httpx has no public way to give its pool a network backend: the pool is replaced.
+        transport._pool = httpcore.ConnectionPool(network_backend=backend)
+        return transport
 
     def _unavailable(self, exc: Exception) -> DaemonUnavailableError:
         if self.socket_path is None:
@@ -134,8 +155,8 @@ class Client:
                 f"use a root of your own (--root, {ENV_ROOT}) or run as the daemon's user"
             )
         timed_out = isinstance(exc, httpx.TimeoutException)
-        if timed_out:
-            reason = f"no answer within {self.timeout:g} s"
+        if timed_out:  # the stream says how long it waited: less than the timeout for a stopped daemon
+            reason = str(exc) if str(exc).startswith("no answer") else f"no answer within {self.timeout:g} s"
         elif not os.path.lexists(self.socket_path):
             reason = "no socket there"
         else:

@@ -109,6 +109,7 @@ __all__ = [
     "TooManyOpenFilesError",
     "UnauthorizedError",
     "UnsupportedDataError",
+    "UntrustedDaemonError",
     "__version__",
     "cache",
     "cache_remote",
@@ -206,6 +207,7 @@ _HOMES: dict[str, str] = {
     "TooManyOpenFilesError": ".errors",
     "UnauthorizedError": ".errors",
     "UnsupportedDataError": ".errors",
+    "UntrustedDaemonError": ".errors",
 }
 
 

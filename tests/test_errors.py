@@ -32,6 +32,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.TooManyOpenFilesError: OSError,
     errors.DaemonRunningError: RuntimeError,
     errors.UnauthorizedError: PermissionError,
+    errors.UntrustedDaemonError: PermissionError,
     errors.InvalidRequestError: ValueError,
     errors.JobNotFoundError: LookupError,
     errors.SourceNotAllowedError: PermissionError,
