@@ -22,6 +22,7 @@ import typer
 
 from .._disk.keys import validate_key
 from .._disk.urls import is_url
+from .._error_table import CLI, fix
 from .._store import Store, StoreStats
 from .._store.sources import PLANNERS
 from .._units import human_bytes
@@ -262,8 +263,8 @@ def _put_here(
             for entry in plan:
                 if store.exists(entry.key):
                     raise KeyExistsError(
-                        f"entry {entry.key!r} already exists; pass --overwrite to replace it, "
-                        "or evict it first"
+                        f"entry {entry.key!r} already exists; pass {fix('overwrite', CLI)} to replace "
+                        f"it, or evict it first ({fix('evict', CLI, key=entry.key)})"
                     )
     why = "--local" if local else "no daemon"
     typer.echo(f"notice: {why} on {store.root}; loading in this process", err=True)
