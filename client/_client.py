@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 30.0
 _POLL_MIN_S = 0.01
 _POLL_MAX_S = 0.25
+_SETTLE_S = 10.0
+"""How long an interrupted ``put_file`` waits for the daemon to settle the cancelled load."""
 
 
 class Client:
@@ -328,8 +330,9 @@ class Client:
 
         ``progress(done, total)`` is called as the copy advances. A failed load raises its
         error (``CacheFullError``...); if ``progress`` raises or the wait is interrupted
-        (``KeyboardInterrupt``), the load is cancelled (nothing is published) and the
-        exception goes on.
+        (``KeyboardInterrupt``), the load is cancelled and the exception goes on, with a
+        note (and a log warning) saying how the load ended: cancelled with nothing
+        published, or published anyway when the cancel came too late.
         """
 
         def report(job: Job) -> None:
@@ -339,22 +342,38 @@ class Client:
         job = self.load(key, path, pin=pin, overwrite=overwrite, as_=as_)
         try:
             done = self._follow(job.id, report, None, job)
-        except BaseException:
-            self._cancel_quietly(job.id)
+        except BaseException as exc:
+            _note(exc, self._cancel_and_settle(job))
             raise
         return list(_outcome(done).keys)
 
-    def _cancel_quietly(self, job_id: str) -> None:
+    def _cancel_and_settle(self, job: Job) -> str:
+        """Cancel a load and wait (a few seconds) for its final state; say what it was."""
+        self.close()  # an interrupted request may have left the connection half-read
         try:
-            self.cancel(job_id)
+            self.cancel(job.id)
         except ShmCacheError as exc:  # finished meanwhile, or the daemon is gone
-            logger.debug("cancelling job %s: %s", job_id, exc)
+            logger.debug("cancelling job %s: %s", job.id, exc)
+        try:
+            job = self._follow(job.id, None, _SETTLE_S, None)
+        except (ShmCacheError, TimeoutError) as exc:
+            return f"the load of {job.key!r} (job {job.id}) was cancelled; its outcome is unknown ({exc})"
+        if job.state == "done":
+            return f"the load of {job.key!r} had finished: published {', '.join(job.keys)}"
+        return f"the load of {job.key!r} ended {job.state}: nothing published"
 
 
 if TYPE_CHECKING:
 
     def _is_a_cache_control(client: Client) -> CacheControl:
         return client  # mypy checks that Client satisfies the protocol
+
+
+def _note(exc: BaseException, what: str) -> None:
+    """Tell how an interrupted load ended: on the exception (Python 3.11+) and in the log."""
+    logger.warning("%s", what)
+    if hasattr(exc, "add_note"):
+        exc.add_note(what)
 
 
 def _outcome(job: Job) -> Job:

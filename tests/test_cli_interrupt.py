@@ -85,3 +85,25 @@ def test_ctrl_c_anywhere_in_a_daemon_put_reports_what_ls_shows(daemon: Daemon, d
         with Client(daemon.root) as client:  # whatever it said, nothing is left running
             assert not [job for job in client.jobs() if job.key == key and job.active], context
     assert "cancelled" in outcomes, outcomes  # the points did span the load
+
+
+@pytest.mark.parametrize("fraction", [0.3, 1.0])
+def test_an_interrupted_client_put_file_says_how_the_load_ended(
+    daemon: Daemon, data_dir: Path, fraction: float
+) -> None:
+    source = write_big_npy(data_dir / f"{unique('client')}.npy", 32 << 20)
+    key = unique("client")
+
+    def interrupt(done: int, total: int) -> None:
+        if done >= fraction * total:
+            raise KeyboardInterrupt
+
+    with Client(daemon.root) as client, pytest.raises(KeyboardInterrupt) as raised:
+        client.put_file(key, source, progress=interrupt)
+    (note,) = getattr(raised.value, "__notes__", ["(no note)"])
+    if _listed(daemon.root, key):
+        assert note == f"the load of {key!r} had finished: published {key}", note
+    else:
+        assert note == f"the load of {key!r} ended cancelled: nothing published", note
+    if fraction < 1.0:
+        assert "nothing published" in note

@@ -71,10 +71,11 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
         try:
             served = probe.health().root
         except DaemonUnavailableError:
-            if live_daemon(resolved) is None:
+            live = live_daemon(resolved)
+            if live is None:
                 return None  # a stale socket, or the daemon just stopped
-            if time.monotonic() + _RETRY_S >= deadline:
-                raise
+            if live.stopped or time.monotonic() + _RETRY_S >= deadline:
+                raise  # a stopped daemon will not start answering by itself: say so now
             time.sleep(_RETRY_S)  # starting (no socket yet) or stopping
             continue
         except UntrustedDaemonError:
