@@ -140,8 +140,15 @@ class Client:
             self.socket_path, self.root, lambda: expected_uids(self.root, self.daemon_uids)
         )
         transport = httpx.HTTPTransport()
-        # httpx has no public way to give its pool a network backend: the pool is replaced.
-        transport._pool = httpcore.ConnectionPool(network_backend=backend)
+        # httpx has no public way to give its pool a network backend: the pool is replaced
+        # (with httpx's own default limits).
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)
+        transport._pool = httpcore.ConnectionPool(
+            network_backend=backend,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+        )
         return transport
 
     def _unavailable(self, exc: Exception) -> DaemonUnavailableError:
