@@ -11,12 +11,13 @@ import builtins
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+import httpcore
 import httpx
 
 from shmcache import EntryInfo, default_root, validate_key
@@ -27,6 +28,7 @@ from shmcache.errors import DaemonUnavailableError, ShmCacheError
 from ._errors import JobCancelledError, error_from_body
 from ._liveness import LiveDaemon, live_daemon
 from ._records import EntryDetail, Health, Job, ServiceStats, entry_from_json
+from ._transport import CheckedUnixBackend, expected_uids
 
 if TYPE_CHECKING:
     from shmcache._control import CacheControl
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 30.0
 _POLL_MIN_S = 0.01
 _POLL_MAX_S = 0.25
+_SETTLE_S = 10.0
+"""How long an interrupted ``put_file`` waits for the daemon to settle the cancelled load."""
 
 
 class Client:
@@ -48,6 +52,11 @@ class Client:
     ``$SHMCACHE_ROOT`` or ``/dev/shm/shmcache-<uid>``). With ``url``
     (``http://host:port``) it talks TCP and sends ``token`` (default
     ``$SHMCACHE_TOKEN``) as ``Authorization: Bearer``.
+
+    On the Unix socket, the process that answers must run as the root's owner (or as one
+    of ``daemon_uids``: a team's service account), checked before anything is sent
+    (:class:`~shmcache.errors.UntrustedDaemonError` otherwise). A stopped daemon (SIGSTOP,
+    Ctrl+Z) is reported within a few seconds, whatever ``timeout``; a slow one gets all of it.
 
     One keep-alive connection is reused across calls (and re-created in a forked
     child). Use it as a context manager, or call :meth:`close`. Errors come back as the
@@ -63,6 +72,7 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         *,
         socket: str | os.PathLike[str] | None = None,
+        daemon_uids: Iterable[int] = (),
     ) -> None:
         self._root = Path(os.path.abspath(root if root is not None else default_root()))
         self.url = url.rstrip("/") if url else None
@@ -76,6 +86,7 @@ class Client:
         else:
             self.socket_path = None
             self._token = token if token is not None else os.environ.get(ENV_TOKEN) or None
+        self.daemon_uids = frozenset(daemon_uids)
         self._http: httpx.Client | None = None
         self._pid = -1
 
@@ -111,15 +122,34 @@ class Client:
         if self._http is None or self._pid != os.getpid():  # never share a socket with a forked parent
             headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
             if self.socket_path is not None:
-                transport = httpx.HTTPTransport(uds=str(self.socket_path))
                 self._http = httpx.Client(
-                    transport=transport, base_url="http://shmcache", timeout=self.timeout, headers=headers
+                    transport=self._unix_transport(), base_url="http://shmcache", timeout=self.timeout,
+                    headers=headers,
                 )
             else:
                 assert self.url is not None
                 self._http = httpx.Client(base_url=self.url, timeout=self.timeout, headers=headers)
             self._pid = os.getpid()
         return self._http
+
+    def _unix_transport(self) -> httpx.HTTPTransport:
+        """httpx's transport over a connection pool whose connections check who answers
+        and notice a stopped daemon (:mod:`._transport`)."""
+        assert self.socket_path is not None
+        backend = CheckedUnixBackend(
+            self.socket_path, self.root, lambda: expected_uids(self.root, self.daemon_uids)
+        )
+        transport = httpx.HTTPTransport()
+        # httpx has no public way to give its pool a network backend: the pool is replaced
+        # (with httpx's own default limits).
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)
+        transport._pool = httpcore.ConnectionPool(
+            network_backend=backend,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+        )
+        return transport
 
     def _unavailable(self, exc: Exception) -> DaemonUnavailableError:
         if self.socket_path is None:
@@ -134,8 +164,8 @@ class Client:
                 f"use a root of your own (--root, {ENV_ROOT}) or run as the daemon's user"
             )
         timed_out = isinstance(exc, httpx.TimeoutException)
-        if timed_out:
-            reason = f"no answer within {self.timeout:g} s"
+        if timed_out:  # the stream says how long it waited: less than the timeout for a stopped daemon
+            reason = str(exc) if str(exc).startswith("no answer") else f"no answer within {self.timeout:g} s"
         elif not os.path.lexists(self.socket_path):
             reason = "no socket there"
         else:
@@ -307,8 +337,9 @@ class Client:
 
         ``progress(done, total)`` is called as the copy advances. A failed load raises its
         error (``CacheFullError``...); if ``progress`` raises or the wait is interrupted
-        (``KeyboardInterrupt``), the load is cancelled (nothing is published) and the
-        exception goes on.
+        (``KeyboardInterrupt``), the load is cancelled and the exception goes on, with a
+        note (and a log warning) saying how the load ended: cancelled with nothing
+        published, or published anyway when the cancel came too late.
         """
 
         def report(job: Job) -> None:
@@ -318,22 +349,38 @@ class Client:
         job = self.load(key, path, pin=pin, overwrite=overwrite, as_=as_)
         try:
             done = self._follow(job.id, report, None, job)
-        except BaseException:
-            self._cancel_quietly(job.id)
+        except BaseException as exc:
+            _note(exc, self._cancel_and_settle(job))
             raise
         return list(_outcome(done).keys)
 
-    def _cancel_quietly(self, job_id: str) -> None:
+    def _cancel_and_settle(self, job: Job) -> str:
+        """Cancel a load and wait (a few seconds) for its final state; say what it was."""
+        self.close()  # an interrupted request may have left the connection half-read
         try:
-            self.cancel(job_id)
+            self.cancel(job.id)
         except ShmCacheError as exc:  # finished meanwhile, or the daemon is gone
-            logger.debug("cancelling job %s: %s", job_id, exc)
+            logger.debug("cancelling job %s: %s", job.id, exc)
+        try:
+            job = self._follow(job.id, None, _SETTLE_S, None)
+        except (ShmCacheError, TimeoutError) as exc:
+            return f"the load of {job.key!r} (job {job.id}) was cancelled; its outcome is unknown ({exc})"
+        if job.state == "done":
+            return f"the load of {job.key!r} had finished: published {', '.join(job.keys)}"
+        return f"the load of {job.key!r} ended {job.state}: nothing published"
 
 
 if TYPE_CHECKING:
 
     def _is_a_cache_control(client: Client) -> CacheControl:
         return client  # mypy checks that Client satisfies the protocol
+
+
+def _note(exc: BaseException, what: str) -> None:
+    """Tell how an interrupted load ended: on the exception (Python 3.11+) and in the log."""
+    logger.warning("%s", what)
+    if hasattr(exc, "add_note"):
+        exc.add_note(what)
 
 
 def _outcome(job: Job) -> Job:

@@ -3,12 +3,15 @@
 The daemon answers every error with ``{"error": <exception class name>, "detail": msg}``.
 Every name in :mod:`shmcache.errors` (core and control-plane errors alike: the daemon
 raises those very classes) comes back as that class; anything else as
-:class:`~shmcache.ShmCacheError`. The job and source errors are re-exported here.
+:class:`~shmcache.ShmCacheError`. The fix a message suggests comes back in Python words
+(``overwrite=True``, not ``"overwrite": true``: :mod:`shmcache._error_table`). The job
+and source errors are re-exported here.
 """
 
 from __future__ import annotations
 
 from shmcache import errors
+from shmcache._error_table import PYTHON, reword
 from shmcache.errors import (
     InvalidRequestError,
     JobCancelledError,
@@ -41,6 +44,7 @@ ERROR_TYPES: dict[str, type[ShmCacheError]] = {
 
 def error_from_body(error_type: str | None, detail: str, status: int | None = None) -> ShmCacheError:
     """The exception for an error body (or a failed job's ``error``)."""
+    detail = reword(detail, PYTHON)  # the daemon names fixes in HTTP words: Python callers get theirs
     cls = ERROR_TYPES.get(error_type or "")
     if cls is not None:
         return cls(detail)

@@ -1,4 +1,5 @@
-"""Errors of the daemon and how every error maps to an HTTP status.
+"""Errors of the daemon and how every error maps to an HTTP status (read from the one
+error table, :mod:`shmcache._error_table`, which the client and the CLI read too).
 
 Response bodies are ``{"error": <type>, "detail": <message>}`` where ``type`` is the
 exception's class name (``KeyNotFoundError``...), so a client can re-raise the same
@@ -8,22 +9,14 @@ a client's input whole: :func:`short` cuts it.
 
 from __future__ import annotations
 
+from shmcache._error_table import http_status
 from shmcache.errors import (
-    CacheFullError,
-    CacheRootError,
-    CorruptEntryError,
     DaemonRunningError,
-    InvalidKeyError,
-    InvalidSourceError,
     JobCancelledError,
     JobConflictError,
     JobFinishedError,
     JobNotFoundError,
-    KeyExistsError,
-    KeyNotFoundError,
-    LockTimeoutError,
     SourceNotAllowedError,
-    UnsupportedDataError,
 )
 
 __all__ = [
@@ -40,29 +33,10 @@ __all__ = [
 _SHORT = 240
 
 
-# Most specific first: the first matching class decides the status.
-_STATUS: tuple[tuple[type[BaseException], int], ...] = (
-    (InvalidKeyError, 422),
-    (KeyNotFoundError, 404),
-    (JobNotFoundError, 404),
-    (KeyExistsError, 409),
-    (JobConflictError, 409),
-    (JobFinishedError, 409),
-    (CacheFullError, 507),
-    (UnsupportedDataError, 415),
-    (InvalidSourceError, 400),  # SourceNotFound, CorruptSource, SourceNotAllowed
-    (LockTimeoutError, 503),
-    (CorruptEntryError, 500),
-    (CacheRootError, 500),
-)
-
-
 def status_of(exc: BaseException) -> int:
-    """The HTTP status for an exception raised while serving a request."""
-    for cls, status in _STATUS:
-        if isinstance(exc, cls):
-            return status
-    return 500
+    """The HTTP status for an exception raised while serving a request (the one error
+    table, :mod:`shmcache._error_table`, decides)."""
+    return http_status(exc)
 
 
 def short(text: str, limit: int = _SHORT) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from shmcache import Store
 from shmcache._control import ACTIVE_STATES, JOB_STATES, Job, JobError, JobState
+from shmcache._error_table import HTTP, fix, reword
 from shmcache.errors import ShmCacheError
 
 from .errors import JobCancelledError, JobConflictError, JobFinishedError, JobNotFoundError
@@ -169,7 +170,7 @@ class JobManager:
                 if current.source != source:
                     raise JobConflictError(
                         f"key {key!r} is already being loaded from {current.source} by job {current.id}; "
-                        f"wait for it, or cancel it (DELETE /v1/jobs/{current.id}) first"
+                        f"wait for it, or cancel it ({fix('cancel', HTTP, job=current.id)}) first"
                     )
                 return current, False
             job = LoadJob(key=key, source=source, pin=pin, overwrite=overwrite, as_=as_)
@@ -234,8 +235,8 @@ class JobManager:
             logger.warning(
                 "load %s from %s cancelled (job %s); nothing was published", job.key, job.source, job.id
             )
-        except (ShmCacheError, OSError) as exc:
-            self._finish_locked(job, "failed", type(exc).__name__, str(exc))
+        except (ShmCacheError, OSError) as exc:  # told to whoever asks over HTTP: in its words
+            self._finish_locked(job, "failed", type(exc).__name__, reword(str(exc), HTTP))
             logger.warning("load %s from %s failed (job %s): %s", job.key, job.source, job.id, exc)
         except Exception as exc:  # a bug: keep the worker alive, report it on the job
             self._finish_locked(job, "failed", "InternalError", f"{type(exc).__name__}: {exc}")

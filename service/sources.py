@@ -19,6 +19,7 @@ from typing import ParamSpec, TypeVar
 from shmcache import Store
 from shmcache._disk.meta import read_meta
 from shmcache._disk.urls import is_url, local_path_of, redact_url, url_allowed
+from shmcache._error_table import HTTP, fix
 from shmcache._store.blobs import directory_fingerprint
 from shmcache._store.remote import remote_identities
 from shmcache._store.sources import PLANNERS
@@ -165,8 +166,8 @@ def check_loadable(
         for planned in keys:
             if store.exists(planned):
                 raise KeyExistsError(
-                    f'entry {planned!r} already exists; pass "overwrite": true to replace it, '
-                    "or evict it first (DELETE /v1/entries/{key})"
+                    f"entry {planned!r} already exists; pass {fix('overwrite', HTTP)} to replace it, "
+                    f"or evict it first ({fix('evict', HTTP, key=planned)})"
                 )
     return keys
 

@@ -111,6 +111,7 @@ __all__ = [
     "TooManyOpenFilesError",
     "UnauthorizedError",
     "UnsupportedDataError",
+    "UntrustedDaemonError",
     "__version__",
     "cache",
     "cache_remote",
@@ -209,6 +210,7 @@ _HOMES: dict[str, str] = {
     "TooManyOpenFilesError": ".errors",
     "UnauthorizedError": ".errors",
     "UnsupportedDataError": ".errors",
+    "UntrustedDaemonError": ".errors",
 }
 
 

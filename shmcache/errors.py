@@ -26,6 +26,7 @@ The tree (built-in bases in brackets)::
     │   (control plane: raised by the daemon, re-raised by shmcache.client)
     ├── DaemonUnavailableError      [ConnectionError]   no daemon answers
     ├── DaemonRunningError          [RuntimeError]      another daemon serves the root
+    ├── UntrustedDaemonError        [PermissionError]   another user listens on the daemon's socket
     ├── UnauthorizedError           [PermissionError]   missing or wrong TCP token
     ├── InvalidRequestError         [ValueError]        the daemon could not parse a request
     ├── JobNotFoundError            [LookupError]
@@ -60,6 +61,7 @@ __all__ = [
     "TooManyOpenFilesError",
     "UnauthorizedError",
     "UnsupportedDataError",
+    "UntrustedDaemonError",
 ]
 
 
@@ -158,6 +160,11 @@ class JobFinishedError(ShmCacheError):
 
 class JobCancelledError(ShmCacheError):
     """The load was cancelled (on request, or because the daemon stopped); nothing was published."""
+
+
+class UntrustedDaemonError(ShmCacheError, PermissionError):
+    """The process listening on the daemon's socket is not the user whose daemon serves the
+    root (its ``SO_PEERCRED`` says so): nothing was sent to it."""
 
 
 class InvalidRequestError(ShmCacheError, ValueError):

@@ -33,6 +33,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.MappingRefusedError: MemoryError,
     errors.DaemonRunningError: RuntimeError,
     errors.UnauthorizedError: PermissionError,
+    errors.UntrustedDaemonError: PermissionError,
     errors.InvalidRequestError: ValueError,
     errors.JobNotFoundError: LookupError,
     errors.SourceNotAllowedError: PermissionError,

@@ -115,6 +115,20 @@ def test_client_names_the_stopped_daemon(hung: Daemon) -> None:
     assert elapsed < BOUND_S
 
 
+def test_client_with_its_default_timeout_names_the_stopped_daemon_within_seconds(hung: Daemon) -> None:
+    with Client(hung.root) as client:  # connected while it runs: the stop lands on a live connection
+        assert client.health().pid == hung.pid
+        with stopped(hung):
+            started = time.monotonic()
+            with pytest.raises(DaemonUnavailableError) as raised:
+                client.list()
+            elapsed = time.monotonic() - started
+    message = str(raised.value)
+    assert client.timeout == OLD_TIMEOUT_S and f"kill -CONT {hung.pid}" in message and "stopped" in message
+    assert f"no answer within {OLD_TIMEOUT_S:g} s" not in message, message
+    assert elapsed < BOUND_S, f"Client took {elapsed:.1f} s: it waited out its {OLD_TIMEOUT_S:g} s timeout"
+
+
 def test_doctor_fails_on_a_stopped_daemon(hung: Daemon) -> None:
     with stopped(hung):
         code, out, _ = cli("doctor", "--json", "--root", str(hung.root))

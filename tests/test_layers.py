@@ -19,7 +19,7 @@ PACKAGE_DIRS = {
 
 # Lowest first; a module may import its own layer and the layers below it.
 LAYERS: list[list[str]] = [
-    ["shmcache.errors", "shmcache._units"],
+    ["shmcache.errors", "shmcache._units", "shmcache._error_table"],
     ["shmcache._disk"],
     ["shmcache._containers"],
     ["shmcache._store"],

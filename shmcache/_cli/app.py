@@ -50,5 +50,15 @@ def main() -> None:
     """Console entry point."""
     try:
         app()
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt:  # before a command took over (each says what it stopped)
+        _interrupted_early()
+    except SystemExit as exc:  # Typer turns a Ctrl+C while it parses the flags into a silent 130
+        cause = exc.__context__.__cause__ if isinstance(exc.__context__, typer.Exit) else None
+        if exc.code == 130 and isinstance(cause, KeyboardInterrupt):
+            _interrupted_early()
+        raise
+
+
+def _interrupted_early() -> None:
+    typer.echo("interrupted: nothing done", err=True)
+    sys.exit(130)

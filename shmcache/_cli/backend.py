@@ -23,7 +23,7 @@ import typer
 
 from .._disk.layout import ENV_SOCKET, Layout, default_root
 from .._store import Store
-from ..errors import DaemonUnavailableError, ShmCacheError
+from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
 from .common import fail
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
 
     The socket is ``$SHMCACHE_SOCKET`` or the root's, as for ``shmcache serve``. Raises
     :class:`~shmcache.DaemonUnavailableError` when a daemon lives but does not answer
-    within :data:`PROBE_TIMEOUT_S` (one that is still starting gets that long to).
+    within :data:`PROBE_TIMEOUT_S` (one that is still starting gets that long to), and
+    :class:`~shmcache.errors.UntrustedDaemonError` when another user listens on the socket.
     """
     if local:
         return None
@@ -70,12 +71,15 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
         try:
             served = probe.health().root
         except DaemonUnavailableError:
-            if live_daemon(resolved) is None:
+            live = live_daemon(resolved)
+            if live is None:
                 return None  # a stale socket, or the daemon just stopped
-            if time.monotonic() + _RETRY_S >= deadline:
-                raise
+            if live.stopped or time.monotonic() + _RETRY_S >= deadline:
+                raise  # a stopped daemon will not start answering by itself: say so now
             time.sleep(_RETRY_S)  # starting (no socket yet) or stopping
             continue
+        except UntrustedDaemonError:
+            raise  # another user listens there: never talk to it, never work around it
         except ShmCacheError:  # an error status: not a shmcache daemon of this version
             served = None
         finally:
@@ -99,7 +103,7 @@ def open_backend(root: Path | None, local: bool = False) -> Iterator[Store | Cli
     closed afterwards. A live daemon that does not answer ends the command (exit 1)."""
     try:
         client = daemon_client(root, local)
-    except DaemonUnavailableError as exc:
+    except (DaemonUnavailableError, UntrustedDaemonError) as exc:
         raise fail(exc) from None
     if client is None:
         yield Store(resolve_root(root))

@@ -1,5 +1,6 @@
-"""What every command shares: the ``--debug`` switch, failing with a one-line message and
-exit status 1, and plain tables.
+"""What every command shares: the ``--debug`` switch, failing with a one-line message (the
+fix it suggests in flags) and the exit status of the one error table
+(:mod:`shmcache._error_table`, whose exit statuses are re-exported here), and plain tables.
 
 The bottom of the CLI: command modules import it, and :mod:`.app` re-exports
 :func:`fail` and :func:`debug_enabled`.
@@ -12,9 +13,21 @@ from contextlib import contextmanager
 
 import typer
 
+from .._error_table import CLI, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, exit_status, reword
 from ..errors import ShmCacheError
 
-__all__ = ["debug_enabled", "fail", "failures_exit_1", "print_table", "set_debug", "warn_or_raise"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "debug_enabled",
+    "fail",
+    "failures_exit_1",
+    "print_table",
+    "set_debug",
+    "warn_or_raise",
+]
 
 _state = {"debug": False}
 
@@ -29,20 +42,20 @@ def debug_enabled() -> bool:
 
 
 def fail(exc: BaseException) -> typer.Exit:
-    """Print ``error: <exc>`` and return the exit (status 1) to raise; with ``--debug``,
-    raise ``exc`` itself instead."""
+    """Print ``error: <exc>`` (its fix in flags: ``--overwrite``) and return the exit to
+    raise (the error table's status, 1); with ``--debug``, raise ``exc`` itself instead."""
     if debug_enabled():
         raise exc
-    typer.echo(f"error: {exc}", err=True)
-    return typer.Exit(1)
+    typer.echo(f"error: {reword(str(exc), CLI)}", err=True)
+    return typer.Exit(exit_status(exc))
 
 
 def warn_or_raise(exc: BaseException, message: str | None = None) -> None:
-    """Print ``error: <message or exc>`` and carry on (the command exits 1 later); with
-    ``--debug``, raise ``exc``."""
+    """Print ``error: <message or exc>`` (its fix in flags) and carry on (the command exits
+    1 later); with ``--debug``, raise ``exc``."""
     if debug_enabled():
         raise exc
-    typer.echo(f"error: {message if message is not None else exc}", err=True)
+    typer.echo(f"error: {reword(message if message is not None else str(exc), CLI)}", err=True)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ import typer
 
 from .._disk.keys import validate_key
 from .._disk.urls import is_url
+from .._error_table import CLI, fix
 from .._store import Store, StoreStats
 from .._store.sources import PLANNERS
 from .._units import human_bytes
@@ -35,13 +36,13 @@ from ..errors import (
     SourceNotFoundError,
 )
 from .backend import open_backend, resolve_root
-from .common import fail, failures_exit_1, print_table, warn_or_raise
+from .common import EXIT_INTERRUPTED, fail, failures_exit_1, print_table, warn_or_raise
+from .daemon_put import interrupts_restored, put_through, report
 from .options import JsonOption, LocalOption, RootOption
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from ..client import Client, Job
 
 __all__ = ["cleanup", "evict", "info", "list_command", "put", "register", "stats", "verify"]
 
@@ -125,11 +126,11 @@ def put(
     Ctrl+C cancels the load), else (or with --local) in this process, with
     a notice. Nothing partial is ever published.
     """
-    with failures_exit_1():
-        sources = _sources(path, key)
-        options = _storage_options(storage_option or [])
-    bar, title = _progress_bar(progress), f"put {key}"
     try:
+        with failures_exit_1():
+            sources = _sources(path, key)
+            options = _storage_options(storage_option or [])
+        bar, title = _progress_bar(progress), f"put {key}"
         with open_backend(root, local) as control:
             if isinstance(control, Store):
                 with failures_exit_1():
@@ -144,12 +145,14 @@ def put(
                             "this root: it loads URLs with its own credentials (its environment, "
                             "config files or instance role). Drop the options, or add --local"
                         )
-                    jobs = _put_through(control, sources, pin, overwrite, bar, title, as_.value)
-                _report_jobs(jobs)
+                with interrupts_restored():  # Ctrl+C from here on: the daemon says what happened
+                    with failures_exit_1():
+                        outcome = put_through(control, sources, pin, overwrite, bar, title, as_.value)
+                    report(outcome)
                 return
-    except KeyboardInterrupt:
-        typer.echo("interrupted: the load was cancelled; nothing partial was published", err=True)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt:  # in this process, or before any load was asked of the daemon
+        typer.echo("interrupted: nothing partial was published (see `shmcache ls`)", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     for published_key in published:
         typer.echo(published_key)
 
@@ -260,8 +263,8 @@ def _put_here(
             for entry in plan:
                 if store.exists(entry.key):
                     raise KeyExistsError(
-                        f"entry {entry.key!r} already exists; pass --overwrite to replace it, "
-                        "or evict it first"
+                        f"entry {entry.key!r} already exists; pass {fix('overwrite', CLI)} to replace "
+                        f"it, or evict it first ({fix('evict', CLI, key=entry.key)})"
                     )
     why = "--local" if local else "no daemon"
     typer.echo(f"notice: {why} on {store.root}; loading in this process", err=True)
@@ -279,82 +282,6 @@ def _put_here(
             )
             offset += sum(entry.size for entry in plan)
     return published
-
-
-def _put_through(
-    client: Client,
-    sources: list[tuple[str, Path | str]],
-    pin: bool,
-    overwrite: bool,
-    bar: Progress,
-    title: str,
-    as_: str = "auto",
-) -> list[Job]:
-    """Submit one load per source (the daemon runs them in parallel), follow them on one
-    bar; Ctrl+C (or a refused source) cancels those already submitted. Returns the
-    finished jobs."""
-    jobs: list[Job] = []
-    try:
-        for key, source in sources:
-            jobs.append(client.load(key, source, pin=pin, overwrite=overwrite, as_=as_))
-        with bar:
-            task = bar.add_task(title, total=None)
-            delay = _POLL_MIN_S
-            while True:
-                jobs = [client.job(job.id) if job.active else job for job in jobs]
-                totals = [job.bytes_total for job in jobs]
-                known = all(t is not None for t in totals)
-                bar.update(task, completed=sum(job.bytes_done for job in jobs),
-                           total=sum(t or 0 for t in totals) if known else None)
-                if not any(job.active for job in jobs):
-                    return jobs
-                time.sleep(delay)
-                delay = min(delay * 2, _POLL_MAX_S)
-    except BaseException:
-        _cancel(client, jobs, sources)
-        raise
-
-
-def _cancel(client: Client, jobs: Sequence[Job], sources: Sequence[tuple[str, Path | str]]) -> None:
-    """Cancel our loads: those submitted, and any still active for our keys and sources
-    (Ctrl+C may land after the daemon queued a load but before we read its answer)."""
-    try:  # an interrupted request may have left the connection half-read: start afresh
-        client.close()
-    except Exception:
-        pass
-    ours = {
-        (key, path)
-        for key, source in sources
-        for path in ((source,) if is_url(source) else (os.path.abspath(source), os.path.realpath(source)))
-    }
-    try:
-        active = [job for job in client.jobs() if job.active and (job.key, job.source) in ours]
-    except ShmCacheError:
-        active = []
-    for job_id in dict.fromkeys([job.id for job in jobs if job.active] + [job.id for job in active]):
-        try:
-            client.cancel(job_id)
-        except ShmCacheError:
-            pass  # finished meanwhile, or the daemon is gone: nothing left to stop
-
-
-def _report_jobs(jobs: Sequence[Job]) -> None:
-    """Print the keys the jobs published, then one error line per failed job (exit 1)."""
-    from ..client import error_from_body
-    from ..errors import JobCancelledError
-
-    failed = [job for job in jobs if job.state != "done"]
-    for job in jobs:
-        for published_key in job.keys:
-            typer.echo(published_key)
-    for job in failed:
-        if job.state == "cancelled" or job.error is None:
-            error: ShmCacheError = JobCancelledError(f"load of {job.key!r} was cancelled")
-        else:
-            error = error_from_body(job.error.type, job.error.detail)
-        warn_or_raise(error, str(error) if len(jobs) == 1 else f"{job.key}: {error}")
-    if failed:
-        raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------------- inspect

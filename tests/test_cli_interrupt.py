@@ -1,0 +1,109 @@
+"""Ctrl+C on ``shmcache put`` through the daemon says what happened, at any moment.
+
+A load interrupted near its end may be published anyway (the daemon was already
+publishing when the cancel came): the command asks the daemon, and its message and exit
+status must match what ``shmcache ls`` then lists, wherever the interrupt lands.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_helpers import cli, cli_process
+from service_helpers import Daemon, unique, write_big_npy
+from shmcache.client import Client
+
+pytest.importorskip("fastapi")
+
+POINTS = 20
+SIZE = 96 << 20
+"""About 1.5 s at the test daemon's --max-load-rate: long enough to land inside the load."""
+HANG_S = 60.0
+
+
+def _listed(root: Path, key: str) -> bool:
+    code, out, err = cli("ls", key, "--json", "--root", str(root))
+    assert code == 0, err
+    return key in {entry["key"] for entry in json.loads(out)}
+
+
+def _startup_s() -> float:
+    """How long the command takes to import itself (before then, Ctrl+C is Python's)."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import shmcache.cli"], check=True)
+    return time.monotonic() - started
+
+
+def test_ctrl_c_anywhere_in_a_daemon_put_reports_what_ls_shows(daemon: Daemon, data_dir: Path) -> None:
+    source = write_big_npy(data_dir / f"{unique('interrupted')}.npy", SIZE)
+    root = str(daemon.root)
+    key = unique("whole")
+    started = time.monotonic()
+    baseline = cli_process("put", str(source), "--key", key, "--root", root)
+    baseline.communicate(timeout=HANG_S)
+    whole = time.monotonic() - started
+    assert baseline.returncode == 0 and _listed(daemon.root, key)
+    first = 1.5 * _startup_s()  # (noisy machines: well past the imports)
+    outcomes = []
+    for point in range(POINTS):  # from the end of the imports to past the end of the load
+        delay = first + (whole * 1.1 - first) * point / (POINTS - 1)
+        key = unique(f"at{point}")
+        process = cli_process("put", str(source), "--key", key, "--root", root)
+        try:
+            time.sleep(delay)
+            sent = process.poll() is None
+            if sent:
+                process.send_signal(signal.SIGINT)
+            out, err = process.communicate(timeout=HANG_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        listed = _listed(daemon.root, key)
+        context = (point, round(delay, 2), process.returncode, out, err)
+        assert "Traceback" not in err, context
+        if process.returncode == -signal.SIGINT:  # the put had finished: SIGINT found Python exiting
+            assert listed and out.split() == [key] and err == "", context
+            outcomes.append("published")
+        elif process.returncode == 0:
+            assert listed and out.split() == [key], context
+            if sent:
+                assert err.strip().endswith("interrupted: published (the load had finished)"), context
+            outcomes.append("published")
+        else:
+            assert process.returncode == 130 and not listed and out == "", context
+            said = (err.strip().splitlines() or ["(nothing)"])[-1]
+            assert said in ("interrupted: cancelled, nothing published",  # the daemon's answer
+                            "interrupted: nothing partial was published (see `shmcache ls`)",
+                            "interrupted: nothing done"), context  # before the command started
+            outcomes.append("cancelled")
+        with Client(daemon.root) as client:  # whatever it said, nothing is left running
+            assert not [job for job in client.jobs() if job.key == key and job.active], context
+    assert "cancelled" in outcomes, outcomes  # the points did span the load
+
+
+@pytest.mark.parametrize("fraction", [0.3, 1.0])
+def test_an_interrupted_client_put_file_says_how_the_load_ended(
+    daemon: Daemon, data_dir: Path, fraction: float
+) -> None:
+    source = write_big_npy(data_dir / f"{unique('client')}.npy", 32 << 20)
+    key = unique("client")
+
+    def interrupt(done: int, total: int) -> None:
+        if done >= fraction * total:
+            raise KeyboardInterrupt
+
+    with Client(daemon.root) as client, pytest.raises(KeyboardInterrupt) as raised:
+        client.put_file(key, source, progress=interrupt)
+    (note,) = getattr(raised.value, "__notes__", ["(no note)"])
+    if _listed(daemon.root, key):
+        assert note == f"the load of {key!r} had finished: published {key}", note
+    else:
+        assert note == f"the load of {key!r} ended cancelled: nothing published", note
+    if fraction < 1.0:
+        assert "nothing published" in note
