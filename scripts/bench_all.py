@@ -5,7 +5,9 @@ DESIGN.md performance target in one table and one ``summary.json``.
 Each benchmark's output streams through and is also kept in ``<out>/<name>.log``; its
 JSON (where it writes one) in ``<out>/<name>.json``; its plots under ``<out>``. The
 exit status is 0 unless a benchmark crashed: timings never fail a run (CI runs
-``--quick``). Usage::
+``--quick``). Every benchmark runs with a throwaway root of this run as its default root and
+none of the caller's ``SHMCACHE_*`` settings: a daemon serving the user's own root is never
+used or touched (``grid_search.py --root`` run directly measures through a daemon). Usage::
 
     python scripts/bench_all.py [--quick] [--out DIR] [--only a,b] [--skip a,b]
 """
@@ -14,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -138,7 +143,16 @@ def steps() -> list[Step]:
 # ---------------------------------------------------------------------- running
 
 
-def run_step(step: Step, quick: bool, out: Path, timeout: float | None) -> dict[str, Any]:
+def isolated_env(root: Path) -> dict[str, str]:
+    """The environment of every benchmark: none of the caller's ``SHMCACHE_*`` settings and
+    ``root`` as the default root, so no benchmark reaches the user's own cache or daemon."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCACHE_")}
+    return env | {"SHMCACHE_ROOT": str(root)}
+
+
+def run_step(
+    step: Step, quick: bool, out: Path, timeout: float | None, env: dict[str, str]
+) -> dict[str, Any]:
     command = [sys.executable, str(SCRIPTS / step.script), *step.args]
     if quick and step.quick_flag:
         command.append("--quick")
@@ -151,7 +165,7 @@ def run_step(step: Step, quick: bool, out: Path, timeout: float | None) -> dict[
     print(f"\n=== {step.name}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
     lines: list[str] = []
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert process.stdout is not None
     deadline = None if timeout is None else started + timeout
     for line in process.stdout:  # stream, and keep for parsing
@@ -210,7 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    results = [run_step(step, args.quick, args.out, args.timeout) for step in selected]
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = Path(tempfile.mkdtemp(prefix="shmcache-bench-root-", dir=base))  # 0700, ours
+    try:
+        env = isolated_env(root)
+        results = [run_step(step, args.quick, args.out, args.timeout, env) for step in selected]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - started
 
     rows: list[list[object]] = []

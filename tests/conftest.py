@@ -1,6 +1,11 @@
 """Shared fixtures: every test gets its own cache root on the real tmpfs; the daemon tests of a
 module share one real ``shmcache serve`` and one directory of sources.
 
+Before any test runs, every ``SHMCACHE_*`` variable of the caller is dropped and
+``$SHMCACHE_ROOT`` points at a sandbox root of this test process (``isolate_environment``):
+a test, a CLI or a script started without a root never reaches the user's default root or
+daemon (``tests/test_isolation.py`` runs tests beside a daemon on the default root).
+
 - ``root``: a fresh root path (not created), also ``$SHMCACHE_ROOT``; removed afterwards.
 - ``store``: a :class:`shmcache.Store` on ``root``.
 - ``data_dir`` (module): a fresh, created directory for source files on the tmpfs; removed afterwards.
@@ -20,10 +25,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from service_helpers import LOAD_RATE, Daemon, fresh_root, running_daemon, scratch_dir, temporary_root
+from service_helpers import (
+    LOAD_RATE,
+    Daemon,
+    fresh_root,
+    isolate_environment,
+    running_daemon,
+    sandbox_root,
+    scratch_dir,
+    temporary_root,
+)
 
 import shmcache
 from shmcache._disk.layout import ENV_ROOT
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    isolate_environment()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(sandbox_root(), ignore_errors=True)
 
 
 @pytest.fixture

@@ -38,8 +38,10 @@ __all__ = [
     "clean_env",
     "disk_usage",
     "fresh_root",
+    "isolate_environment",
     "load",
     "running_daemon",
+    "sandbox_root",
     "scratch_base",
     "scratch_dir",
     "serve_command",
@@ -63,6 +65,28 @@ def scratch_base() -> Path:
     """Where test roots and sources go: the real tmpfs when there is one (fast, like the cache)."""
     shm = Path(SHM_DIR)
     return shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+_SANDBOX: list[Path] = []  # this test process's stand-in for the default root (set once)
+
+
+def sandbox_root() -> Path:
+    """The root that this test process (and every subprocess it starts through
+    :func:`clean_env`) uses where nothing names one: never the user's own default root."""
+    if not _SANDBOX:
+        _SANDBOX.append(scratch_base() / f"shmcache-test-sandbox-{uuid.uuid4().hex[:12]}")
+    return _SANDBOX[0]
+
+
+def isolate_environment() -> Path:
+    """Make this test process forget the user's cache: drop every ``SHMCACHE_*`` variable
+    (a socket, a token, a config, a team of the user's) and point ``SHMCACHE_ROOT`` at
+    :func:`sandbox_root`. Called once per test process, before any test runs, so neither a
+    test nor a subprocess it starts can reach the user's root or daemon by default."""
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
+        del os.environ[name]
+    os.environ[f"{ENV_PREFIX}ROOT"] = str(sandbox_root())
+    return sandbox_root()
 
 
 def fresh_root() -> Path:
@@ -124,8 +148,10 @@ def unique(name: str) -> str:
 
 
 def clean_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without any ``SHMCACHE_*`` setting, plus ``env``."""
+    """This process's environment without any ``SHMCACHE_*`` setting but the sandbox as the
+    default root (a subprocess that is given no root never falls back to the user's), plus ``env``."""
     merged = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    merged[f"{ENV_PREFIX}ROOT"] = str(sandbox_root())
     merged.update(env or {})
     return merged
 

@@ -70,7 +70,7 @@ def test_logind_conf_and_drop_ins_are_read_in_order(machine: SystemPaths) -> Non
 
 
 def test_doctor_reports_the_logout_check(root: Path) -> None:
-    code, out, _ = cli("doctor", "--json", "--root", str(root))
+    _, out, _ = cli("doctor", "--json", "--root", str(root))
     checks = {check["name"]: check for check in json.loads(out)["checks"]}
     assert checks["logout"]["status"] in ("ok", "warn")
     expected = removeipc_risk(root)
