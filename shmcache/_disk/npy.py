@@ -21,6 +21,7 @@ import numpy as np
 import numpy.lib.format as npy_format
 
 from ..errors import CorruptEntryError, CorruptSourceError, ShmCacheError, UnsupportedDataError
+from .shapes import checked_shape
 
 if TYPE_CHECKING:
     import zipfile
@@ -48,7 +49,6 @@ _CANONICAL_HEADER = re.compile(
 _CANONICAL_DIMS = re.compile(rb"\A(?:[0-9]+,|[0-9]+(?:, [0-9]+)+)?\Z")  # (), (3,), (2, 3)
 _SOURCE_HEAD = 4096  # first read of a source: its whole header, nearly always
 _MEMO_LIMIT = 4096
-_INTP_MAX = int(np.iinfo(np.intp).max)
 _DTYPES: dict[bytes, np.dtype] = {}  # descr text -> dtype
 _SHAPES: dict[bytes, tuple[int, ...]] = {}  # shape text -> shape
 
@@ -180,14 +180,8 @@ def _read_header(fp: BinaryIO) -> NpyHeader:
 
 
 def _check_shape(shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """Refuse what numpy cannot make an array of, even an empty one: a negative dimension,
-    one beyond ``intp``, or a size in bytes beyond it (zero dimensions aside)."""
-    if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
-    if any(d > _INTP_MAX for d in shape):
-        raise ValueError(f"shape {shape} has a dimension beyond {_INTP_MAX}, numpy's largest")
-    if math.prod(d for d in shape if d) * max(dtype.itemsize, 1) > _INTP_MAX:
-        raise ValueError(f"shape {shape} of {dtype} would be more than {_INTP_MAX} bytes")
+    """Refuse what numpy cannot make an array of, even an empty one (``shapes``)."""
+    checked_shape(shape, dtype.itemsize, "the header", ValueError)
 
 
 def check_written_header(path: str | os.PathLike[str], expected: NpyHeader, source: str) -> None:

@@ -13,17 +13,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptSourceError, UnsupportedDataError
+from .shapes import checked_shape
 
 __all__ = ["MAX_HEADER_BYTES", "SafetensorsTensor", "read_safetensors_index"]
 
 MAX_HEADER_BYTES = 100 << 20  # the reference implementation's own limit
-_MAX_DIM = int(np.iinfo(np.intp).max)
+_MAX_DEPTH = 4  # {name: {"shape": [...]}}: 3 levels; deeper is not a safetensors header
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SCAN_CHUNK = 1 << 20
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(code)
     for name, code in {
@@ -76,6 +81,7 @@ def read_safetensors_index(fd: int, size: int, path: str) -> list[SafetensorsTen
     raw = os.pread(fd, length, 8)
     if len(raw) != length:
         raise CorruptSourceError(f"{path}: truncated .safetensors file while reading its header")
+    _check_nesting(raw, path)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -87,6 +93,26 @@ def read_safetensors_index(fd: int, size: int, path: str) -> list[SafetensorsTen
         _tensor(name, spec, base, size, path) for name, spec in header.items() if name != "__metadata__"
     ]
     return sorted(tensors, key=lambda t: t.offset)
+
+
+def _check_nesting(raw: bytes, path: str) -> None:
+    """Refuse a header nested deeper than any safetensors header is, before ``json`` parses
+    it recursively (100,000 brackets would end in a ``RecursionError``). Brackets inside
+    strings are not nesting: strings are blanked first; the brackets are then counted by numpy."""
+    if raw.count(b"[") + raw.count(b"{") <= _MAX_DEPTH:
+        return
+    brackets = _STRING.sub(b'""', raw).translate(None, _NOT_BRACKETS)
+    depth = 0
+    for start in range(0, len(brackets), _SCAN_CHUNK):  # bounded memory for a 100 MiB header
+        count = min(_SCAN_CHUNK, len(brackets) - start)
+        chunk = np.frombuffer(brackets, dtype=np.uint8, count=count, offset=start)
+        running = depth + np.cumsum(np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1))
+        if int(running.max()) > _MAX_DEPTH:
+            raise CorruptSourceError(
+                f"{path}: the .safetensors header nests objects or lists over {_MAX_DEPTH} deep "
+                "(a safetensors header is a flat table of tensors): crafted or corrupt"
+            )
+        depth = int(running[-1])
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -109,15 +135,9 @@ def _tensor(name: str, spec: Any, base: int, size: int, path: str) -> Safetensor
             f"{where} has dtype {kind}, which numpy has no type for (shmcache stores numpy "
             "arrays); convert it first, e.g. tensor.float() or tensor.half(), and save again"
         )
-    if (
-        not isinstance(shape, list)
-        or not isinstance(offsets, list)
-        or not _ints(shape + offsets)
-        or len(offsets) != 2
-    ):
-        raise CorruptSourceError(f"{where}: shape and data_offsets must be lists of non-negative integers")
-    if any(n > _MAX_DIM for n in shape):
-        raise CorruptSourceError(f"{where}: shape {tuple(shape)} is beyond what numpy can address")
+    if not isinstance(offsets, list) or not _ints(offsets) or len(offsets) != 2:
+        raise CorruptSourceError(f"{where}: data_offsets must be a list of two non-negative integers")
+    shape = checked_shape(shape, dtype.itemsize, where)
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
     if end < begin or end - begin != nbytes:
