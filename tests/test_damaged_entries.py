@@ -177,3 +177,21 @@ def test_cli_verify_reports_entries_that_ls_cannot_show(store: Store) -> None:
     assert found == {"good": "ok", "no-meta": "CORRUPT", "swapped": "CORRUPT", "trimmed": "CORRUPT"}, out
     assert code == 1 and "3 corrupt entries" in err
     assert "meta.json is missing" in out and "checksum list covers" in out
+
+
+@pytest.mark.parametrize("shape", ["(True,)", "(" + "1, " * 70 + ")"], ids=["bool", "70 dimensions"])
+def test_a_data_header_no_reader_can_open_is_named(store: Store, shape: str) -> None:
+    store.put_array("k", np.zeros(1, dtype=np.uint8))
+    data = _data_files(store, "k")[0]
+    fields = f"{{'descr': '|u1', 'fortran_order': False, 'shape': {shape}, }}".encode()
+    header = fields + b" " * (-(10 + len(fields) + 1) % 64) + b"\n"
+    data.chmod(0o600)
+    data.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0")
+    for read in (
+        lambda: Store(store.root).open_array("k"),
+        lambda: Store(store.root).open("k"),
+        lambda: store.verify("k"),
+    ):
+        with pytest.raises(CorruptEntryError) as caught:
+            read()
+        _names_key_and_fix(caught.value)

@@ -566,3 +566,15 @@ def test_torch_dicts_nested_too_deep_are_refused(store: Store, root: Path, tmp_p
     with pytest.raises(UnsupportedDataError, match="dicts nested over 32 deep"):
         store.put_file("k", tmp_path / "deep.pt")
     _nothing_published(store, root)
+
+
+def test_daemon_answers_a_deeply_nested_safetensors_header_with_a_4xx(daemon: Daemon, data_dir: Path) -> None:
+    depth = 100_000
+    header = '{"x": ' + "[" * depth + "]" * depth + "}"
+    source = _safetensors_with_header(data_dir / f"{unique('deep')}.safetensors", header)
+    with daemon.client(timeout=60) as client:
+        response = client.put(f"/v1/entries/{unique('k')}", json={"source": str(source)})
+        assert response.status_code == 400, response.text  # was a 500 with a RecursionError
+        assert response.json()["error"] == "CorruptSourceError"
+        assert "nests objects or lists over" in response.json()["detail"]
+        assert client.get("/v1/health").status_code == 200

@@ -142,7 +142,10 @@ def _file_header(layout: Layout, key: str, version: str, name: str) -> NpyHeader
             raise damaged(key, f"{where} ends inside its header")
     finally:
         os.close(fd)
-    checked_shape(header.shape, header.dtype.itemsize, f"{where} (its header)", CorruptEntryError)
+    try:
+        checked_shape(header.shape, header.dtype.itemsize, f"{where} (its header)", CorruptEntryError)
+    except CorruptEntryError as exc:
+        raise damaged(key, str(exc)) from None
     if size != header.file_size:
         raise damaged(
             key,
