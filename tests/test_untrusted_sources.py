@@ -578,3 +578,13 @@ def test_daemon_answers_a_deeply_nested_safetensors_header_with_a_4xx(daemon: Da
         assert response.json()["error"] == "CorruptSourceError"
         assert "nests objects or lists over" in response.json()["detail"]
         assert client.get("/v1/health").status_code == 200
+
+
+def test_safetensors_with_over_a_million_tensors_is_refused(store: Store, root: Path, tmp_path: Path) -> None:
+    from shmcache._disk.shapes import MAX_TENSORS
+
+    header = "{" + ",".join(f'"{i:x}":{{}}' for i in range(MAX_TENSORS + 1)) + "}"  # each one an entry
+    source = _safetensors_with_header(tmp_path / "many.safetensors", header)
+    with pytest.raises(UnsupportedDataError, match=f"over {MAX_TENSORS} tensors"):
+        store.put_file("k", source)
+    _nothing_published(store, root)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptSourceError, UnsupportedDataError
-from .shapes import checked_shape
+from .shapes import MAX_TENSORS, checked_shape
 
 __all__ = ["MAX_HEADER_BYTES", "SafetensorsTensor", "read_safetensors_index"]
 
@@ -88,6 +88,8 @@ def read_safetensors_index(fd: int, size: int, path: str) -> list[SafetensorsTen
         ) from None
     if not isinstance(header, dict):
         raise CorruptSourceError(f"{path}: the .safetensors header is not a JSON object")
+    if len(header) > MAX_TENSORS:
+        raise UnsupportedDataError(f"{path}: over {MAX_TENSORS} tensors in one file")
     base = 8 + length
     tensors = [
         _tensor(name, spec, base, size, path) for name, spec in header.items() if name != "__metadata__"

@@ -17,11 +17,14 @@ import numpy as np
 
 from ..errors import CorruptSourceError
 
-__all__ = ["MAX_DIMS", "MAX_INTP", "checked_shape"]
+__all__ = ["MAX_DIMS", "MAX_INTP", "MAX_TENSORS", "checked_shape"]
 
 MAX_DIMS = 64 if int(np.__version__.split(".", 1)[0]) >= 2 else 32
 """The most dimensions this numpy gives an array (``NPY_MAXDIMS``)."""
 MAX_INTP = int(np.iinfo(np.intp).max)
+MAX_TENSORS = 1 << 20
+"""The most arrays one source file (a checkpoint, a safetensors file) may hold: each becomes
+an entry, and the largest models hold a few thousand."""
 
 
 def checked_shape(

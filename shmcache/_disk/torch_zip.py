@@ -30,12 +30,11 @@ import numpy as np
 from ..errors import CorruptSourceError, UnsupportedDataError
 from .fs import write_all
 from .npy import zip_data_offset
-from .shapes import MAX_DIMS, MAX_INTP, checked_shape
+from .shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
 
-__all__ = ["MAX_TENSORS", "TorchTensor", "gather_writer", "read_torch_index"]
+__all__ = ["TorchTensor", "gather_writer", "read_torch_index"]
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl of a state dict is ~100 bytes per tensor
-MAX_TENSORS = 1 << 20  # each one an entry; the largest models hold a few thousand
 _NUMPY: dict[str, str] = {
     "float64": "<f8",
     "float32": "<f4",
