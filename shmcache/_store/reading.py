@@ -117,7 +117,8 @@ class Reader:
             raise wrong_kind(key, str(kind), "array")
         if read_version(link) == version:
             where = self.layout.version_dir(version)
-            raise damaged(key, f"its data ({ARRAY_FILE}) is missing from {where}")
+            vanished = "" if where.is_dir() else " (`shmcache cleanup` removes entries whose data vanished)"
+            raise damaged(key, f"its data ({ARRAY_FILE}) is missing from {where}{vanished}")
 
     def open_private_array(self, key: str) -> np.ndarray:
         """A writable copy-on-write array of ``key`` with one mapping (for tensors):
