@@ -305,7 +305,7 @@ def test_sharearray_file_planted_by_another_user_is_named(users: tuple[User, Use
         as_user(attacker, lambda: np.save(planted, np.array([666])))
         with pytest.raises(CacheRootError) as caught:
             as_user(victim, _sharearray_cache, str(shm))
-        assert f"{planted} belongs to user {attacker.name} (uid {attacker.uid})" in str(caught.value)
+        assert f"{planted} belongs to uid {attacker.uid} ({attacker.name})" in str(caught.value)
         assert "prefix=" in str(caught.value)
         assert isinstance(caught.value, PermissionError)
         warned = as_user(victim, _sharearray_free, str(shm))  # no error: nothing of ours to free

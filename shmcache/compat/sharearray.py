@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import pwd
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +47,7 @@ import numpy as np
 from .._api import get_store
 from .._disk.layout import ARRAY_FILE as _ARRAY_FILE
 from .._disk.layout import encode_key
+from .._disk.trust import describe_uid
 from .._store import Store
 from ..errors import CacheRootError, InvalidKeyError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 
@@ -95,13 +95,6 @@ def _build_path(id: str, prefix: str, shm_path: str) -> tuple[str, str]:
     return path, path + ".lock"
 
 
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
 def _check_not_taken(id: str, path: str) -> None:
     """Refuse (:class:`~shmcache.CacheRootError`, a ``PermissionError``) when another user
     owns what lies at ``path``: ``/dev/shm`` is shared by every user, and a file planted
@@ -113,8 +106,8 @@ def _check_not_taken(id: str, path: str) -> None:
         return
     if owner != os.getuid():
         raise CacheRootError(
-            f"sharearray id {id!r}: {path} belongs to user {_user(owner)}, not to you "
-            f"({_user(os.getuid())}), so it cannot be made to point at your array; ask its owner "
+            f"sharearray id {id!r}: {path} belongs to {describe_uid(owner)}, not to you "
+            f"({describe_uid(os.getuid())}), so it cannot be made to point at your array; ask its owner "
             "(or root) to remove it, or pass another prefix= or shm_path= (a directory of your own)"
         )
 
