@@ -591,3 +591,23 @@ def test_safetensors_with_too_many_tensors_is_refused(
     with pytest.raises(UnsupportedDataError, match="over 1000 tensors"):
         store.put_file("k", source)
     _nothing_published(store, root)
+
+
+@pytest.mark.parametrize("brackets", ["()", "[]", "{}"])
+def test_npy_header_of_deeply_nested_brackets_is_refused_at_once(
+    store: Store, root: Path, tmp_path: Path, brackets: str
+) -> None:
+    """A 900 KB header of brackets (under the 1 MiB header limit): numpy's own parser took
+    seconds per 100 KB of it before refusing; the nesting is now refused first."""
+    depth = 450_000
+    opener = brackets[0] if brackets != "{}" else "{0: "
+    nested = opener * depth + brackets[1] * depth
+    fields = f"{{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': {nested}}}".encode()
+    header = fields + b" " * (-(12 + len(fields) + 1) % 64) + b"\n"
+    source = tmp_path / "nested.npy"
+    source.write_bytes(b"\x93NUMPY\x02\x00" + len(header).to_bytes(4, "little") + header + bytes(4))
+    started = time.monotonic()
+    with pytest.raises(CorruptSourceError, match="nests brackets over 64 deep"):
+        store.put_file("k", source)
+    assert time.monotonic() - started < PROMPT_S
+    _nothing_published(store, root)
