@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ DAMAGE: dict[str, Callable[[Store, str], object]] = {
     "link swapped to another key's data": _swap_link,
     "a file deleted": lambda store, key: _data_files(store, key)[0].unlink(),
     "a file truncated": lambda store, key: os.truncate(_data_files(store, key)[-1], 20),
+    "its whole data directory removed": lambda store, key: shutil.rmtree(_version_dir(store, key)),
 }
 ONLY_META = {d for d in DAMAGE if d.startswith("meta.json")} | {"link swapped to another key's data"}
 """Damage that ``open_array`` cannot see: it reads the data file alone (its cold path

@@ -35,15 +35,21 @@ def damaged(key: str, what: str) -> CorruptEntryError:
 def read_entry_meta(layout: Layout, key: str, version: str, link: str) -> dict[str, Any] | None:
     """The metadata of ``version``, which ``key``'s entry ``link`` pointed at; None if the
     link moved meanwhile (replaced or evicted: resolve again). Raises :func:`damaged` if the
-    link still points there and ``meta.json`` is missing, not a JSON object, or records
+    link still points there and the version or its ``meta.json`` is missing, not a JSON object, or records
     another key (a link pointed at another entry's data). Metadata without a key (older
     entries) is taken as the key's."""
     try:
         with open(layout.object_file(version, META_FILE), "rb") as fp:
             raw = fp.read()
     except (FileNotFoundError, NotADirectoryError):
-        if read_version(link) != version or not os.path.isdir(layout.version_dir(version)):
-            return None  # evicted or replaced: an evict unlinks the link before the files
+        if read_version(link) != version:
+            return None  # evicted or replaced: both move the link before removing files
+        if not os.path.isdir(layout.version_dir(version)):
+            raise damaged(
+                key,
+                f"its data {layout.version_dir(version)} vanished "
+                "(`shmcache cleanup` removes entries whose data vanished)",
+            ) from None
         raise damaged(key, f"its {META_FILE} is missing from {layout.version_dir(version)}") from None
     try:
         meta = json.loads(raw)
