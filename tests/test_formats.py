@@ -124,7 +124,7 @@ def _safetensors_bytes(header: object, payload: bytes = b"", length: int | None 
         ),
         (
             _safetensors_bytes({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
-            "tensor 'w': shape and data_offsets must be lists of non-negative integers",
+            r"tensor 'w': its shape \(-1,\) has a negative dimension",
         ),
         (
             _safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, b"\0" * 8),
@@ -329,7 +329,7 @@ def test_dict_that_holds_itself_is_refused(store: Store, tmp_path: Path) -> None
     loop: dict[str, object] = {}
     loop["again"] = loop
     path = _checkpoint(tmp_path / "loop.pt", pickle.dumps(loop, protocol=2), {})
-    with pytest.raises(UnsupportedDataError, match=r"loop\.pt: dicts nested over 32 deep"):
+    with pytest.raises(UnsupportedDataError, match=r"loop\.pt: 'again' is the very dict .* at the top"):
         store.put_file("m", path)
 
 

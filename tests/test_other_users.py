@@ -29,6 +29,7 @@ import shmcache
 from shmcache import CacheRootError, DaemonUnavailableError, Store
 from shmcache._diagnose.doctor import run_checks
 from shmcache._disk.layout import ENV_PREFIX, SHM_DIR
+from shmcache.compat import sharearray
 
 
 @dataclass(frozen=True)
@@ -269,3 +270,48 @@ def test_client_on_another_users_socket_is_daemon_unavailable(
         assert isinstance(raised.value, ConnectionError)
         assert "another user" in str(raised.value)
     assert health(root=str(daemon.root)).pid == daemon.pid
+
+
+def _sharearray_cache(shm_path: str) -> list[str]:
+    """As the victim: sharearray.cache of id "x" under ``shm_path``; the loader's calls."""
+    calls: list[str] = []
+
+    def load() -> np.ndarray:
+        calls.append("loaded")
+        return np.arange(3)
+
+    sharearray.cache("x", load, shm_path=shm_path, verbose=False)
+    return calls
+
+
+def _sharearray_free(shm_path: str) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sharearray.free("x", shm_path=shm_path)
+    return [str(w.message) for w in caught]
+
+
+def test_sharearray_file_planted_by_another_user_is_named(users: tuple[User, User]) -> None:
+    """``/dev/shm`` is everyone's: another user's ``sharearray_x.npy`` there is refused with
+    its owner's name, before anything is loaded (it was a raw PermissionError)."""
+    victim, attacker = users
+    shm = fresh_root()  # a sticky, world-writable directory, as /dev/shm is
+    shm.mkdir()
+    shm.chmod(0o1777)
+    try:
+        planted = str(shm / "sharearray_x.npy")
+        as_user(attacker, lambda: np.save(planted, np.array([666])))
+        with pytest.raises(CacheRootError) as caught:
+            as_user(victim, _sharearray_cache, str(shm))
+        assert f"{planted} belongs to uid {attacker.uid} ({attacker.name})" in str(caught.value)
+        assert "prefix=" in str(caught.value)
+        assert isinstance(caught.value, PermissionError)
+        warned = as_user(victim, _sharearray_free, str(shm))  # no error: nothing of ours to free
+        assert any(attacker.name in message for message in warned), warned
+        assert np.load(planted).tolist() == [666]  # left alone
+        store_root = shm / f"sharearray_shmcache-{victim.uid}"
+        assert not store_root.exists() or Store(store_root).list() == []  # nothing loaded
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from cli_helpers import cli_process
@@ -28,6 +29,7 @@ from shmcache import (
     InvalidSourceError,
     SourceNotAllowedError,
     Store,
+    UnsupportedDataError,
 )
 from shmcache._disk import source_files
 
@@ -400,3 +402,212 @@ def test_checksum_is_that_of_the_bytes_published(store: Store, shm_dir: Path) ->
         mapping.close()
     assert store.verify("k") is True
     assert store.open_array("k")[-1] == 9  # copied after the change, and checksummed as copied
+
+
+# ---------------------------------------------------------------------- hostile headers (issue 18)
+
+
+def _npy_with_header(path: Path, fields: str, payload: bytes) -> Path:
+    """A ``.npy`` file whose header dict is ``fields`` verbatim (padded as numpy pads it)."""
+    text = fields.encode("latin1")
+    pad = -(10 + len(text) + 1) % 64
+    header = text + b" " * pad + b"\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + payload)
+    return path
+
+
+def _safetensors_with_header(path: Path, header: str, payload: bytes = b"") -> Path:
+    raw = header.encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + payload)
+    return path
+
+
+def _ones(n: int) -> str:
+    return "(" + ", ".join(["1"] * n) + ",)"
+
+
+HOSTILE_NPY = {
+    "70 dimensions": (f"{{'descr': '<f4', 'fortran_order': False, 'shape': {_ones(70)}, }}", 4),
+    "a bool dimension": ("{'descr': '|u1', 'fortran_order': False, 'shape': (True,), }", 1),
+    "an empty shape whose other dimensions overflow": (
+        f"{{'descr': '<f4', 'fortran_order': False, 'shape': (0, {2**62}, {2**62}), }}",
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_NPY))
+@pytest.mark.parametrize("container", [".npy", ".npz"])
+def test_npy_shapes_no_reader_can_open_are_refused(
+    store: Store, root: Path, tmp_path: Path, case: str, container: str
+) -> None:
+    fields, nbytes = HOSTILE_NPY[case]
+    source = _npy_with_header(tmp_path / "x.npy", fields, b"\0" * nbytes)
+    if container == ".npz":
+        import zipfile
+
+        with zipfile.ZipFile(tmp_path / "x.npz", "w") as archive:
+            archive.write(source, "x.npy")
+        source = tmp_path / "x.npz"
+    with pytest.raises(CorruptSourceError, match="shape"):
+        store.put_file("k", source)
+    _nothing_published(store, root)
+
+
+HOSTILE_SAFETENSORS = {
+    "70 dimensions": ('{"t": {"dtype": "F32", "shape": %s, "data_offsets": [0, 4]}}' % ([1] * 70), 4),
+    "a bool dimension": ('{"t": {"dtype": "U8", "shape": [true], "data_offsets": [0, 1]}}', 1),
+    "an empty shape whose other dimensions overflow": (
+        '{"t": {"dtype": "F32", "shape": [0, %d, %d], "data_offsets": [0, 0]}}'.replace("%d", str(2**62)),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_SAFETENSORS))
+def test_safetensors_shapes_no_reader_can_open_are_refused(
+    store: Store, root: Path, tmp_path: Path, case: str
+) -> None:
+    header, nbytes = HOSTILE_SAFETENSORS[case]
+    source = _safetensors_with_header(tmp_path / "m.safetensors", header, b"\0" * nbytes)
+    with pytest.raises(CorruptSourceError, match=r"tensor 't'.*shape"):
+        store.put_file("k", source)
+    _nothing_published(store, root)
+
+
+def test_safetensors_header_nested_100000_deep_is_refused(store: Store, root: Path, tmp_path: Path) -> None:
+    depth = 100_000
+    header = (
+        '{"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "x": ' + "[" * depth + "]" * depth + "}"
+    )
+    source = _safetensors_with_header(tmp_path / "deep.safetensors", header, b"\0")
+    with pytest.raises(CorruptSourceError, match="nests objects or lists over"):
+        store.put_file("k", source)
+    _nothing_published(store, root)
+
+
+def test_brackets_inside_safetensors_strings_are_not_nesting(store: Store, tmp_path: Path) -> None:
+    note = '"[[[[[[{{{{{{ \\" ]]"'  # brackets, and an escaped quote, inside a string
+    tensor = '"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+    header = '{"__metadata__": {"note": ' + note + "}, " + tensor + "}"
+    source = _safetensors_with_header(tmp_path / "ok.safetensors", header, b"\x07")
+    store.put_file("k", source)
+    assert store.open_array("k/t").tolist() == [7]
+
+
+def _shared_dict_bomb(path: Path, levels: int = 24) -> Path:
+    """A ~2 KB checkpoint whose every level is one dict referenced twice: 2**levels tensors
+    when walked naively (torch.save memoizes the shared dicts, as any pickle does)."""
+    torch = pytest.importorskip("torch")
+    nested: dict[str, object] = {"w": torch.zeros(1)}
+    for _ in range(levels):
+        nested = {"a": nested, "b": nested}
+    torch.save(nested, path)
+    return path
+
+
+def test_torch_shared_dict_bomb_is_refused_at_once(store: Store, root: Path, tmp_path: Path) -> None:
+    source = _shared_dict_bomb(tmp_path / "bomb.pt")
+    assert source.stat().st_size < 4096
+    started = time.monotonic()
+    error = _within(PROMPT_S, lambda: store.put_file("k", source), lambda: None)
+    assert time.monotonic() - started < PROMPT_S
+    assert isinstance(error, UnsupportedDataError), repr(error)
+    assert "is the very dict already found at" in str(error) and str(source) in str(error)
+    _nothing_published(store, root)
+
+
+def test_torch_tensor_saved_under_two_names_still_loads(store: Store, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    torch.save({"embed": weight, "head": weight}, tmp_path / "tied.pt")  # tied weights: one object
+    store.put_file("m", tmp_path / "tied.pt")
+    assert store.open_array("m/head").tolist() == store.open_array("m/embed").tolist() == weight.tolist()
+
+
+def test_torch_70_dimensions_are_refused(store: Store, root: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    torch.save({"t": torch.zeros((1,) * 70)}, tmp_path / "wide.pt")
+    with pytest.raises(UnsupportedDataError, match="70 dimensions"):
+        store.put_file("k", tmp_path / "wide.pt")
+    _nothing_published(store, root)
+
+
+def test_daemon_refuses_the_torch_bomb_and_keeps_answering(daemon: Daemon, data_dir: Path) -> None:
+    source = _shared_dict_bomb(data_dir / f"{unique('bomb')}.pt")
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        with daemon.client(timeout=60) as client:
+            answers.append(client.put(f"/v1/entries/{unique('k')}", json={"source": str(source)}))
+
+    poster = threading.Thread(target=post, daemon=True)
+    started = time.monotonic()
+    poster.start()
+    with daemon.client(timeout=PROMPT_S) as client:
+        while poster.is_alive() and time.monotonic() - started < 60:
+            assert client.get("/v1/health").status_code == 200  # answered meanwhile
+            time.sleep(0.05)
+    poster.join(1)
+    assert answers, "the load of a 2 KB checkpoint did not answer within 60 s"
+    assert time.monotonic() - started < PROMPT_S
+    response = answers[0]
+    assert response.status_code in (400, 415, 422), response.text
+    assert response.json()["error"] in ("UnsupportedDataError", "InvalidSourceError"), response.text
+    assert daemon.process.poll() is None
+
+
+def test_torch_dicts_nested_too_deep_are_refused(store: Store, root: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    nested: dict[str, object] = {"w": torch.zeros(1)}
+    for _ in range(40):
+        nested = {"d": nested}
+    torch.save(nested, tmp_path / "deep.pt")
+    with pytest.raises(UnsupportedDataError, match="dicts nested over 32 deep"):
+        store.put_file("k", tmp_path / "deep.pt")
+    _nothing_published(store, root)
+
+
+def test_daemon_answers_a_deeply_nested_safetensors_header_with_a_4xx(daemon: Daemon, data_dir: Path) -> None:
+    depth = 100_000
+    header = '{"x": ' + "[" * depth + "]" * depth + "}"
+    source = _safetensors_with_header(data_dir / f"{unique('deep')}.safetensors", header)
+    with daemon.client(timeout=60) as client:
+        response = client.put(f"/v1/entries/{unique('k')}", json={"source": str(source)})
+        assert response.status_code == 400, response.text  # was a 500 with a RecursionError
+        assert response.json()["error"] == "CorruptSourceError"
+        assert "nests objects or lists over" in response.json()["detail"]
+        assert client.get("/v1/health").status_code == 200
+
+
+def test_safetensors_with_too_many_tensors_is_refused(
+    store: Store, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shmcache._disk import safetensors
+
+    monkeypatch.setattr(safetensors, "MAX_TENSORS", 1000)  # the real cap (2^20) takes 10 s to parse
+    header = "{" + ",".join(f'"{i:x}":{{}}' for i in range(1001)) + "}"  # each one an entry
+    source = _safetensors_with_header(tmp_path / "many.safetensors", header)
+    with pytest.raises(UnsupportedDataError, match="over 1000 tensors"):
+        store.put_file("k", source)
+    _nothing_published(store, root)
+
+
+@pytest.mark.parametrize("brackets", ["()", "[]", "{}"])
+def test_npy_header_of_deeply_nested_brackets_is_refused_at_once(
+    store: Store, root: Path, tmp_path: Path, brackets: str
+) -> None:
+    """A 900 KB header of brackets (under the 1 MiB header limit): numpy's own parser took
+    seconds per 100 KB of it before refusing; the nesting is now refused first."""
+    depth = 450_000
+    opener = brackets[0] if brackets != "{}" else "{0: "
+    nested = opener * depth + brackets[1] * depth
+    fields = f"{{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': {nested}}}".encode()
+    header = fields + b" " * (-(12 + len(fields) + 1) % 64) + b"\n"
+    source = tmp_path / "nested.npy"
+    source.write_bytes(b"\x93NUMPY\x02\x00" + len(header).to_bytes(4, "little") + header + bytes(4))
+    started = time.monotonic()
+    with pytest.raises(CorruptSourceError, match="nests brackets over 64 deep"):
+        store.put_file("k", source)
+    assert time.monotonic() - started < PROMPT_S
+    _nothing_published(store, root)

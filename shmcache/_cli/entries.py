@@ -24,6 +24,7 @@ from .._disk.keys import validate_key
 from .._disk.urls import is_url
 from .._error_table import CLI, fix
 from .._store import Store, StoreStats
+from .._store.maintenance import linked_keys
 from .._store.sources import PLANNERS
 from .._units import human_bytes
 from ..errors import (
@@ -422,7 +423,8 @@ def verify(
     """
     store = Store(root)
     with failures_exit_1():
-        keys = [key] if key is not None else [entry.key for entry in store.list()]
+        store.list()  # checks the root
+        keys = [key] if key is not None else linked_keys(store.layout)  # damaged ones too
     corrupt = 0
     for name in keys:
         try:

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.lib.format as npy_format
 
 from ..errors import CorruptEntryError, CorruptSourceError, ShmCacheError, UnsupportedDataError
+from .shapes import checked_shape
 
 if TYPE_CHECKING:
     import zipfile
@@ -46,9 +47,12 @@ _CANONICAL_HEADER = re.compile(
     rb"\{'descr': '([^']+)', 'fortran_order': (False|True), 'shape': \(([0-9, ]*)\), \} *\n\Z"
 )
 _CANONICAL_DIMS = re.compile(rb"\A(?:[0-9]+,|[0-9]+(?:, [0-9]+)+)?\Z")  # (), (3,), (2, 3)
+_MAX_NESTING = 64  # a dtype nested 30 structs deep still fits
+_QUOTED = re.compile(rb"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"([{)]}")
+_OPENERS = np.frombuffer(b"([{", dtype=np.uint8)
 _SOURCE_HEAD = 4096  # first read of a source: its whole header, nearly always
 _MEMO_LIMIT = 4096
-_INTP_MAX = int(np.iinfo(np.intp).max)
 _DTYPES: dict[bytes, np.dtype] = {}  # descr text -> dtype
 _SHAPES: dict[bytes, tuple[int, ...]] = {}  # shape text -> shape
 
@@ -161,33 +165,42 @@ def _read_header(fp: BinaryIO) -> NpyHeader:
     """Read magic and header from ``fp`` with ``allow_pickle=False`` semantics.
 
     Whatever numpy's parser raises on damaged input (ValueError, SyntaxError,
-    tokenize.TokenError, EOFError...) comes out as ValueError.
+    tokenize.TokenError, EOFError...) comes out as ValueError. A header nested deeper
+    than any dtype is refused before numpy's parser sees it (``_check_nesting``).
     """
     try:
         version = npy_format.read_magic(fp)
-        if version == (1, 0):
-            shape, fortran, dtype = npy_format.read_array_header_1_0(fp, _MAX_HEADER_SIZE)
-        elif version == (2, 0):
-            shape, fortran, dtype = npy_format.read_array_header_2_0(fp, _MAX_HEADER_SIZE)
-        else:
+        if version not in ((1, 0), (2, 0)):
             raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+        length_bytes = fp.read(2 if version == (1, 0) else 4)
+        header = fp.read(min(int.from_bytes(length_bytes, "little"), _MAX_HEADER_SIZE + 1))
+        _check_nesting(header)
+        read = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+        buffer = io.BytesIO(length_bytes + header)
+        shape, fortran, dtype = read(buffer, _MAX_HEADER_SIZE)
     except ValueError:
         raise
     except Exception as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}") from exc
     _check_shape(tuple(shape), dtype)
-    return NpyHeader(dtype, tuple(shape), bool(fortran), fp.tell())
+    return NpyHeader(dtype, tuple(shape), bool(fortran), npy_format.MAGIC_LEN + buffer.tell())
+
+
+def _check_nesting(header: bytes) -> None:
+    """Refuse a header whose brackets nest over ``_MAX_NESTING`` deep (outside its quoted
+    names): numpy's parser takes seconds per 100 KB of them, then refuses anyway."""
+    brackets = _QUOTED.sub(b"", header).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= _MAX_NESTING:
+        return
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    depth = np.cumsum(np.where(np.isin(codes, _OPENERS), 1, -1))
+    if int(depth.max()) > _MAX_NESTING:
+        raise ValueError(f"the header nests brackets over {_MAX_NESTING} deep")
 
 
 def _check_shape(shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """Refuse what numpy cannot make an array of, even an empty one: a negative dimension,
-    one beyond ``intp``, or a size in bytes beyond it (zero dimensions aside)."""
-    if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
-    if any(d > _INTP_MAX for d in shape):
-        raise ValueError(f"shape {shape} has a dimension beyond {_INTP_MAX}, numpy's largest")
-    if math.prod(d for d in shape if d) * max(dtype.itemsize, 1) > _INTP_MAX:
-        raise ValueError(f"shape {shape} of {dtype} would be more than {_INTP_MAX} bytes")
+    """Refuse what numpy cannot make an array of, even an empty one (``shapes``)."""
+    checked_shape(shape, dtype.itemsize, "the header", ValueError)
 
 
 def check_written_header(path: str | os.PathLike[str], expected: NpyHeader, source: str) -> None:

@@ -13,17 +13,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptSourceError, UnsupportedDataError
+from .shapes import MAX_TENSORS, checked_shape
 
 __all__ = ["MAX_HEADER_BYTES", "SafetensorsTensor", "read_safetensors_index"]
 
 MAX_HEADER_BYTES = 100 << 20  # the reference implementation's own limit
-_MAX_DIM = int(np.iinfo(np.intp).max)
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(code)
     for name, code in {
@@ -80,8 +81,15 @@ def read_safetensors_index(fd: int, size: int, path: str) -> list[SafetensorsTen
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
         raise CorruptSourceError(f"{path}: the .safetensors header is not valid JSON ({exc})") from None
+    except RecursionError:  # json's parser recurses per level, up to the interpreter's limit
+        raise CorruptSourceError(
+            f"{path}: the .safetensors header nests objects or lists over {sys.getrecursionlimit()} deep "
+            "(a safetensors header is a flat table of tensors, 3 deep): crafted or corrupt"
+        ) from None
     if not isinstance(header, dict):
         raise CorruptSourceError(f"{path}: the .safetensors header is not a JSON object")
+    if len(header) > MAX_TENSORS:
+        raise UnsupportedDataError(f"{path}: over {MAX_TENSORS} tensors in one file")
     base = 8 + length
     tensors = [
         _tensor(name, spec, base, size, path) for name, spec in header.items() if name != "__metadata__"
@@ -109,15 +117,9 @@ def _tensor(name: str, spec: Any, base: int, size: int, path: str) -> Safetensor
             f"{where} has dtype {kind}, which numpy has no type for (shmcache stores numpy "
             "arrays); convert it first, e.g. tensor.float() or tensor.half(), and save again"
         )
-    if (
-        not isinstance(shape, list)
-        or not isinstance(offsets, list)
-        or not _ints(shape + offsets)
-        or len(offsets) != 2
-    ):
-        raise CorruptSourceError(f"{where}: shape and data_offsets must be lists of non-negative integers")
-    if any(n > _MAX_DIM for n in shape):
-        raise CorruptSourceError(f"{where}: shape {tuple(shape)} is beyond what numpy can address")
+    if not isinstance(offsets, list) or not _ints(offsets) or len(offsets) != 2:
+        raise CorruptSourceError(f"{where}: data_offsets must be a list of two non-negative integers")
+    shape = checked_shape(shape, dtype.itemsize, where)
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
     if end < begin or end - begin != nbytes:

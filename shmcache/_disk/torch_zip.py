@@ -20,7 +20,7 @@ import re
 import zipfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import CorruptSourceError, UnsupportedDataError
 from .fs import write_all
 from .npy import zip_data_offset
+from .shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
 
 __all__ = ["TorchTensor", "gather_writer", "read_torch_index"]
 
@@ -70,8 +71,7 @@ _UNTYPED = "UntypedStorage"  # with _rebuild_tensor_v3, which names the dtype (n
 _DTYPE_NAME = re.compile(r"(u?int|float|bfloat|complex|q?u?int|bits)[0-9]+\w*|bool")
 _GATHER_BYTES = 16 << 20
 _READ_CHUNK = 1 << 30  # below Linux's 2 GiB cap on one read
-_MAX_DEPTH = 32  # nested dicts (a dict holding itself would recurse forever)
-_MAX_DIM = int(np.iinfo(np.intp).max)
+_MAX_DEPTH = 32  # nested dicts: a state dict nests a few levels
 
 
 class _Sealed:
@@ -132,7 +132,11 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, shape: Any, strides: Any, *_: 
         raise pickle.UnpicklingError("a tensor with a malformed storage, shape or stride")
     if len(shape) != len(strides):
         raise pickle.UnpicklingError("a tensor whose shape and strides differ in length")
-    if any(n > _MAX_DIM for n in shape) or any(s > _MAX_DIM for s in strides) or offset > _MAX_DIM:
+    if len(shape) > MAX_DIMS:
+        raise pickle.UnpicklingError(
+            f"a tensor of {len(shape)} dimensions; numpy arrays have at most {MAX_DIMS}"
+        )
+    if any(n > MAX_INTP for n in shape) or any(s > MAX_INTP for s in strides) or offset > MAX_INTP:
         raise pickle.UnpicklingError(f"a tensor of shape {tuple(shape)} beyond what numpy can address")
     return _TensorRef(storage, offset, tuple(shape), tuple(strides))
 
@@ -206,9 +210,11 @@ def read_torch_index(fp: BinaryIO, path: str) -> list[TorchTensor]:
     try:
         with zipfile.ZipFile(fp) as archive:
             prefix, obj = _load_pickle(archive, path)
-            tensors = []
-            for name, ref in _walk(obj, path):
-                tensors.append(_locate(archive, fp, prefix, name, ref, path))
+            starts: dict[str, int] = {}  # storage member -> where its bytes start
+            size = os.fstat(fp.fileno()).st_size
+            tensors = [
+                _locate(archive, fp, size, starts, prefix, name, ref, path) for name, ref in _walk(obj, path)
+            ]
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError) as exc:
         raise CorruptSourceError(f"{path}: not a valid torch checkpoint ({exc})") from exc
     if not tensors:
@@ -249,33 +255,66 @@ def _load_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, Any]:
         ) from None
 
 
-def _walk(obj: Any, path: str, parts: tuple[str, ...] = ()) -> list[tuple[str, _TensorRef]]:
-    if parts == () and not isinstance(obj, dict):
+def _walk(obj: Any, path: str) -> list[tuple[str, _TensorRef]]:
+    """Every tensor under the state dict ``obj`` with its ``/``-joined name, in order.
+
+    Iterative, and each dict visited once: a pickle's memo lets a 2 KB file reference one
+    dict from every slot of every level (2**24 tensors from 24 levels), so a dict met a
+    second time is refused, as are nesting over ``_MAX_DEPTH`` and over ``MAX_TENSORS``
+    tensors. The work is then bounded by the pickle's size."""
+    if not isinstance(obj, dict):
         raise UnsupportedDataError(
             f"{path} holds a {type(obj).__name__}, not a state dict; save a dict of tensors"
         )
-    if len(parts) > _MAX_DEPTH:
-        raise UnsupportedDataError(f"{path}: dicts nested over {_MAX_DEPTH} deep at {'/'.join(parts)!r}")
     found: list[tuple[str, _TensorRef]] = []
-    for name, value in dict.items(obj):  # not obj.items: a BUILD could have shadowed it
+    seen: dict[int, tuple[str, ...]] = {id(obj): ()}
+    stack: list[tuple[tuple[str, ...], Iterator[tuple[Any, Any]]]] = [((), iter(dict.items(obj)))]
+    while stack:  # not obj.items: a BUILD could have shadowed it
+        parts, items = stack[-1]
+        entry = next(items, None)
+        if entry is None:
+            stack.pop()
+            continue
+        name, value = entry
         if not isinstance(name, str):
-            raise UnsupportedDataError(f"{path}: key {name!r} is not a string; state dict keys must be")
+            raise UnsupportedDataError(f"{path}: key {name!r:.80} is not a string; state dict keys must be")
         here = (*parts, name)
         if isinstance(value, _TensorRef):
+            if len(found) >= MAX_TENSORS:
+                raise UnsupportedDataError(f"{path}: over {MAX_TENSORS} tensors in one checkpoint")
             found.append(("/".join(here), value))
         elif isinstance(value, dict):
-            found.extend(_walk(value, path, here))
+            first = seen.setdefault(id(value), here)
+            if first is not here:
+                where = repr("/".join(first))[:200] if first else "the top"
+                raise UnsupportedDataError(
+                    f"{path}: {'/'.join(here)!r:.200} is the very dict already found at {where}; a "
+                    "state dict is a tree (each dict in one place), and a shared one could unfold "
+                    "into millions of tensors: crafted or corrupt"
+                )
+            if len(here) > _MAX_DEPTH:
+                raise UnsupportedDataError(
+                    f"{path}: dicts nested over {_MAX_DEPTH} deep at {'/'.join(here)!r:.200}"
+                )
+            stack.append((here, iter(dict.items(value))))
         else:
             raise UnsupportedDataError(
-                f"{path}: {'/'.join(here)!r} is {type(value).__name__}, not a tensor; put_file loads "
-                "state dicts of tensors only: save the state dict alone (e.g. model.state_dict()), "
+                f"{path}: {'/'.join(here)!r:.200} is {type(value).__name__}, not a tensor; put_file "
+                "loads state dicts of tensors only: save the state dict alone (e.g. model.state_dict()), "
                 "without step counters, strings or optimizer state"
             )
     return found
 
 
 def _locate(
-    archive: zipfile.ZipFile, fp: BinaryIO, prefix: str, name: str, ref: _TensorRef, path: str
+    archive: zipfile.ZipFile,
+    fp: BinaryIO,
+    size: int,
+    starts: dict[str, int],
+    prefix: str,
+    name: str,
+    ref: _TensorRef,
+    path: str,
 ) -> TorchTensor:
     where = f"{path}: tensor {name!r}"
     kind = ref.storage.kind.name
@@ -289,6 +328,7 @@ def _locate(
             "(e.g. {k: v.float() for k, v in sd.items()}) and save again"
         )
     dtype = np.dtype(code)
+    checked_shape(ref.shape, dtype.itemsize, where)
     storage_bytes = ref.storage.numel if kind == _UNTYPED else ref.storage.numel * dtype.itemsize
     numel = storage_bytes // dtype.itemsize
     member = f"{prefix}data/{ref.storage.key}"
@@ -308,8 +348,10 @@ def _locate(
                 f"{where}: shape {ref.shape} with strides {ref.strides} at offset {ref.offset} reaches "
                 f"past its storage of {numel} elements"
             )
-    base = zip_data_offset(fp.fileno(), info)
-    if base + info.file_size > os.fstat(fp.fileno()).st_size:
+    base = starts.get(member)
+    if base is None:  # one read per storage, however many tensors view it
+        base = starts[member] = zip_data_offset(fp.fileno(), info)
+    if base + info.file_size > size:
         raise CorruptSourceError(f"{where}: its storage ends past the end of the file (truncated)")
     return TorchTensor(
         name, dtype, ref.shape, ref.strides, base + ref.offset * dtype.itemsize, _contiguous(ref)

@@ -27,6 +27,7 @@ import numpy.lib.format as npy_format
 from .._containers.encode import encode_strings
 from .._disk.fs import write_all
 from .._disk.npy import NpyHeader, build_header, check_storable_dtype
+from .._disk.shapes import checked_shape
 from .._disk.source_files import SourceFile
 from ..errors import CorruptSourceError, ShmCacheError, UnsupportedDataError
 from .planned import Container, Planned, container_header, member_key
@@ -139,7 +140,7 @@ def _check_dataset(h5py: Any, dataset: Any, where: str) -> tuple[np.dtype, tuple
         )
     dtype = _plain(raw)
     check_storable_dtype(dtype, where)
-    return dtype, tuple(int(n) for n in dataset.shape)
+    return dtype, checked_shape(tuple(int(n) for n in dataset.shape), dtype.itemsize, where)
 
 
 def _plain(dtype: np.dtype) -> np.dtype:

@@ -6,23 +6,28 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 from .._disk.checksum import crc_of_range, parse_checksums
 from .._disk.fs import FileLockProbe, remove_tree
-from .._disk.layout import Layout, decode_key
+from .._disk.layout import META_FILE, Layout, decode_key, read_version
+from .._disk.meta import damaged, read_entry_meta
+from .._disk.npy import NpyHeader, header_length, parse_header_bytes
+from .._disk.shapes import checked_shape
 from .._disk.writer import STAGING_SUFFIX, writer_of
-from ..errors import CorruptEntryError, KeyNotFoundError
+from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
 from .catalog import referenced_versions
-from .records import EntryInfo
+from .reading import Reader
 
-__all__ = ["remove_dead_writers_leftovers", "verify_entry"]
+__all__ = ["linked_keys", "remove_dead_writers_leftovers", "verify_entry"]
 
 logger = logging.getLogger(__name__)
 
 _STAGING_GRACE_S = 60.0
+_HEAD = 4096  # the first read of a file's header (nearly always all of it)
 
 
 def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, str], int | None]) -> int:
@@ -64,29 +69,159 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
     return freed
 
 
-def verify_entry(layout: Layout, info: EntryInfo) -> bool:
-    """Check an entry against the checksums recorded when it was put.
+def linked_keys(layout: Layout) -> list[str]:
+    """Every key that has an entry link, sorted, whatever state its data is in (``list``
+    shows only entries whose metadata reads back: ``verify`` must also see the others)."""
+    try:
+        names = os.listdir(layout.entries)
+    except FileNotFoundError:
+        return []
+    return sorted(decode_key(name) for name in names)  # two links may share a version: not by version
 
-    True if they match, False if none were recorded; raises CorruptEntryError if the
-    entry's bytes changed.
+
+def verify_entry(layout: Layout, key: str) -> bool:
+    """Check ``key``'s entry as a whole: its link against the key its ``meta.json`` records,
+    ``meta.json`` against its files (names, headers, sizes, dtype, shape), the checksum
+    list for completeness and every file against it, then open it (and read its first and
+    last items) the way a reader does.
+
+    True if every checksum matches, False if none were recorded (the rest is still
+    checked); :class:`~shmcache.errors.CorruptEntryError` naming the key and the fix if
+    anything is wrong, :class:`~shmcache.errors.KeyNotFoundError` if there is no entry.
     """
-    if not info.checksum:
-        return False
-    for name, crc in sorted(parse_checksums(info.checksum).items()):
+    reader = Reader(layout)
+    link = layout.entry_link(key)
+    version = read_version(link)
+    meta = None if version is None else read_entry_meta(layout, key, version, link)
+    if version is None or meta is None:
+        raise reader.not_found(key)
+    headers = _check_files(layout, key, version, meta)
+    _check_meta(key, version, meta, headers)
+    checked = _check_checksums(layout, key, version, meta.get("checksum"), sorted(headers))
+    _open_as_a_reader(reader, key)
+    return checked
+
+
+def _check_files(layout: Layout, key: str, version: str, meta: dict[str, Any]) -> dict[str, NpyHeader]:
+    """The header of every file ``meta`` lists, each checked against the file's size; the
+    files listed are exactly the ``.npy`` files there."""
+    files = meta.get("files", ["data"] if meta.get("kind", "array") == "array" else None)
+    if not isinstance(files, list) or not files or not all(isinstance(n, str) for n in files):
+        raise damaged(key, f"its {META_FILE} lists no files ({files!r:.80})")
+    try:
+        present = {n[: -len(".npy")] for n in os.listdir(layout.version_dir(version)) if n.endswith(".npy")}
+    except FileNotFoundError:
+        raise KeyNotFoundError(f"entry {key!r} was replaced or evicted while verifying") from None
+    missing, extra = sorted(set(files) - present), sorted(present - set(files))
+    if missing or extra:
+        raise damaged(
+            key,
+            f"its {META_FILE} lists {', '.join(sorted(files))} but {layout.version_dir(version)} "
+            f"holds {', '.join(sorted(present)) or 'no .npy file'}",
+        )
+    return {name: _file_header(layout, key, version, name) for name in files}
+
+
+def _file_header(layout: Layout, key: str, version: str, name: str) -> NpyHeader:
+    where = f"{name}.npy"
+    try:
+        fd = os.open(layout.object_file(version, where), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise KeyNotFoundError(f"entry {key!r} was replaced or evicted while verifying") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HEAD, 0)
         try:
-            fd = os.open(layout.object_file(info.version, f"{name}.npy"), os.O_RDONLY | os.O_CLOEXEC)
+            end = header_length(head, where)
+            if end > len(head):
+                head = os.pread(fd, end, 0)
+            header = NpyHeader(*parse_header_bytes(head, end, where)) if end <= len(head) else None
+        except CorruptEntryError as exc:
+            raise damaged(key, str(exc)) from None
+        if header is None:
+            raise damaged(key, f"{where} ends inside its header")
+    finally:
+        os.close(fd)
+    try:
+        checked_shape(header.shape, header.dtype.itemsize, f"{where} (its header)", CorruptEntryError)
+    except CorruptEntryError as exc:
+        raise damaged(key, str(exc)) from None
+    if size != header.file_size:
+        raise damaged(
+            key,
+            f"{where} holds {size} bytes, its header says {header.file_size} "
+            f"({header.shape} of {header.dtype}): truncated or extended",
+        )
+    return header
+
+
+def _check_meta(key: str, version: str, meta: dict[str, Any], headers: dict[str, NpyHeader]) -> None:
+    """What ``meta.json`` says of the data is what the files' headers and sizes say."""
+    recorded = meta.get("version", version)
+    if recorded != version:
+        raise damaged(key, f"its {META_FILE} describes version {recorded!r:.80}, not {version}")
+    said: dict[str, Any] = {
+        "nbytes": sum(h.nbytes for h in headers.values()),
+        "size": sum(h.file_size for h in headers.values()),
+    }
+    if meta.get("kind", "array") == "array" and "data" in headers:
+        data = headers["data"]
+        said |= {"dtype": str(data.dtype), "shape": list(data.shape), "fortran_order": data.fortran_order}
+    for field, actual in said.items():
+        if field in meta and meta[field] != actual:
+            raise damaged(key, f"its {META_FILE} says {field} {meta[field]!r:.80}, its data {actual!r:.80}")
+
+
+def _check_checksums(layout: Layout, key: str, version: str, checksum: Any, files: list[str]) -> bool:
+    """Every file's CRC against the list recorded at put time, which must cover every file."""
+    if not checksum:
+        return False
+    try:
+        recorded = parse_checksums(checksum)
+    except (ValueError, TypeError, AttributeError):
+        raise damaged(key, f"its checksum list {checksum!r:.80} cannot be read") from None
+    if sorted(recorded) != files:
+        raise damaged(
+            key,
+            f"its checksum list covers {', '.join(sorted(recorded))} but it holds {', '.join(files)}: "
+            f"{META_FILE} was edited",
+        )
+    for name, crc in sorted(recorded.items()):
+        try:
+            fd = os.open(layout.object_file(version, f"{name}.npy"), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise KeyNotFoundError(f"entry {info.key!r} was replaced or evicted while verifying") from None
+            raise KeyNotFoundError(f"entry {key!r} was replaced or evicted while verifying") from None
         try:
             actual = crc_of_range(fd, 0, os.fstat(fd).st_size)
         finally:
             os.close(fd)
         if actual != crc:
-            raise CorruptEntryError(
-                f"entry {info.key!r}: {name}.npy has checksum {actual:08x}, {crc:08x} was recorded "
-                "when it was put; its bytes changed in memory. Evict it and put it again"
+            raise damaged(
+                key,
+                f"{name}.npy has checksum {actual:08x}, {crc:08x} was recorded when it was put; "
+                "its bytes changed in memory",
             )
     return True
+
+
+def _open_as_a_reader(reader: Reader, key: str) -> None:
+    """Open the entry as ``open`` does, and read its first and last items (a container's
+    parts are only decoded then): what a reader would meet, met now."""
+    try:
+        opened = reader.open(key)
+        if isinstance(opened, Mapping):
+            names = list(opened)
+            for name in names[:1] + names[-1:]:
+                opened[name]
+        elif isinstance(opened, Sequence) and len(opened):
+            opened[0]
+            opened[len(opened) - 1]
+    except ShmCacheError:
+        raise
+    except Exception as exc:  # whatever decoding damaged parts raises
+        raise damaged(key, f"reading it fails ({type(exc).__name__}: {exc})") from None
+    finally:
+        reader.forget()
 
 
 def _age(path: Path) -> float:

@@ -25,10 +25,10 @@ from .._containers.shared import open_version, wrong_kind
 from .._disk.attach import WRITABLE, attach_array
 from .._disk.generations import map_generations
 from .._disk.keys import validate_key
-from .._disk.layout import ARRAY_FILE, Layout, generation_slot, read_version
-from .._disk.meta import read_meta
+from .._disk.layout import ARRAY_FILE, META_FILE, Layout, generation_slot, read_version
+from .._disk.meta import damaged, read_entry_meta, read_meta
 from .._disk.trust import check_root
-from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
+from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError, UnsupportedDataError
 
 __all__ = ["Reader", "forget_attachments", "release_version"]
 
@@ -102,6 +102,9 @@ class Reader:
                 except FileNotFoundError:
                     self._explain_missing_array(key, version, link)
                     continue  # replaced or evicted between readlink and open: resolve again
+                except (CorruptEntryError, ValueError, TypeError) as exc:
+                    _raise_if_damaged(self.layout, key, version, link, exc)
+                    continue
             if table is not None:
                 self._arrays[key] = (generation, table, slot, version, array)
             return array  # type: ignore[no-any-return]
@@ -113,10 +116,9 @@ class Reader:
         if kind is not None and kind != "array":
             raise wrong_kind(key, str(kind), "array")
         if read_version(link) == version:
-            raise CorruptEntryError(
-                f"entry {key!r}: its data ({version}) is missing from "
-                f"{self.layout.objects}; run `shmcache cleanup` and put it again"
-            )
+            where = self.layout.version_dir(version)
+            vanished = "" if where.is_dir() else " (`shmcache cleanup` removes entries whose data vanished)"
+            raise damaged(key, f"its data ({ARRAY_FILE}) is missing from {where}{vanished}")
 
     def open_private_array(self, key: str) -> np.ndarray:
         """A writable copy-on-write array of ``key`` on a mapping of its own (for tensors):
@@ -133,6 +135,8 @@ class Reader:
                 return attach_array(self._root_str, version, ARRAY_FILE, key, mode=WRITABLE)
             except FileNotFoundError:
                 self._explain_missing_array(key, version, link)
+            except (CorruptEntryError, ValueError, TypeError) as exc:
+                _raise_if_damaged(self.layout, key, version, link, exc)
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
 
     # ------------------------------------------------------------------ any kind
@@ -158,8 +162,8 @@ class Reader:
             version = read_version(link)
             if version is None:
                 raise self.not_found(key)
-            meta = read_meta(self.layout, version)
-            if not meta:
+            meta = read_entry_meta(self.layout, key, version, link)
+            if meta is None:
                 continue  # replaced or evicted meanwhile: resolve again
             found = meta.get("kind", "array")
             if kind is not None and found != kind:
@@ -174,10 +178,16 @@ class Reader:
                         opened = attach_array(self._root_str, version, ARRAY_FILE, key)
                     else:
                         opened = open_version(self._root_str, key, version, found, meta)
-                except (FileNotFoundError, KeyNotFoundError):
+                except (FileNotFoundError, KeyNotFoundError) as exc:
                     if found == "array" and read_version(link) == version:
                         self._explain_missing_array(key, version, link)
+                    _raise_if_damaged(self.layout, key, version, link, exc)
                     continue  # evicted while being opened: resolve again
+                except UnsupportedDataError:
+                    raise  # the wrong kind asked for
+                except (CorruptEntryError, LookupError, ValueError, TypeError, AttributeError) as exc:
+                    _raise_if_damaged(self.layout, key, version, link, exc)
+                    continue
             if table is not None:
                 cache[key] = (generation, table, slot, version, opened)
             return opened
@@ -254,6 +264,24 @@ class Reader:
             for key, hit in list(cache.items()):
                 if read_version(self.layout.entry_link(key)) != hit[3]:
                     cache.pop(key, None)
+
+
+def _raise_if_damaged(layout: Layout, key: str, version: str, link: str, exc: BaseException) -> None:
+    """Raise :func:`damaged` for what opening ``version`` of ``key`` raised, unless the link
+    moved meanwhile (a replace or evict raced the open: the caller resolves again). An
+    evict unlinks the link before it removes files, so a link that still points at the
+    version means its files are missing or wrong for good."""
+    if read_version(link) != version:
+        return
+    if isinstance(exc, CorruptEntryError) and "`shmcache verify`" in str(exc):
+        raise exc
+    if isinstance(exc, FileNotFoundError | KeyNotFoundError):
+        what = f"a file its {META_FILE} lists is missing from {layout.version_dir(version)}"
+    elif isinstance(exc, CorruptEntryError):
+        what = str(exc).removeprefix(f"entry {key!r}").lstrip(": ")
+    else:
+        what = f"its files do not make a readable entry ({type(exc).__name__}: {exc})"
+    raise damaged(key, what) from exc
 
 
 _READERS: weakref.WeakSet[Reader] = weakref.WeakSet()

@@ -43,7 +43,7 @@ from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
 from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root, read_version
-from .._disk.meta import read_meta
+from .._disk.meta import read_entry_meta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._disk.urls import is_url, local_path_of, redact_url
@@ -692,6 +692,8 @@ class Store:
                 return None
             os.unlink(link)
             bump_generations(self.layout, [key])
+            if read_meta(self.layout, version).get("key", key) != key:
+                return 0  # a damaged link to another entry's data: that data stays
             freed = remove_tree(self.layout.version_dir(version))
             release_version(self.root, key, version)  # this process lets go at once
             return freed
@@ -712,9 +714,12 @@ class Store:
     def info(self, key: str) -> EntryInfo:
         validate_key(key)
         self._reader.trust_root()
-        version = read_version(self.layout.entry_link(key))
+        link = self.layout.entry_link(key)
+        version = read_version(link)
         info = None if version is None else info_of(self.layout, version)
-        if info is None:
+        if info is None or info.key != key:
+            if version is not None:
+                read_entry_meta(self.layout, key, version, link)  # names damage: CorruptEntryError
             raise self._reader.not_found(key)
         return info
 
@@ -745,12 +750,15 @@ class Store:
         return remove_dead_writers_leftovers(self.layout, self._evict_version)
 
     def verify(self, key: str) -> bool:
-        """Check an entry against the checksums recorded when it was put.
+        """Check an entry against the checksums recorded when it was put, its metadata
+        against its files, its link against its key, and open it as a reader does.
 
-        True if they match, False if none were recorded; raises CorruptEntryError if
-        the entry's bytes changed.
+        True if the checksums match, False if none were recorded; raises CorruptEntryError
+        (naming the fix) if anything is damaged.
         """
-        return verify_entry(self.layout, self.info(key))
+        validate_key(key)
+        self._reader.trust_root()
+        return verify_entry(self.layout, key)
 
 
 def _progress_counter(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None]:

@@ -28,6 +28,9 @@ Differences kept on purpose:
 - ``TimeoutException`` is :class:`shmcache.LockTimeoutError` (a ``TimeoutError``);
   ``timeout`` may be fractional.
 - ``free`` of an invalid id raises ``ValueError`` rather than doing nothing.
+- ``<shm_path>/<prefix><id>.npy`` owned by another user (``/dev/shm`` is everyone's) is
+  never used: ``cache`` raises :class:`shmcache.CacheRootError` (a ``PermissionError``)
+  naming its owner before anything is loaded, and ``free`` leaves it with a warning.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ import numpy as np
 from .._api import get_store
 from .._disk.layout import ARRAY_FILE as _ARRAY_FILE
 from .._disk.layout import encode_key
+from .._disk.trust import describe_uid
 from .._store import Store
-from ..errors import InvalidKeyError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
+from ..errors import CacheRootError, InvalidKeyError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 
 __all__ = ["TimeoutException", "UnsupportedArrayError", "cache", "decorator", "free", "valid_id"]
 
@@ -91,10 +95,28 @@ def _build_path(id: str, prefix: str, shm_path: str) -> tuple[str, str]:
     return path, path + ".lock"
 
 
+def _check_not_taken(id: str, path: str) -> None:
+    """Refuse (:class:`~shmcache.CacheRootError`, a ``PermissionError``) when another user
+    owns what lies at ``path``: ``/dev/shm`` is shared by every user, and a file planted
+    there would be what scripts that ``np.load`` the path read (and, being theirs, we could
+    neither replace nor remove it)."""
+    try:
+        owner = os.lstat(path).st_uid
+    except FileNotFoundError:
+        return
+    if owner != os.getuid():
+        raise CacheRootError(
+            f"sharearray id {id!r}: {path} belongs to {describe_uid(owner)}, not to you "
+            f"({describe_uid(os.getuid())}), so it cannot be made to point at your array; ask its owner "
+            "(or root) to remove it, or pass another prefix= or shm_path= (a directory of your own)"
+        )
+
+
 def _link(id: str, key: str, prefix: str, shm_path: str) -> None:
     """Point ``<shm_path>/<prefix><id>.npy`` at the entry's current file (relative: the link
     and the store share a directory, since both names start with ``prefix``)."""
     path = _build_path(id, prefix, shm_path)[0]
+    _check_not_taken(id, path)
     target = f"{os.path.basename(_store_name(prefix))}/entries/{encode_key(key)}/{_ARRAY_FILE}"
     try:
         if os.readlink(path) == target:
@@ -145,6 +167,7 @@ def cache(
             f"array_or_callback for sharearray id {id!r} should be a numpy.ndarray or a "
             f"zero-argument callable, not {type(array_or_callback).__name__}"
         )
+    _check_not_taken(id, _build_path(id, prefix, shm_path)[0])  # before anything is loaded
     store = _store(shm_path, prefix)
 
     def load() -> np.ndarray:
@@ -204,5 +227,10 @@ def free(id: str, shm_path: str = "/dev/shm", prefix: str = "sharearray_") -> No
             os.unlink(lock)
     with contextlib.suppress(KeyNotFoundError):
         _store(shm_path, prefix).evict(key)
+    try:
+        _check_not_taken(id, path)
+    except CacheRootError as exc:  # not ours to remove: our array is freed all the same
+        warnings.warn(str(exc), stacklevel=2)
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
