@@ -98,7 +98,7 @@ async def get_budget(service: ServiceDep) -> Budget:
 @v1.put(
     "/budget",
     response_model=Budget,
-    responses=_errors(),
+    responses=_errors(400),
     summary="Record the root's byte budget (null: none); kept by every writer from now on",
 )
 async def set_budget(body: BudgetRequest, service: ServiceDep) -> Budget:
