@@ -248,11 +248,13 @@ class Settings(BaseSettings):
     max_bytes: Size = Field(
         None,
         ge=0,
-        description="Budget, e.g. 32GiB: loads evict least-recently-used unpinned, unmapped entries "
-        "to stay within it.",
+        description="The root's budget, e.g. 32GiB, recorded in the root and kept by every writer "
+        "(replacing a different recorded one; without it the recorded one stays): puts evict "
+        "least-recently-used unpinned, unmapped entries to stay within it.",
     )
     max_fraction: float | None = Field(
-        None, gt=0, le=1, description="Budget as a fraction of the root's file system, e.g. 0.5."
+        None, gt=0, le=1, description="The root's budget as a fraction of its file system, e.g. 0.5 "
+        "(recorded in bytes, as --max-bytes)."
     )
     config: Annotated[Path | None, AfterValidator(_absolute), Given(file=False)] = Field(
         None, description="TOML config file (root, max_bytes, allow_source, datasets to preload, ...)."
