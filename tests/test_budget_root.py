@@ -21,6 +21,7 @@ import shmcache
 from shmcache import CacheFullError, CacheRootError, InvalidRequestError, Store
 from shmcache._disk.layout import Layout
 from shmcache._store.budget import read_budget
+from shmcache._store.catalog import iter_infos, used_bytes
 
 MiB = 1 << 20
 CTX = multiprocessing.get_context("fork")
@@ -203,6 +204,35 @@ def test_two_writers_racing_do_not_both_overshoot(root: Path) -> None:
         stats = store.stats()
         assert stats.entries == 1 and stats.used <= 8 * MiB
         store.evict(store.list()[0].key)
+
+
+def _change_elsewhere(root: Path, step: int) -> None:
+    store = Store(root)
+    store.put_array(f"new{step}", np.zeros(1000 * (step + 1), np.uint8))
+    store.put_array("replaced", np.zeros(5000 * (step + 1), np.uint8), overwrite=True)
+    if step:
+        store.evict(f"new{step - 1}")
+
+
+def test_the_use_a_put_checks_follows_changes_made_by_other_processes(root: Path) -> None:
+    """``used_bytes`` (what every put under a budget reads first) keeps the sizes it read and
+    re-reads only keys whose generation slot changed: after puts, replacements and evictions
+    by another process it equals a full read of every entry, with and without exclusions."""
+    store = Store(root)
+    for i in range(50):
+        store.put_array(f"k{i}", np.zeros(i + 1, np.uint8))
+    store.put_array("replaced", np.zeros(10, np.uint8))
+    for step in range(4):
+        assert used_bytes(store.layout) == sum(e.size for e in iter_infos(store.layout))
+        proc = CTX.Process(target=_change_elsewhere, args=(root, step))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+        infos = {e.key: e.size for e in iter_infos(store.layout)}
+        assert used_bytes(store.layout) == sum(infos.values())
+        assert used_bytes(store.layout, {"replaced", "k3", "absent"}) == (
+            sum(infos.values()) - infos["replaced"] - infos["k3"]
+        )
 
 
 # ---------------------------------------------------------------------- the command

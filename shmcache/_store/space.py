@@ -22,7 +22,7 @@ from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
 from ..errors import CacheFullError
 from .budget import read_budget
-from .catalog import iter_infos
+from .catalog import iter_infos, used_bytes
 from .locks import space_lock
 from .reading import forget_attachments
 
@@ -87,8 +87,11 @@ def _make_room_in_budget(
     others: list[tuple[int, int]],
 ) -> None:
     budget, whose = limit
+    reserved = sum(reserved for reserved, _ in others)
+    if used_bytes(layout, replacing) + reserved + nbytes <= budget:
+        return  # the common case, without reading every entry's record
     entries = [e for e in iter_infos(layout) if e.key not in replacing]
-    used = sum(e.size for e in entries) + sum(reserved for reserved, _ in others)
+    used = sum(e.size for e in entries) + reserved
     excess = used + nbytes - budget
     if excess <= 0:
         return
