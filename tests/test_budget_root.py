@@ -146,6 +146,12 @@ def test_the_daemon_flag_replaces_a_recorded_budget_and_says_so(
     assert "recorded in the root" in caplog.text
     assert Store(root).budget is None
 
+    with app_client(root, max_fraction=0.25):  # recorded in bytes, as --max-bytes
+        capacity = Store(root).stats().capacity
+        record = read_budget(Layout(root))
+        assert record is not None and record.set_by == "shmcache serve --max-fraction"
+        assert record.max_bytes == int(capacity * 0.25)
+
 
 def test_every_store_of_the_root_keeps_its_budget(root: Path) -> None:
     """Set in one Store, kept by another (another process sees the same file); a Store's own
