@@ -244,6 +244,16 @@ def test_the_use_a_put_checks_follows_changes_made_by_other_processes(root: Path
 # ---------------------------------------------------------------------- the command
 
 
+def test_a_cli_put_without_a_daemon_keeps_the_budget(root: Path, tmp_path: Path) -> None:
+    shmcache.set_budget(3 * MiB, root=root)
+    shmcache.put_array("old", np.zeros(2 * MiB, np.uint8), root=root)
+    source = save(tmp_path / "new.npy", np.ones(2 * MiB, np.uint8))
+    code, out, err = cli("put", str(source), "--key", "new", "--root", str(root))
+    assert out.split() == ["new"]
+    assert code == 0 and "no daemon" in err, err
+    assert [e.key for e in Store(root).list()] == ["new"] and Store(root).stats().used <= 3 * MiB
+
+
 def test_budget_command_without_a_daemon(root: Path) -> None:
     help_text = invoke("budget", "--help").stdout
     assert all(word in help_text for word in ("show", "set", "clear", "--root", "--local"))

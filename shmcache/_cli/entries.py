@@ -121,9 +121,9 @@ def put(
     PATH may be a URL (s3://bucket/prefix/, gs://, az://, hf://, https://):
     its .npy objects are streamed into the cache.
 
-    Through the daemon when one serves the root (its budget applies;
-    Ctrl+C cancels the load), else (or with --local) in this process, with
-    a notice. Nothing partial is ever published.
+    Through the daemon when one serves the root (Ctrl+C cancels the load),
+    else (or with --local) in this process, with a notice; the root's budget
+    applies either way. Nothing partial is ever published.
     """
     with failures_exit_1():
         sources = _sources(path, key)
