@@ -40,7 +40,7 @@ budget_app = typer.Typer(
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(budget_app)
+    app.add_typer(budget_app, name="budget")
 
 
 @budget_app.callback(invoke_without_command=True)
