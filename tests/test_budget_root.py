@@ -277,3 +277,5 @@ def test_budget_command_without_a_daemon(root: Path) -> None:
 
     assert cli("budget", "clear", "--root", str(root))[0] == 0
     assert Store(root).budget is None and "budget:   none" in cli("budget", "show", "--root", str(root))[1]
+    assert cli("budget", "--root", str(root), "set", "2MiB")[0] == 0  # the group's --root counts
+    assert Store(root).budget == 2 * MiB
