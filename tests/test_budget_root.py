@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import cli, invoke, save
-from service_helpers import app_client, running_daemon, scratch_dir, wait_for
+from service_helpers import app_client, running_daemon, scratch_dir, temporary_root, wait_for
 
 import shmcache
 from shmcache import CacheFullError, CacheRootError, InvalidRequestError, Store
@@ -277,5 +277,9 @@ def test_budget_command_without_a_daemon(root: Path) -> None:
 
     assert cli("budget", "clear", "--root", str(root))[0] == 0
     assert Store(root).budget is None and "budget:   none" in cli("budget", "show", "--root", str(root))[1]
-    assert cli("budget", "--root", str(root), "set", "2MiB")[0] == 0  # the group's --root counts
-    assert Store(root).budget == 2 * MiB
+    with temporary_root() as other:  # the group's --root wins over $SHMCACHE_ROOT (the root fixture's)
+        assert cli("budget", "--root", str(other), "set", "2MiB")[0] == 0
+        assert Store(other).budget == 2 * MiB and Store(root).budget is None
+        assert "2.0 MiB" in cli("budget", "--root", str(other))[1]
+        assert cli("budget", "--root", str(root), "set", "1MiB", "--root", str(other))[0] == 0  # its own wins
+        assert Store(other).budget == MiB and Store(root).budget is None

@@ -49,7 +49,7 @@ def _default(
 ) -> None:
     ctx.obj = _GroupOptions(root, as_json, local)  # `budget --root R set ...` means R too
     if ctx.invoked_subcommand is None:
-        show(ctx)
+        show(ctx, root, as_json, local)
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,16 @@ class _GroupOptions:
     local: bool
 
 
-def _group(ctx: typer.Context) -> _GroupOptions:
+def _options(ctx: typer.Context, root: Path | None, local: bool) -> tuple[Path | None, bool]:
+    """``--root`` and ``--local`` of a subcommand, or the group's (``budget --root R set``):
+    a root on the subcommand's own command line wins, then the group's, then
+    ``$SHMCACHE_ROOT`` or the default."""
     found = ctx.find_object(_GroupOptions)
-    return found if found is not None else _GroupOptions(None, False, False)
+    group = found if found is not None else _GroupOptions(None, False, False)
+    source = ctx.get_parameter_source("root")  # (typer bundles its own click: compared by name)
+    if (source is None or source.name != "COMMANDLINE") and group.root is not None:
+        root = group.root
+    return root, local or group.local
 
 
 @budget_app.command()
@@ -69,8 +76,9 @@ def show(
     ctx: typer.Context, root: RootOption = None, as_json: JsonOption = False, local: LocalOption = False
 ) -> None:
     """The budget, who set it and when, and how much of it the entries use."""
-    group = _group(ctx)
-    root, as_json, local = root or group.root, as_json or group.as_json, local or group.local
+    root, local = _options(ctx, root, local)
+    found = ctx.find_object(_GroupOptions)
+    as_json = as_json or (found is not None and found.as_json)
     state, daemon = _call(root, local, "GET")
     if as_json:
         typer.echo(json.dumps({"root": str(resolve_root(root)), **state, "daemon": daemon}, indent=1))
@@ -93,17 +101,15 @@ def set_command(
     A budget below what the root holds evicts nothing now: the next put evicts to fit, and
     `shmcache doctor` fails until then.
     """
-    group = _group(ctx)
     with failures_exit_1():
         nbytes = checked_budget(size, "SIZE")
-    _print(_call(root or group.root, local or group.local, "PUT", nbytes)[0])
+    _print(_call(*_options(ctx, root, local), "PUT", nbytes)[0])
 
 
 @budget_app.command()
 def clear(ctx: typer.Context, root: RootOption = None, local: LocalOption = False) -> None:
     """Remove the root's budget: puts are bounded by the file system only."""
-    group = _group(ctx)
-    _print(_call(root or group.root, local or group.local, "PUT", None)[0])
+    _print(_call(*_options(ctx, root, local), "PUT", None)[0])
 
 
 def _call(
