@@ -121,7 +121,7 @@ def _start(service: Service) -> None:
         "serving %s: %d entries, budget %s; cleanup freed %d bytes",
         service.store.root,
         len(service.entries()),
-        "none" if service.store.max_bytes is None else f"{service.store.max_bytes} bytes",
+        "none" if (budget := service.store.budget) is None else f"{budget} bytes",
         freed,
     )
     if (warning := service.store.stats().budget_warning) is not None:

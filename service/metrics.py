@@ -41,7 +41,7 @@ class _CacheCollector(Collector):
         )
         yield GaugeMetricFamily("shmcache_free_bytes", "Free bytes on that file system.", value=space.free)
         if space.budget is not None:
-            yield GaugeMetricFamily("shmcache_budget_bytes", "The daemon's byte budget.", value=space.budget)
+            yield GaugeMetricFamily("shmcache_budget_bytes", "The root's byte budget.", value=space.budget)
         yield GaugeMetricFamily(
             "shmcache_held_by_readers_bytes",
             "Bytes of evicted or replaced entries still mapped by live processes.",

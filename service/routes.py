@@ -18,8 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shmcache import __version__, validate_key
 from shmcache._control import Job
+from shmcache._store.budget import read_budget
 
 from .schemas import (
+    Budget,
+    BudgetRequest,
     CleanupResult,
     Entry,
     EntryDetail,
@@ -79,10 +82,39 @@ async def stats(service: ServiceDep) -> Stats:
         used=space.used,
         free=space.free,
         budget=space.budget,
+        over_budget=space.over_budget,
         entries=space.entries,
         held_by_readers_bytes=held,
         jobs_queued=counts["queued"],
         jobs_running=counts["running"],
+    )
+
+
+@v1.get("/budget", response_model=Budget, responses=_errors(), summary="The root's byte budget and its use")
+async def get_budget(service: ServiceDep) -> Budget:
+    return await _budget(service)
+
+
+@v1.put(
+    "/budget",
+    response_model=Budget,
+    responses=_errors(400),
+    summary="Record the root's byte budget (null: none); kept by every writer from now on",
+)
+async def set_budget(body: BudgetRequest, service: ServiceDep) -> Budget:
+    await asyncio.to_thread(service.store.set_budget, body.max_bytes, set_by="PUT /v1/budget")
+    return await _budget(service)
+
+
+async def _budget(service: Service) -> Budget:
+    record = read_budget(service.store.layout)
+    space = service.space(await _entry_view(service))
+    return Budget(
+        max_bytes=None if record is None else record.max_bytes,
+        set_by=None if record is None else record.set_by,
+        set_at=None if record is None else record.set_at,
+        used=space.used,
+        over_budget=record is not None and space.used > record.max_bytes,
     )
 
 

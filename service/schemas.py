@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 __all__ = [
     "MAX_SOURCE_LENGTH",
+    "Budget",
+    "BudgetRequest",
     "CleanupResult",
     "Entry",
     "EntryDetail",
@@ -44,7 +46,13 @@ class Stats(BaseModel):
     capacity: int = Field(description="Size of the file system holding the root (bytes).")
     used: int = Field(description="Bytes held by published entries.")
     free: int = Field(description="Bytes still free on that file system.")
-    budget: int | None = Field(description="The daemon's byte budget, or null for none.")
+    budget: int | None = Field(
+        description="The root's byte budget, kept by every writer (`PUT /v1/budget`), or null for none."
+    )
+    over_budget: bool = Field(
+        description="Entries use more than the budget (it was lowered below them): the next load "
+        "evicts to fit."
+    )
     entries: int
     held_by_readers_bytes: int = Field(
         description="Bytes of evicted or replaced entries that live processes still map "
@@ -95,6 +103,26 @@ class LoadRequest(BaseModel):
         description="What a directory becomes: arrays (key/<name> per .npy/.npz), blobs (one entry "
         "holding every file's bytes) or auto (blobs when it holds no array files).",
     )
+
+
+class BudgetRequest(BaseModel):
+    """``PUT /v1/budget``: the root's new budget."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_bytes: StrictInt | None = Field(
+        ge=0, description="Bytes every writer of the root keeps to (null removes the budget)."
+    )
+
+
+class Budget(BaseModel):
+    """The root's budget, recorded in the root (``<root>/budget.json``), and its use."""
+
+    max_bytes: int | None = Field(description="The budget in bytes, or null for none.")
+    set_by: str | None = Field(description="What recorded it (`shmcache serve --max-bytes`, ...).")
+    set_at: float | None = Field(description="When, in seconds since the epoch.")
+    used: int = Field(description="Bytes held by published entries.")
+    over_budget: bool
 
 
 class Evicted(BaseModel):

@@ -35,6 +35,7 @@ from pydantic_settings import (
 
 from shmcache._disk.layout import ENV_PREFIX, SOCKET_NAME, Layout, default_root
 from shmcache._disk.urls import is_url, local_path_of, redact_url
+from shmcache._units import size_in_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,7 +63,6 @@ __all__ = [
 
 DEFAULT_LOAD_WORKERS = 2
 DEFAULT_REQUEST_TIMEOUT = 10.0
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*", re.IGNORECASE)
 _BUDGET = ("max_bytes", "max_fraction")
 _MIN_TOKEN = 16
 _HOST_RE = re.compile(r"[a-z0-9_.-]+|[0-9a-f:.]*:[0-9a-f:.]*")  # a name, an IPv4 or an IPv6 address
@@ -130,29 +130,16 @@ def env_name(name: str) -> str:
 # ---------------------------------------------------------------------- value parsers
 
 
-def _size(value: object) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE_RE.fullmatch(value)
-        if match:
-            number, unit = float(match.group(1)), match.group(2).upper()
-            return int(number * 1024 ** " KMGTP".index(unit or " "))
-    raise ValueError(f"must be a size such as 8GiB, 500M or 1073741824, got {value!r}")
-
-
 def parse_size(value: object, what: str = "size") -> int:
     """``"8GiB"``, ``"500M"``, ``"1.5G"`` or an integer -> bytes (K/M/G/T/P are powers of 1024)."""
     try:
-        return _size(value)
+        return size_in_bytes(value)
     except ValueError as exc:
         raise SettingsError(f"{what} {exc}") from None
 
 
 def _optional_size(value: object) -> int | None:
-    return None if value is None else _size(value)
+    return None if value is None else size_in_bytes(value)
 
 
 def _absolute(path: Path | None) -> Path | None:
@@ -261,11 +248,13 @@ class Settings(BaseSettings):
     max_bytes: Size = Field(
         None,
         ge=0,
-        description="Budget, e.g. 32GiB: loads evict least-recently-used unpinned, unmapped entries "
-        "to stay within it.",
+        description="The root's budget, e.g. 32GiB, recorded in the root and kept by every writer "
+        "(replacing a different recorded one; without it the recorded one stays): puts evict "
+        "least-recently-used unpinned, unmapped entries to stay within it.",
     )
     max_fraction: float | None = Field(
-        None, gt=0, le=1, description="Budget as a fraction of the root's file system, e.g. 0.5."
+        None, gt=0, le=1, description="The root's budget as a fraction of its file system, e.g. 0.5 "
+        "(recorded in bytes, as --max-bytes)."
     )
     config: Annotated[Path | None, AfterValidator(_absolute), Given(file=False)] = Field(
         None, description="TOML config file (root, max_bytes, allow_source, datasets to preload, ...)."

@@ -150,10 +150,11 @@ def check_loadable(
     plan = store.plan_file(key, source, allowed_dirs=dirs, as_=as_)  # headers only; links out refused
     keys = [item.key for item in plan]
     needed = sum(item.size for item in plan)
-    if store.max_bytes is not None and needed > store.max_bytes:
+    budget = store.budget
+    if budget is not None and needed > budget:
         raise CacheFullError(
-            f"{source} needs {human_bytes(needed)}, more than the daemon's whole budget of "
-            f"{human_bytes(store.max_bytes)}; raise --max-bytes or load less"
+            f"{source} needs {human_bytes(needed)}, more than the root's whole budget of "
+            f"{human_bytes(budget)}; raise it (`shmcache budget set SIZE`) or load less"
         )
     st = os.statvfs(store.root)
     free = st.f_bavail * st.f_frsize

@@ -20,6 +20,7 @@ entries there are and however fast loads and evictions come, so:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import threading
@@ -34,6 +35,7 @@ from shmcache._disk.fs import free_bytes, total_bytes
 from shmcache._disk.generations import map_generations
 from shmcache._disk.layout import Layout, decode_key, generation_slot, read_version
 from shmcache._disk.procmaps import MappingScan
+from shmcache._store.budget import read_budget
 from shmcache._store.catalog import info_of
 
 from .jobs import JobManager, LoadJob
@@ -41,7 +43,17 @@ from .metrics import ServiceMetrics
 from .schemas import Entry
 from .settings import Settings
 
-__all__ = ["EntryView", "MappingScans", "Service", "entry_json", "entry_model", "limit_malloc_arenas"]
+__all__ = [
+    "EntryView",
+    "MappingScans",
+    "Service",
+    "entry_json",
+    "entry_model",
+    "limit_malloc_arenas",
+    "record_configured_budget",
+]
+
+logger = logging.getLogger(__name__)
 
 _ENTRIES_MAX_AGE_S = 30.0
 _SCAN_MAX_AGE_S = 2.0
@@ -207,6 +219,29 @@ class MappingScans:
             self._background.release()
 
 
+def record_configured_budget(store: Store, settings: Settings) -> None:
+    """Make a budget given to the daemon (``--max-bytes``/``--max-fraction``, from a flag, the
+    environment or the config file) the root's, which every writer keeps. The daemon's
+    setting wins over a different recorded one, and says so in the log; a daemon given no
+    budget keeps the one the root records."""
+    configured = settings.budget_bytes(total_bytes(store.root))
+    recorded = read_budget(store.layout)
+    if configured is None:
+        if recorded is not None:
+            logger.info("budget of %s: %d bytes, recorded in the root (set by %s)",
+                        store.root, recorded.max_bytes, recorded.set_by)
+        return
+    if recorded is not None and recorded.max_bytes == configured:
+        return
+    if recorded is not None:
+        logger.warning(
+            "the root %s recorded a budget of %d bytes (set by %s); the daemon's setting replaces it "
+            "with %d bytes", store.root, recorded.max_bytes, recorded.set_by, configured,
+        )
+    flag = "--max-fraction" if settings.max_fraction is not None else "--max-bytes"
+    store.set_budget(configured, set_by=f"shmcache serve {flag}")
+
+
 def limit_malloc_arenas(arenas: int = _MALLOC_ARENAS) -> None:
     """Cap glibc's malloc arenas for this process (no-op elsewhere).
 
@@ -232,11 +267,10 @@ class Service:
         self.settings = settings
         Store(settings.root).prepare()
         if store is None:
-            probe = Store(settings.root)
-            budget = settings.budget_bytes(probe.stats().capacity)
             # Requests wait at most 5 s on another process's lock (then 503); loads 60 s.
-            store = Store(settings.root, max_bytes=budget, lock_timeout=5.0)
+            store = Store(settings.root, lock_timeout=5.0)
         self.store = store
+        record_configured_budget(store, settings)
         self.load_store = Store(store.root, max_bytes=store.max_bytes, lock_timeout=60.0)
         self.metrics = ServiceMetrics(
             space=self.space,
@@ -375,7 +409,7 @@ class Service:
             capacity=total_bytes(self.store.root),
             used=view.used,
             free=free_bytes(self.store.root),
-            budget=self.store.max_bytes,
+            budget=self.store.budget,
             entries=len(view.entries),
         )
 

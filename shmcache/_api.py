@@ -24,6 +24,7 @@ __all__ = [
     "cache_remote",
     "cleanup",
     "evict",
+    "get_budget",
     "get_store",
     "list_entries",
     "open",
@@ -43,6 +44,7 @@ __all__ = [
     "put_records",
     "put_strings",
     "put_table",
+    "set_budget",
     "share",
     "stats",
 ]
@@ -152,6 +154,17 @@ def list_entries(
 def stats(*, root: str | os.PathLike[str] | None = None) -> StoreStats:
     """Capacity, use, budget and entry count of the cache root."""
     return get_store(root).stats()
+
+
+def get_budget(*, root: Root = None) -> int | None:
+    """The root's byte budget (None: none), as every writer of the root keeps it."""
+    return get_store(root).budget
+
+
+def set_budget(max_bytes: int | str | None, *, root: Root = None) -> None:
+    """Record the root's byte budget (bytes or ``"100GiB"``; None removes it): every writer
+    of the root keeps it from now on (see :meth:`Store.set_budget`)."""
+    get_store(root).set_budget(max_bytes)
 
 
 def cleanup(*, root: str | os.PathLike[str] | None = None) -> int:

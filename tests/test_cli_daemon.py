@@ -337,8 +337,11 @@ def test_help_and_readme_list_the_same_commands() -> None:
     code, out, _ = cli("--help")
     assert code == 0
     names = sorted(
-        command.name or (command.callback.__name__ if command.callback else "")
-        for command in app.registered_commands
+        [
+            command.name or (command.callback.__name__ if command.callback else "")
+            for command in app.registered_commands
+        ]
+        + [group.name or "" for group in app.registered_groups]  # commands with subcommands: budget
     )
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme.split("## Command line", 1)[1].split("\n## ", 1)[0]

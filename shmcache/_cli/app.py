@@ -6,7 +6,7 @@ Exit codes: 0 ok, 1 the operation failed (message, no traceback unless ``--debug
 2 usage error, 130 interrupted.
 
 The commands live in one module per group (:mod:`.entries`, :mod:`.demo`, :mod:`.serve`,
-:mod:`.api_docs`, :mod:`.diagnose`, :mod:`.root`); this module builds the app from them and
+:mod:`.api_docs`, :mod:`.diagnose`, :mod:`.root`, :mod:`.budget`); this module builds the app from them and
 re-exports the helpers they share (:func:`fail`, :func:`debug_enabled`).
 """
 
@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from . import api_docs, demo, diagnose, entries, root, serve
+from . import api_docs, budget, demo, diagnose, entries, root, serve
 from .common import debug_enabled, fail, set_debug
 
 __all__ = ["app", "debug_enabled", "fail", "main"]
@@ -41,6 +41,7 @@ def _options(
 entries.register(app)
 demo.register(app)
 serve.register(app)
+budget.register(app)
 api_docs.register(app)
 diagnose.register(app)
 root.register(app)

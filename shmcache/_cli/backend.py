@@ -3,7 +3,7 @@
 (:class:`shmcache.Store`). Both satisfy :class:`shmcache._control.CacheControl`, so most
 commands do not care which they got.
 
-Through the daemon, its budget applies and its loads are shared. A stale socket or a
+Through the daemon, its loads are shared (the root's budget applies either way). A stale socket or a
 daemon serving another root does not count; but a daemon that lives (it holds the root's
 pid file locked) and does not answer is an error within a few seconds, never a reason
 to work on the root behind its back: ``--local`` does that, and only when asked. httpx is

@@ -123,9 +123,9 @@ def put(
     PATH may be a URL (s3://bucket/prefix/, gs://, az://, hf://, https://):
     its .npy objects are streamed into the cache.
 
-    Through the daemon when one serves the root (its budget applies;
-    Ctrl+C cancels the load), else (or with --local) in this process, with
-    a notice. Nothing partial is ever published.
+    Through the daemon when one serves the root (Ctrl+C cancels the load),
+    else (or with --local) in this process, with a notice; the root's budget
+    applies either way. Nothing partial is ever published.
     """
     try:
         with failures_exit_1():
@@ -393,16 +393,23 @@ def stats(root: RootOption = None, as_json: JsonOption = False, local: LocalOpti
         result: StoreStats = control.stats()
     if as_json:
         warnings = [result.budget_warning] if result.budget_warning is not None else []
-        typer.echo(json.dumps({**asdict(result), "daemon": daemon, "warnings": warnings}, indent=1))
+        body = {**asdict(result), "over_budget": result.over_budget, "daemon": daemon, "warnings": warnings}
+        typer.echo(json.dumps(body, indent=1))
         return
     budget = human_bytes(result.budget) if result.budget is not None else "none"
+    over = ""
+    if result.over_budget and result.budget is not None:
+        over = f"; OVER BUDGET by {human_bytes(result.used - result.budget)}"
     typer.echo(f"root:     {result.root}")
     typer.echo(f"daemon:   {'running' if daemon else 'not used (--local)' if local else 'not running'}")
     typer.echo(f"entries:  {result.entries}")
-    typer.echo(f"used:     {human_bytes(result.used)}  (budget {budget})")
+    typer.echo(f"used:     {human_bytes(result.used)}  (budget {budget}{over})")
     typer.echo(f"free:     {human_bytes(result.free)} of {human_bytes(result.capacity)}")
     if result.budget_warning is not None:
         typer.echo(f"warning:  {result.budget_warning}", err=True)
+    if over:
+        typer.echo("warning:  the entries use more than the budget: the next put evicts least-recently-"
+                   "used entries that are neither pinned nor mapped (`shmcache budget` shows it)", err=True)
     held = getattr(result, "held_by_readers_bytes", None)
     if held is not None:
         typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers")

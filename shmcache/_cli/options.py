@@ -25,8 +25,8 @@ LocalOption = Annotated[
     bool,
     typer.Option(
         "--local",
-        help="Work on the root in this process even if a daemon serves it (its budget does not "
-        "apply). Without it, a daemon that does not answer is an error.",
+        help="Work on the root in this process even if a daemon serves it (the root's budget still "
+        "applies). Without it, a daemon that does not answer is an error.",
     ),
 ]
 SocketOption = Annotated[

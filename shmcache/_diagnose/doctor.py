@@ -3,7 +3,7 @@ each with a fix.
 
 The /dev/shm size and free space (Docker's 64 MB default), a cgroup memory limit below the
 cache, the root's owner and mode, the daemon (probed with :class:`shmcache.client.Client`,
-imported only when its socket exists) and its budget against the tmpfs size, the
+imported only when its socket exists), the root's budget (exceeded, or above the tmpfs size), the
 multiprocessing start method, ``ulimit -n``, vm.overcommit, and systemd-logind's RemoveIPC
 (which deletes a regular user's /dev/shm files at logout).
 """
@@ -277,19 +277,43 @@ def _check_daemon(root: Path, socket_path: Path) -> tuple[Check, StoreStats | No
 
 
 def _check_budget(stats: StoreStats) -> Check:
-    """The daemon's budget against the size of the file system it must fit in."""
-    details = {"budget": stats.budget, "capacity": stats.capacity}
+    """The root's budget: exceeded by the entries (fail), or larger than the file system
+    it must fit in (warn)."""
+    details = {"budget": stats.budget, "capacity": stats.capacity, "used": stats.used}
+    if stats.over_budget and stats.budget is not None:
+        return Check(
+            "budget", "fail",
+            f"the entries use {human_bytes(stats.used)}, more than the root's budget of "
+            f"{human_bytes(stats.budget)} (over by {human_bytes(stats.used - stats.budget)})",
+            "the next put evicts least-recently-used entries that are neither pinned nor mapped; "
+            "free space now with `shmcache evict KEY`, or raise the budget: `shmcache budget set SIZE`",
+            details,
+        )
     if stats.budget_warning is not None:
         return Check(
             "budget", "warn", stats.budget_warning,
-            "restart the daemon with a smaller --max-bytes (or --max-fraction), or enlarge the tmpfs",
+            "lower the budget (`shmcache budget set SIZE`, or restart the daemon with a smaller "
+            "--max-bytes or --max-fraction), or enlarge the tmpfs",
             details,
         )
-    budget = "no budget" if stats.budget is None else f"budget {human_bytes(stats.budget)}"
+    if stats.budget is None:
+        return Check("budget", "ok", "no budget: puts are bounded by the file system only", "", details)
     return Check(
-        "budget", "ok", f"the daemon's {budget} fits the file system ({human_bytes(stats.capacity)})",
+        "budget", "ok",
+        f"{human_bytes(stats.used)} used of the root's budget of {human_bytes(stats.budget)}, which fits "
+        f"the file system ({human_bytes(stats.capacity)})",
         "", details,
     )
+
+
+def _root_stats(store: Store) -> tuple[StoreStats | None, Check | None]:
+    """The root's stats read here (no daemon answers), or the failed check that says why not."""
+    if not store.layout.root.is_dir():
+        return None, None
+    try:
+        return store.stats(), None
+    except (ShmCacheError, OSError) as exc:
+        return None, Check("budget", "fail", f"cannot read the budget: {exc}", "see the message", {})
 
 
 def _check_start_method() -> Check:
@@ -402,8 +426,11 @@ def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
         store.root, socket_path if socket_path is not None else store.layout.socket
     )
     checks.append(daemon)
-    if daemon_stats is not None:
-        checks.append(_check_budget(daemon_stats))
+    stats, unreadable = (daemon_stats, None) if daemon_stats is not None else _root_stats(store)
+    if stats is not None:
+        checks.append(_check_budget(stats))
+    elif unreadable is not None:
+        checks.append(unreadable)
     checks += [
         _check_start_method(),
         _check_open_files(len(entries)),

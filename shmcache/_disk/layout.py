@@ -12,6 +12,7 @@ encoding of a cache root. Change the format here and nowhere else.
                                  and the key's last failed ``cache()`` load (``<key>.failed``)
     <root>/daemon.sock           the daemon's control socket (mode 0600)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
+    <root>/budget.json           the root's byte budget, honoured by every writer (absent: none)
 
 The generation file holds ``GENERATION_SLOTS`` little-endian uint64 counters. Slot 0
 changes on every publish or evict in the root (what the daemon's entry-list cache
@@ -37,6 +38,7 @@ from .trust import refuse_untrusted
 
 __all__ = [
     "ARRAY_FILE",
+    "BUDGET_NAME",
     "ENV_CONFIG",
     "ENV_PREFIX",
     "ENV_ROOT",
@@ -68,6 +70,7 @@ SHM_DIR = "/dev/shm"
 
 SOCKET_NAME = "daemon.sock"
 PID_NAME = "daemon.pid"
+BUDGET_NAME = "budget.json"
 META_FILE = "meta.json"
 ARRAY_FILE = "data.npy"
 """The one file of an array entry (containers have one ``<name>.npy`` per part)."""
@@ -173,6 +176,11 @@ class Layout:
     @property
     def pid_file(self) -> Path:
         return self.root / PID_NAME
+
+    @property
+    def budget(self) -> Path:
+        """The root's budget record (JSON), replaced whole by ``rename``."""
+        return self.root / BUDGET_NAME
 
     @property
     def key_locks(self) -> Path:

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from .._disk.fs import free_bytes, total_bytes
-from .._disk.layout import Layout, decode_key, read_version
+from .._disk.layout import GENERATION_BYTES, Layout, decode_key, encode_key, generation_slot, read_version
 from .._disk.meta import read_meta
 from ..errors import CacheRootError
 from .records import EntryInfo, StoreStats, entry_info
 
-__all__ = ["info_of", "iter_infos", "referenced_versions", "store_stats"]
+__all__ = ["info_of", "iter_infos", "referenced_versions", "store_stats", "used_bytes"]
+
+_USAGE_MAX_AGE_S = 5.0
+_usage: dict[str, tuple[bytes, float, dict[str, tuple[str, int]]]] = {}
+"""root -> (its generation table when read, when, entry name -> (version, size)): the
+sizes of a root's entries, re-read only for keys whose generation slot changed since (a
+published version never changes, so ``meta.json`` is read once per new version)."""
 
 
 def info_of(layout: Layout, version: str) -> EntryInfo | None:
@@ -46,6 +55,67 @@ def iter_infos(layout: Layout) -> Iterator[EntryInfo]:
         info = info_of(layout, version)
         if info is not None and info.key == decode_key(name):
             yield info
+
+
+def used_bytes(layout: Layout, excluding: Collection[str] = ()) -> int:
+    """Bytes held by the root's published entries but those under ``excluding`` keys (what
+    ``stats`` calls used). Every put under a budget pays it first, so it must not read every
+    entry's metadata: one ``listdir``, then a ``readlink`` only for keys whose generation
+    slot changed since the last call (every publish and evict bumps its keys' slots), and
+    every key again after a few seconds (a writer killed between its link swap and its
+    bump leaves no trace in the table)."""
+    root = str(layout.root)
+    table = _generation_table(layout)  # before the listing: a change during it is seen next time
+    now = time.monotonic()
+    cached = _usage.get(root)
+    changed: set[int] | None = None  # None: every key
+    if cached is not None and table is not None and now - cached[1] <= _USAGE_MAX_AGE_S:
+        before = np.frombuffer(cached[0], dtype=np.uint64)
+        changed = set(np.flatnonzero(np.frombuffer(table, dtype=np.uint64) != before).tolist())
+    known = {} if cached is None else cached[2]
+    sizes = _scan_sizes(layout, known, changed)
+    if table is not None:
+        full_scan_at = now if changed is None or cached is None else cached[1]
+        _usage[root] = (table, full_scan_at, sizes)
+    total = sum([size for _, size in sizes.values()])
+    return total - sum(sizes[name][1] for name in {encode_key(key) for key in excluding} if name in sizes)
+
+
+def _scan_sizes(
+    layout: Layout, known: dict[str, tuple[str, int]], changed: set[int] | None
+) -> dict[str, tuple[str, int]]:
+    """Entry name -> (version, size) of every entry: from ``known`` for names whose slot is
+    not in ``changed``, else read (``meta.json`` only for a version not seen before)."""
+    links = f"{layout.root}/entries/"  # strings, not Paths: a Path per entry cost more than its readlink
+    sizes = {}
+    for name in _entry_names(layout):
+        seen = known.get(name)
+        if seen is not None and changed is not None and generation_slot(decode_key(name)) not in changed:
+            sizes[name] = seen
+            continue
+        version = read_version(links + name)
+        if version is None:
+            continue
+        if seen is None or seen[0] != version:
+            meta = read_meta(layout, version)
+            if not meta or meta.get("key") != decode_key(name):
+                continue
+            seen = (version, int(meta.get("size", 0)))
+        sizes[name] = seen
+    return sizes
+
+
+def _generation_table(layout: Layout) -> bytes | None:
+    """A copy of the root's generation table (None without one)."""
+    try:
+        fd = os.open(layout.generation, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        table = os.pread(fd, GENERATION_BYTES, 0)
+    finally:
+        os.close(fd)
+    return table if len(table) == GENERATION_BYTES else None
 
 
 def referenced_versions(layout: Layout) -> dict[str, str]:

@@ -47,8 +47,15 @@ class StoreStats:
     free: int
     """Bytes still free on that file system."""
     budget: int | None
-    """The store's ``max_bytes``, or None for no budget."""
+    """The budget in force: the root's (``shmcache budget``), or the store's lower
+    ``max_bytes``; None for no budget."""
     entries: int
+
+    @property
+    def over_budget(self) -> bool:
+        """Whether the entries use more than the budget (it was lowered below them, or set
+        while they were there): the next put evicts to fit, ``shmcache doctor`` fails."""
+        return self.budget is not None and self.used > self.budget
 
     @property
     def budget_warning(self) -> str | None:
@@ -59,7 +66,8 @@ class StoreStats:
         return (
             f"the budget ({human_bytes(self.budget)}) is larger than the file system holding "
             f"{self.root} ({human_bytes(self.capacity)}): it fills up and puts fail with CacheFullError "
-            "before the budget evicts anything; lower --max-bytes below the size, or enlarge the tmpfs "
+            "before the budget evicts anything; lower it below the size (shmcache budget set SIZE, or "
+            "--max-bytes), or enlarge the tmpfs "
             "(mount -o remount,size=...; Docker: --shm-size)"
         )
 

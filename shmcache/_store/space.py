@@ -1,6 +1,10 @@
 """Space: check room before a write, and keep a byte budget by evicting least-recently-used
 entries that are neither pinned nor mapped by a live process.
 
+The budget in force is the root's (``budget.read_budget``, read under the space lock so
+that a write never races a change of it), or the writer's own ``max_bytes`` where that is
+lower (``Store(max_bytes=...)``).
+
 Every writer records what it is about to write on its lock file before it writes; a check
 counts what live writers have reserved and not written yet, so two loads that each fit
 alone cannot both start and both fail midway."""
@@ -17,11 +21,12 @@ from .._disk.procmaps import mapped_versions
 from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
 from ..errors import CacheFullError
-from .catalog import iter_infos
+from .budget import read_budget
+from .catalog import iter_infos, used_bytes
 from .locks import space_lock
 from .reading import forget_attachments
 
-__all__ = ["reserve"]
+__all__ = ["budget_in_force", "reserve"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +47,14 @@ def reserve(
     """Check room for ``nbytes`` (evicting for the budget if needed), then record it on
     the writer's lock file so that other writers count it.
 
-    Entries under ``replacing`` keys are about to be replaced: their bytes do not count
-    against the budget.
+    ``budget`` is the writer's own limit (None: the root's alone applies). Entries under
+    ``replacing`` keys are about to be replaced: their bytes do not count against it.
     """
     with full_is_cache_full(layout.space_lock), space_lock(layout, lock_timeout):
         others = _live_reservations(layout, writer)
-        if budget is not None:
-            _make_room_in_budget(layout, nbytes, budget, set(replacing), evict_version, others)
+        limit = budget_in_force(layout, budget)
+        if limit is not None:
+            _make_room_in_budget(layout, nbytes, limit, set(replacing), evict_version, others)
         free = free_bytes(layout.root)
         pending = sum(max(0, reserved - written) for reserved, written in others)
         if nbytes > free - pending:
@@ -61,16 +67,31 @@ def reserve(
         writer.reserve(nbytes)
 
 
+def budget_in_force(layout: Layout, own: int | None) -> tuple[int, str] | None:
+    """The budget a writer must keep, and whose it is: the lower of the root's recorded
+    budget and the writer's ``own`` limit; None when neither is set."""
+    record = read_budget(layout)
+    if record is not None and (own is None or record.max_bytes <= own):
+        return record.max_bytes, f"the root's budget, set by {record.set_by}"
+    if own is not None:
+        return own, "this Store's max_bytes"
+    return None
+
+
 def _make_room_in_budget(
     layout: Layout,
     nbytes: int,
-    budget: int,
+    limit: tuple[int, str],
     replacing: set[str],
     evict_version: EvictVersion,
     others: list[tuple[int, int]],
 ) -> None:
+    budget, whose = limit
+    reserved = sum(reserved for reserved, _ in others)
+    if used_bytes(layout, replacing) + reserved + nbytes <= budget:
+        return  # the common case, without reading every entry's record
     entries = [e for e in iter_infos(layout) if e.key not in replacing]
-    used = sum(e.size for e in entries) + sum(reserved for reserved, _ in others)
+    used = sum(e.size for e in entries) + reserved
     excess = used + nbytes - budget
     if excess <= 0:
         return
@@ -84,9 +105,11 @@ def _make_room_in_budget(
         pinned = [e.key for e in entries if e.pinned]
         busy = [e.key for e in entries if e.version in mapped]
         raise CacheFullError(
-            f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)}, "
+            f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}), "
             f"{human_bytes(used)} used; only {human_bytes(sum(e.size for e in candidates))} could be "
-            f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}"
+            f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}. Evict some "
+            "(`shmcache evict KEY`), let the processes that map them exit, or raise the budget "
+            "(`shmcache budget set SIZE`)"
         )
     for entry in candidates:
         if excess <= 0:
@@ -98,7 +121,7 @@ def _make_room_in_budget(
             excess -= entry.size
     if excess > 0:
         raise CacheFullError(
-            f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)}; "
+            f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}); "
             f"{human_bytes(excess)} could not be freed because the entries to evict were being "
             "replaced or loaded by other processes; try again"
         )

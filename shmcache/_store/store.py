@@ -48,8 +48,15 @@ from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._disk.urls import is_url, local_path_of, redact_url
 from .._disk.writer import VersionWriter
-from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
+from ..errors import (
+    InvalidRequestError,
+    KeyExistsError,
+    KeyNotFoundError,
+    LockTimeoutError,
+    UnsupportedDataError,
+)
 from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
+from .budget import checked_budget, write_budget
 from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
 from .locks import key_lock, snapshot_lock
@@ -58,7 +65,7 @@ from .planned import write_container
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
-from .space import reserve
+from .space import budget_in_force, reserve
 from .tables import is_table_file, plan_table_file, read_table_source
 from .writing import ITEM_TYPES, publish, version_meta
 
@@ -75,8 +82,11 @@ class Store:
     Nothing is read from, or written to, a root that is a symlink, another user's, or
     writable by others: :class:`CacheRootError` says why and what to do.
 
-    ``max_bytes`` is this store's budget: a put that would exceed it first evicts
-    least-recently-used entries that are neither pinned nor mapped by a live process.
+    Every put keeps the root's budget (:meth:`set_budget`, ``shmcache budget``, ``shmcache
+    serve --max-bytes``; recorded in the root): one that would exceed it first evicts
+    least-recently-used entries that are neither pinned nor mapped by a live process, or
+    raises :class:`CacheFullError` naming what holds the space. ``max_bytes`` is a lower
+    limit of this store's own on top of it (not recorded; other writers do not see it).
     ``lock_timeout`` bounds waits on other processes' locks (None waits forever).
     """
 
@@ -91,7 +101,7 @@ class Store:
         if max_bytes is not None and (
             not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
         ):
-            raise ValueError(f"max_bytes must be a number of bytes >= 0, got {max_bytes!r}")
+            raise InvalidRequestError(f"max_bytes must be a number of bytes >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.lock_timeout = lock_timeout
         self.layout = Layout(self.root)
@@ -733,8 +743,31 @@ class Store:
         return scan_mappings(self.layout.objects)
 
     def stats(self) -> StoreStats:
+        """Capacity, use, the budget in force (see :attr:`budget`) and entry count."""
         self._reader.trust_root()
-        return store_stats(self.layout, builtins.list(iter_infos(self.layout)), self.max_bytes)
+        return store_stats(self.layout, builtins.list(iter_infos(self.layout)), self.budget)
+
+    # ------------------------------------------------------------------ the budget
+
+    @property
+    def budget(self) -> int | None:
+        """The byte budget every put of this store keeps: the root's (see
+        :meth:`set_budget`), or ``max_bytes`` where that is lower; None for none."""
+        self._reader.trust_root()
+        limit = budget_in_force(self.layout, self.max_bytes)
+        return None if limit is None else limit[0]
+
+    def set_budget(self, max_bytes: int | str | None, *, set_by: str = "Store.set_budget") -> None:
+        """Record the root's byte budget (bytes, or a size such as ``"100GiB"``; None removes
+        it), honoured from now on by every writer of the root: this and other processes,
+        the CLI, the daemon. A budget below what the root holds evicts nothing now: the
+        next put evicts least-recently-used entries (neither pinned nor mapped) to fit,
+        and ``shmcache doctor`` fails until then."""
+        nbytes = checked_budget(max_bytes)
+        self._check_root_identity()
+        self._prepare()
+        write_budget(self.layout, nbytes, set_by)
+        logger.info("budget of %s: %s (set by %s)", self.root, "none" if nbytes is None else nbytes, set_by)
 
     # ------------------------------------------------------------------ cleanup, verify
 
