@@ -191,6 +191,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            bad = exc.__cause__
+            return _error(
+                422,
+                "InvalidRequestError",
+                f"body: not valid UTF-8 (byte 0x{bad.object[bad.start]:02x} at position {bad.start}): "
+                "send JSON encoded as UTF-8",
+            )
         name = _HTTP_ERROR_NAMES.get(exc.status_code, "HTTPError")
         return _error(exc.status_code, name, str(exc.detail), dict(exc.headers or {}))
 
@@ -213,6 +221,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _describe_validation(exc: RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # loc is ("body", position)
+            position = error.get("loc", ("body", "?"))[-1]
+            reason = error.get("ctx", {}).get("error", "invalid")
+            parts.append(f"body: not valid JSON at character {position}: {reason}")
+            continue
         where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
         parts.append(f"{where}: {error.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
