@@ -144,7 +144,7 @@ def _stop(service: Service) -> None:
     if running:
         logger.info("cancelling %d load(s)", len(running))
     service.jobs.shutdown(timeout=_CANCEL_WAIT_S)  # a load stuck on a lock must not hold up the stop
-    if service.settings.cleanup_on_exit:
+    if service.settings.cleanup_on_exit and service.root_watch.problem() is None:
         evicted = freed = 0
         for entry in service.store.list():
             try:
@@ -310,8 +310,8 @@ def _content_length(scope: Scope) -> int:
 
 
 class ControlMiddleware:
-    """Host-header and bearer-token checks (TCP only: Unix-socket peers are checked by uid)
-    and latency metrics.
+    """Host-header and bearer-token checks (TCP only: Unix-socket peers are checked by uid),
+    503 for every request once the root is gone (:class:`RootWatch`), and latency metrics.
 
     The Host check stops DNS rebinding: a web page whose name was re-pointed at 127.0.0.1
     reaches a loopback daemon from the browser of anyone on this machine, but its requests
@@ -331,6 +331,7 @@ class ControlMiddleware:
         self.hosts = hosts
         self.unix_socket = unix_socket
         self.histogram = service.metrics.requests
+        self.root_watch = service.root_watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -365,6 +366,10 @@ class ControlMiddleware:
                     "token the daemon was started with",
                     {"WWW-Authenticate": "Bearer"},
                 )
+                await response(scope, receive, send_with_status)
+                return
+            if (problem := self.root_watch.problem()) is not None:  # the daemon is stopping: unhealthy
+                response = _error(503, "CacheRootError", problem, {"Connection": "close"})
                 await response(scope, receive, send_with_status)
                 return
             await self.app(scope, receive, send_with_status)

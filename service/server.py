@@ -9,6 +9,7 @@ stale pid file or socket never blocks the next daemon.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -33,6 +34,7 @@ from .app import create_app
 from .errors import DaemonRunningError
 from .protocol import MAX_HEAD_BYTES, ConnectionGuard, guarded_protocol, peer_credentials
 from .settings import Settings, is_loopback
+from .state import RootWatch
 
 __all__ = [
     "MAX_HEAD_BYTES",
@@ -53,6 +55,8 @@ _STUCK_THREAD_WAIT_S = 1.0
 _KEEP_ALIVE_S = 5  # uvicorn closes a connection idle this long between requests
 _MAX_TCP_CONNECTIONS = 1024
 _NOFILE_IF_UNLIMITED = 1 << 20
+_ROOT_CHECK_S = 1.0
+"""How often the daemon checks that its root is still there."""
 
 
 def configure_logging(level: str) -> None:
@@ -105,10 +109,19 @@ class PidFile:
     def release(self) -> None:
         if self._fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # while still locked: nobody can take over a file we delete
+        # While still locked: nobody can take over a file we delete. Not a file another daemon
+        # made since ours went with its root (rm -rf).
+        _unlink_if_same(self.path, os.fstat(self._fd))
         os.close(self._fd)
         self._fd = None
+
+
+def _unlink_if_same(path: Path, ours: os.stat_result) -> None:
+    """Unlink ``path`` if it still is the file ``ours`` describes (held open, so not reused)."""
+    with contextlib.suppress(FileNotFoundError):
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino):
+            os.unlink(path)
 
 
 def raise_descriptor_limit() -> tuple[int, int]:
@@ -249,11 +262,12 @@ def _exit_now_if_threads_are_stuck() -> None:
 
 def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) -> int:
     sockets: list[socket.socket] = []
-    unix_bound = False
+    bound: os.stat_result | None = None
+    failures: list[str] = []
     try:
         app = create_app(settings)
         sockets.append(_unix_listener(settings.socket_path))
-        unix_bound = True
+        bound = os.lstat(settings.socket_path)
         where = [f"unix:{settings.socket_path}"]
         if settings.host is not None and settings.port is not None:
             tcp = _tcp_listener(settings.host, settings.port)
@@ -277,25 +291,42 @@ def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) ->
             timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         )
         server = uvicorn.Server(config)
-        _log_ready(server, where)
+        _on_started(server, where, app.state.service.root_watch, failures)
         if not stop_requested:
             server.run(sockets=sockets)
+        if failures:
+            return 1
         return 0 if server.started or stop_requested else 1
     finally:
         for sock in sockets:
             sock.close()
-        if unix_bound:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(settings.socket_path)
+        if bound is not None:
+            _unlink_if_same(settings.socket_path, bound)
 
 
-def _log_ready(server: uvicorn.Server, where: list[str]) -> None:
-    """Log where the daemon listens once uvicorn has started (tests wait for this line)."""
+def _on_started(server: uvicorn.Server, where: list[str], watch: RootWatch, failures: list[str]) -> None:
+    """Once uvicorn has started: log where the daemon listens (tests wait for this line) and
+    start watching the root."""
     original = server.startup
+    tasks: list[asyncio.Task[None]] = []
 
     async def startup(*args: Any, **kwargs: Any) -> None:
         await original(*args, **kwargs)
         if server.started:
             logger.info("shmcache daemon (pid %d) listening on %s", os.getpid(), " and ".join(where))
+            tasks.append(asyncio.create_task(_watch_root(server, watch, failures)))
 
     server.startup = startup  # type: ignore[method-assign]
+
+
+async def _watch_root(server: uvicorn.Server, watch: RootWatch, failures: list[str]) -> None:
+    """Stop the daemon (exit status 1) with a clear message if its root goes away: removed
+    (``rm -rf``), replaced, or emptied of its entries. Requests meanwhile get 503 saying so."""
+    while not server.should_exit:
+        await asyncio.sleep(_ROOT_CHECK_S)
+        problem = watch.problem()
+        if problem is not None:
+            logger.error("%s", problem)
+            failures.append(problem)
+            server.should_exit = True
+            return
