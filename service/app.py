@@ -233,7 +233,8 @@ def _describe_validation(exc: RequestValidationError) -> str:
 
 def _document_guards(app: FastAPI, settings: Settings) -> None:
     """Add to the schema what the middlewares answer before any route: 413 where a body is
-    taken, 421 for a foreign Host header and 401 without the token (when those checks run)."""
+    taken, 421 for a foreign Host header and 401 without the token (when those checks run),
+    503 once the root is gone."""
 
     def error(description: str) -> dict[str, Any]:
         schema = {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
@@ -258,6 +259,11 @@ def _document_guards(app: FastAPI, settings: Settings) -> None:
                         responses["421"] = error("Host header not a name of this daemon (TCP)")
                     if settings.token:
                         responses["401"] = error("Missing or wrong token")
+                    gone = "The cache root was removed while the daemon ran (CacheRootError): it stops"
+                    if "503" in responses:
+                        responses["503"]["description"] += f"; or: {gone}"
+                    else:
+                        responses["503"] = error(gone)
             app.openapi_schema = schema
         return app.openapi_schema
 
