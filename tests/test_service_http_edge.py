@@ -248,6 +248,17 @@ def test_load_bodies_are_strict(daemon: Daemon, data_dir: Path, field: dict[str,
         assert all(job["key"] != key for job in client.get("/v1/jobs").json())
 
 
+def test_unknown_query_parameters_are_refused(daemon: Daemon) -> None:
+    """``?prefx=a`` listed every entry as if no prefix had been given; now a 422 naming it."""
+    with daemon.client() as client:
+        for url, name in (("/v1/entries?prefx=a", "prefx"), ("/v1/health?verbose=1", "verbose")):
+            response = client.get(url)
+            assert response.status_code == 422, response.text
+            error = response.json()
+            assert error["error"] == "InvalidRequestError" and f"query.{name}: unknown" in error["detail"]
+        assert client.get("/v1/entries?prefix=a").status_code == 200
+
+
 def test_the_edge_logs_no_traceback(daemon: Daemon) -> None:
     """Everything above was answered without an exception in the daemon."""
     assert "Traceback" not in daemon.log and "Exception in ASGI" not in daemon.log, daemon.log[-2000:]
