@@ -13,7 +13,8 @@
   ``{"error": "InvalidRequestError", "detail": ...}`` with 400, not uvicorn's plain text;
   an error in a pipelined request is answered after the responses before it.
 - A request asking to upgrade (WebSocket, h2c) is answered as a plain request and its
-  connection closed: the parser reads nothing after such a request.
+  connection closed: the parser reads nothing after such a request. A client that
+  half-closes after its request still gets the answer.
 - :class:`ConnectionGuard`: slow, idle and surplus connections; Unix-socket peers of
   another uid are dropped (``SO_PEERCRED``).
 """
@@ -339,6 +340,16 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
             super().on_response_complete()
             if self._tcp and not self.transport.is_closing():
                 guard.rest(self)
+
+        def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio allows True
+            """A client that half-closes after a whole request (``shutdown(SHUT_WR)``) still gets
+            its answer, then the connection closes (uvicorn closed it at once: no answer)."""
+            cycle = self.cycle
+            answering = cycle is not None and not cycle.response_complete and not cycle.more_body
+            if answering and not self.pipeline:
+                cycle.keep_alive = False
+                return True
+            return None
 
         # ------------------------------------------------------------ deadlines
 

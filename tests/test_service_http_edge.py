@@ -43,9 +43,11 @@ def address(request: pytest.FixtureRequest, daemon: Daemon) -> str | tuple[str, 
     return (url.hostname, url.port)
 
 
-def exchange(address: str | tuple[str, int], pieces: list[bytes], pause: float = 0.0) -> list[Response]:
-    """Send ``pieces`` (``pause`` seconds apart: separate reads), then read until the daemon
-    closes; the responses it sent, in order."""
+def exchange(
+    address: str | tuple[str, int], pieces: list[bytes], pause: float = 0.0, half_close: bool = False
+) -> list[Response]:
+    """Send ``pieces`` (``pause`` seconds apart: separate reads; then ``shutdown(SHUT_WR)`` with
+    ``half_close``), then read until the daemon closes; the responses it sent, in order."""
     family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.settimeout(30)
@@ -55,6 +57,8 @@ def exchange(address: str | tuple[str, int], pieces: list[bytes], pause: float =
                 if i and pause:
                     time.sleep(pause)
                 sock.sendall(piece)
+            if half_close:
+                sock.shutdown(socket.SHUT_WR)
         raw = b""
         with contextlib.suppress(ConnectionResetError):
             while chunk := sock.recv(1 << 16):
@@ -246,6 +250,19 @@ def test_load_bodies_are_strict(daemon: Daemon, data_dir: Path, field: dict[str,
         assert error["error"] == "InvalidRequestError" and next(iter(field)) in error["detail"], error
         assert client.get(f"/v1/entries/{key}").status_code == 404
         assert all(job["key"] != key for job in client.get("/v1/jobs").json())
+
+
+def test_a_client_that_half_closes_after_its_request_gets_the_answer(address: Any, data_dir: Path) -> None:
+    """Before: uvicorn closed the connection on the client's EOF, before a route that takes a
+    moment (a thread) had answered: no answer at all."""
+    body = json.dumps({"source": str(data_dir / "absent.npy")}).encode()
+    put = (
+        b"PUT /v1/entries/%s HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (unique("half").encode(), len(body), body)
+    )
+    for request in (put, HEALTH + b"\r\n"):
+        answers = exchange(address, [request], half_close=True)  # returns once the daemon closed
+        assert len(answers) == 1 and answers[0][0] in (200, 400), answers
 
 
 def test_unknown_query_parameters_are_refused(daemon: Daemon) -> None:
