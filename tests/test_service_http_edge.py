@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from service_helpers import Daemon, unique
 
 pytestmark = pytest.mark.integration
@@ -129,6 +131,23 @@ def test_heads_over_64_kib_get_431_whatever_the_read_boundaries(address: Any, sp
         if expected == 431:
             assert error_of(answers[0])["error"] == "RequestHeadTooLargeError"
             assert answers[0][1]["connection"] == "close"
+
+
+@settings(
+    max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    size=st.integers(LIMIT - 40, LIMIT + 40),
+    cuts=st.lists(st.floats(0, 1, exclude_max=True), max_size=4),
+)
+def test_the_limit_is_exact_at_any_cut(address: Any, size: int, cuts: list[float]) -> None:
+    """Heads around the limit, cut at random places into up to five pieces sent apart:
+    served up to 64 KiB exactly, 431 from one byte more."""
+    head = head_of(size)
+    points = sorted({int(cut * size) for cut in cuts} - {0})
+    pieces = [head[a:b] for a, b in zip([0, *points], [*points, size], strict=True)]
+    answers = exchange(address, pieces, pause=0.002)
+    assert [status for status, _, _ in answers] == [200 if size <= LIMIT else 431], (size, points)
 
 
 def test_a_pipelined_oversized_head_is_431_after_the_answers_before_it(address: Any) -> None:
