@@ -37,7 +37,6 @@ from .state import EntryView, Service, entry_model
 __all__ = ["metrics_router", "v1"]
 
 
-
 def _query_names(dependant: Any) -> set[str]:
     """The query parameters a route (its function and its dependencies) takes."""
     names = {field.alias for field in dependant.query_params}

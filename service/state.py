@@ -248,7 +248,7 @@ class RootWatch:
         self._identity = (st.st_dev, st.st_ino)
 
     def problem(self) -> str | None:
-        r"""None while the root is intact, else what happened and what to do (a few ``stat``\ s)."""
+        """None while the root is intact, else what happened and what to do (three ``stat`` calls)."""
         root = self.layout.root
         try:
             st = os.stat(root)
@@ -263,7 +263,8 @@ class RootWatch:
                 missing = [p.name for p in (self.layout.entries, self.layout.objects) if not p.is_dir()]
                 if not missing:
                     return None
-                what = f"lost its {' and '.join(f'{name}/' for name in missing)} directory"
+                dirs = "directory" if len(missing) == 1 else "directories"
+                what = f"lost its {' and '.join(f'{name}/' for name in missing)} {dirs}"
         return (
             f"the cache root {root} {what} while the daemon was running (its entries, socket and pid "
             "file with it); the daemon stops: start `shmcache serve` again to recreate the root"
