@@ -144,7 +144,7 @@ def _stop(service: Service) -> None:
     if running:
         logger.info("cancelling %d load(s)", len(running))
     service.jobs.shutdown(timeout=_CANCEL_WAIT_S)  # a load stuck on a lock must not hold up the stop
-    if service.settings.cleanup_on_exit:
+    if service.settings.cleanup_on_exit and service.root_watch.problem() is None:
         evicted = freed = 0
         for entry in service.store.list():
             try:
@@ -191,6 +191,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            bad = exc.__cause__
+            return _error(
+                422,
+                "InvalidRequestError",
+                f"body: not valid UTF-8 (byte 0x{bad.object[bad.start]:02x} at position {bad.start}): "
+                "send JSON encoded as UTF-8",
+            )
         name = _HTTP_ERROR_NAMES.get(exc.status_code, "HTTPError")
         return _error(exc.status_code, name, str(exc.detail), dict(exc.headers or {}))
 
@@ -213,6 +221,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _describe_validation(exc: RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # loc is ("body", position)
+            position = error.get("loc", ("body", "?"))[-1]
+            reason = error.get("ctx", {}).get("error", "invalid")
+            parts.append(f"body: not valid JSON at character {position}: {reason}")
+            continue
         where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
         parts.append(f"{where}: {error.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
@@ -220,7 +233,8 @@ def _describe_validation(exc: RequestValidationError) -> str:
 
 def _document_guards(app: FastAPI, settings: Settings) -> None:
     """Add to the schema what the middlewares answer before any route: 413 where a body is
-    taken, 421 for a foreign Host header and 401 without the token (when those checks run)."""
+    taken, 421 for a foreign Host header and 401 without the token (when those checks run),
+    503 once the root is gone."""
 
     def error(description: str) -> dict[str, Any]:
         schema = {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
@@ -245,6 +259,11 @@ def _document_guards(app: FastAPI, settings: Settings) -> None:
                         responses["421"] = error("Host header not a name of this daemon (TCP)")
                     if settings.token:
                         responses["401"] = error("Missing or wrong token")
+                    gone = "The cache root was removed while the daemon ran (CacheRootError): it stops"
+                    if "503" in responses:
+                        responses["503"]["description"] += f"; or: {gone}"
+                    else:
+                        responses["503"] = error(gone)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -297,8 +316,8 @@ def _content_length(scope: Scope) -> int:
 
 
 class ControlMiddleware:
-    """Host-header and bearer-token checks (TCP only: Unix-socket peers are checked by uid)
-    and latency metrics.
+    """Host-header and bearer-token checks (TCP only: Unix-socket peers are checked by uid),
+    503 for every request once the root is gone (:class:`RootWatch`), and latency metrics.
 
     The Host check stops DNS rebinding: a web page whose name was re-pointed at 127.0.0.1
     reaches a loopback daemon from the browser of anyone on this machine, but its requests
@@ -318,6 +337,7 @@ class ControlMiddleware:
         self.hosts = hosts
         self.unix_socket = unix_socket
         self.histogram = service.metrics.requests
+        self.root_watch = service.root_watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -352,6 +372,10 @@ class ControlMiddleware:
                     "token the daemon was started with",
                     {"WWW-Authenticate": "Bearer"},
                 )
+                await response(scope, receive, send_with_status)
+                return
+            if (problem := self.root_watch.problem()) is not None:  # the daemon is stopping: unhealthy
+                response = _error(503, "CacheRootError", problem, {"Connection": "close"})
                 await response(scope, receive, send_with_status)
                 return
             await self.app(scope, receive, send_with_status)

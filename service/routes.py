@@ -14,12 +14,14 @@ import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shmcache import __version__, validate_key
 from shmcache._control import Job
 from shmcache._store.budget import read_budget
 
+from .errors import short
 from .schemas import (
     Budget,
     BudgetRequest,
@@ -37,7 +39,37 @@ from .state import EntryView, Service, entry_model
 
 __all__ = ["metrics_router", "v1"]
 
-v1 = APIRouter(prefix="/v1")
+
+def _query_names(dependant: Any) -> set[str]:
+    """The query parameters a route (its function and its dependencies) takes."""
+    names = {field.alias for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+async def _known_query_only(request: Request) -> None:
+    """Refuse query parameters the route does not take (422): ``?prefx=a`` must not list
+    every entry as if no prefix had been given."""
+    route = request.scope.get("route")
+    known = _query_names(route.dependant) if route is not None else set()
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
+        raise RequestValidationError(
+            [
+                {
+                    "type": "extra_forbidden",
+                    "loc": ("query", name),
+                    "msg": f"unknown query parameter ({takes})",
+                    "input": short(request.query_params[name]),
+                }
+                for name in unknown
+            ]
+        )
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_known_query_only)])
 metrics_router = APIRouter()
 
 
@@ -60,7 +92,7 @@ async def _entry_view(service: Service) -> EntryView:
     return view if view is not None else await asyncio.to_thread(service.entry_view)
 
 
-@v1.get("/health", response_model=Health, summary="Liveness: the daemon answers")
+@v1.get("/health", response_model=Health, responses=_errors(), summary="Liveness: the daemon answers")
 async def health(service: ServiceDep) -> Health:
     return Health(
         version=__version__,
@@ -70,7 +102,12 @@ async def health(service: ServiceDep) -> Health:
     )
 
 
-@v1.get("/stats", response_model=Stats, summary="Capacity, use, budget, entries, bytes held by readers")
+@v1.get(
+    "/stats",
+    response_model=Stats,
+    responses=_errors(),
+    summary="Capacity, use, budget, entries, bytes held by readers",
+)
 async def stats(service: ServiceDep) -> Stats:
     space = service.space(await _entry_view(service))
     scan = service.readers.latest()
@@ -192,7 +229,12 @@ def cleanup(service: ServiceDep) -> CleanupResult:
     return CleanupResult(freed_bytes=freed)
 
 
-@v1.get("/jobs", response_model=list[Job], summary="Recent load jobs (queued, running, last 1000 finished)")
+@v1.get(
+    "/jobs",
+    response_model=list[Job],
+    responses=_errors(),
+    summary="Recent load jobs (queued, running, last 1000 finished)",
+)
 async def list_jobs(service: ServiceDep) -> list[Job]:
     return [job.snapshot() for job in service.jobs.list()]
 

@@ -84,9 +84,12 @@ class EntryDetail(Entry):
 
 class LoadRequest(BaseModel):
     """Load a ``.npy``; an ``.npz``, ``.safetensors``, torch ``.pt``/``.pth`` or ``.h5``/``.hdf5``
-    (as key/<member, tensor or dataset>); or a directory of them (key/<relative path>)."""
+    (as key/<member, tensor or dataset>); or a directory of them (key/<relative path>).
 
-    model_config = ConfigDict(extra="forbid")
+    Strict: ``"pin": "yes"`` or ``1`` is refused (422), not taken as true, and no field is
+    coerced from another JSON type; unknown fields are refused too (a typo is not ignored)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     source: str = Field(
         min_length=1,

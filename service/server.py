@@ -1,6 +1,7 @@
 """Running the daemon: one per root (an flocked pid file), uvicorn on a Unix socket
 (mode 0600, peers checked by uid with ``SO_PEERCRED``) and optionally on TCP, with the
-descriptor limit raised and slow, idle or surplus connections closed (:class:`ConnectionGuard`).
+descriptor limit raised; the HTTP edge (head limit, parser errors as JSON, slow, idle or
+surplus connections closed) is :mod:`.protocol`.
 
 The kernel drops the pid file's flock when the daemon dies, even by ``kill -9``, so a
 stale pid file or socket never blocks the next daemon.
@@ -12,17 +13,14 @@ import asyncio
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import resource
 import signal
 import socket
 import stat
-import struct
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -34,7 +32,9 @@ from shmcache import Store
 
 from .app import create_app
 from .errors import DaemonRunningError
+from .protocol import MAX_HEAD_BYTES, ConnectionGuard, guarded_protocol, peer_credentials
 from .settings import Settings, is_loopback
+from .state import RootWatch
 
 __all__ = [
     "MAX_HEAD_BYTES",
@@ -55,20 +55,8 @@ _STUCK_THREAD_WAIT_S = 1.0
 _KEEP_ALIVE_S = 5  # uvicorn closes a connection idle this long between requests
 _MAX_TCP_CONNECTIONS = 1024
 _NOFILE_IF_UNLIMITED = 1 << 20
-_SHED_LOG_INTERVAL_S = 10.0
-MAX_HEAD_BYTES = 64 << 10
-"""Longest request line and headers read; the longest valid ones are well under 1 KiB."""
-_HEAD_TOO_LARGE_BODY = json.dumps(
-    {
-        "error": "RequestHeadTooLargeError",
-        "detail": f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes, the most "
-        "this daemon reads",
-    }
-).encode()
-_HEAD_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_HEAD_TOO_LARGE_BODY), _HEAD_TOO_LARGE_BODY)
-)
+_ROOT_CHECK_S = 1.0
+"""How often the daemon checks that its root is still there."""
 
 
 def configure_logging(level: str) -> None:
@@ -121,186 +109,19 @@ class PidFile:
     def release(self) -> None:
         if self._fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # while still locked: nobody can take over a file we delete
+        # While still locked: nobody can take over a file we delete. Not a file another daemon
+        # made since ours went with its root (rm -rf).
+        _unlink_if_same(self.path, os.fstat(self._fd))
         os.close(self._fd)
         self._fd = None
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return pid, uid, gid
-
-
-class ConnectionGuard:
-    """Keeps slow, idle and surplus connections from holding the daemon's descriptors.
-
-    uvicorn closes a connection idle *between* requests (``timeout_keep_alive``), but not one
-    that never sends a whole request, and it accepts connections until ``accept`` fails with
-    EMFILE, which locks out the Unix socket too. So: every connection must send each request
-    (line, headers, body) within ``request_timeout`` of opening or starting it; a request
-    head over ``MAX_HEAD_BYTES`` is refused (431); at most ``max_tcp`` TCP connections are
-    open (well below the descriptor limit), and one more closes the TCP connection that has
-    waited longest for a request (or is refused when all are busy). Unix-socket peers (the
-    daemon's own user) are never shed. Every connection closed this way is logged, summed up.
-    """
-
-    def __init__(self, max_tcp: int, request_timeout: float) -> None:
-        self.max_tcp = max_tcp
-        self.request_timeout = request_timeout
-        self.tcp: set[Any] = set()
-        self.waiting: OrderedDict[Any, None] = OrderedDict()  # TCP, no request in progress: oldest first
-        self._shed: Counter[str] = Counter()  # connections shed and not yet logged, by why
-        self._due: dict[str, float] = {}  # when the next line of that kind may be logged
-        self._reports: dict[str, asyncio.TimerHandle] = {}
-
-    def admit(self, connection: Any) -> bool:
-        """Count a new TCP connection in, making room if need be; False: refuse it."""
-        if len(self.tcp) >= self.max_tcp:
-            if not self.waiting:
-                self.shed("refused new TCP connections: every open one had a request in progress")
-                return False
-            oldest, _ = self.waiting.popitem(last=False)
-            self.tcp.discard(oldest)
-            oldest.transport.abort()
-            self.shed("closed the TCP connection waiting longest for a request, to admit a new one")
-        self.tcp.add(connection)
-        self.waiting[connection] = None
-        return True
-
-    def busy(self, connection: Any) -> None:
-        self.waiting.pop(connection, None)
-
-    def rest(self, connection: Any) -> None:
-        if connection in self.tcp:
-            self.waiting[connection] = None
-            self.waiting.move_to_end(connection)
-
-    def forget(self, connection: Any) -> None:
-        self.tcp.discard(connection)
-        self.waiting.pop(connection, None)
-
-    def shed(self, why: str) -> None:
-        """Count a connection closed to protect the daemon: the first of a kind is logged at
-        once, later ones summed up in one line per kind and ``_SHED_LOG_INTERVAL_S``."""
-        self._shed[why] += 1
-        wait = self._due.get(why, 0.0) - time.monotonic()
-        if wait <= 0:
-            self._report(why)
-        elif why not in self._reports:
-            self._reports[why] = asyncio.get_running_loop().call_later(wait, self._report, why)
-
-    def _report(self, why: str) -> None:
-        self._reports.pop(why, None)
-        logger.warning(
-            "shedding load: %s: %d (TCP connections open: %d of at most %d)",
-            why,
-            self._shed.pop(why, 0),
-            len(self.tcp),
-            self.max_tcp,
-        )
-        self._due[why] = time.monotonic() + _SHED_LOG_INTERVAL_S
-
-
-def _guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> type[asyncio.Protocol]:
-    """A subclass of uvicorn's HTTP protocol that drops Unix-socket peers of another uid and
-    applies ``guard`` (request deadline, head size, TCP connection budget)."""
-    allowed = {os.geteuid(), 0}
-
-    class GuardedProtocol(base):  # type: ignore[valid-type,misc]
-        _deadline: asyncio.TimerHandle | None = None
-        _head_bytes = 0
-        _tcp = False
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family == socket.AF_UNIX:
-                try:
-                    pid, uid, _ = peer_credentials(sock)
-                except OSError:
-                    pid, uid = -1, -1
-                if uid not in allowed:
-                    logger.warning(
-                        "refused a connection from pid %d (uid %d): not the daemon's user", pid, uid
-                    )
-                    transport.abort()  # type: ignore[attr-defined]
-                    return
-            else:
-                self._tcp = True
-                if not guard.admit(self):
-                    transport.abort()  # type: ignore[attr-defined]
-                    return
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            if self._between_requests():
-                if self._deadline is None:
-                    self._arm()  # a new request starts: it has request_timeout to arrive whole
-                self._head_bytes += len(data)
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            if self._between_requests():  # the head is not complete yet
-                if self._head_bytes > MAX_HEAD_BYTES:
-                    self._refuse_head()
-                return
-            self._head_bytes = 0
-            if self._tcp:
-                guard.busy(self)
-            if not self.cycle.more_body:
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._tcp and not self.transport.is_closing():
-                guard.rest(self)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if self._tcp:
-                guard.forget(self)
-            super().connection_lost(exc)
-
-        def _between_requests(self) -> bool:
-            return self.cycle is None or bool(self.cycle.response_complete)
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(guard.request_timeout, self._expire)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expire(self) -> None:
-            self._deadline = None
-            if not self.transport.is_closing():
-                guard.shed(
-                    f"closed connections that sent no whole request within {guard.request_timeout:g} s"
-                )
-                self.transport.abort()
-
-        def _refuse_head(self) -> None:
-            guard.shed(f"refused request heads over {MAX_HEAD_BYTES} bytes (431)")
-            self.transport.write(_HEAD_TOO_LARGE)
-            self.transport.close()
-
-    return GuardedProtocol
-
-
-def _http_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        return _guarded_protocol(HttpToolsProtocol, guard)
-    except ImportError:  # httptools missing: the pure-Python parser
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-
-        return _guarded_protocol(H11Protocol, guard)
+def _unlink_if_same(path: Path, ours: os.stat_result) -> None:
+    """Unlink ``path`` if it still is the file ``ours`` describes (held open, so not reused)."""
+    with contextlib.suppress(FileNotFoundError):
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino):
+            os.unlink(path)
 
 
 def raise_descriptor_limit() -> tuple[int, int]:
@@ -441,11 +262,12 @@ def _exit_now_if_threads_are_stuck() -> None:
 
 def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) -> int:
     sockets: list[socket.socket] = []
-    unix_bound = False
+    bound: os.stat_result | None = None
+    failures: list[str] = []
     try:
         app = create_app(settings)
         sockets.append(_unix_listener(settings.socket_path))
-        unix_bound = True
+        bound = os.lstat(settings.socket_path)
         where = [f"unix:{settings.socket_path}"]
         if settings.host is not None and settings.port is not None:
             tcp = _tcp_listener(settings.host, settings.port)
@@ -459,7 +281,8 @@ def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) ->
             logger.info("at most %d TCP connections at once (descriptor limit %d)", guard.max_tcp, nofile)
         config = uvicorn.Config(
             app,
-            http=_http_protocol(guard),
+            http=guarded_protocol(guard),
+            ws="none",  # no WebSocket route: an upgrade request is answered as a plain one
             loop="auto",  # uvloop when installed (the service extra brings it)
             lifespan="on",
             log_config=None,
@@ -468,25 +291,42 @@ def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) ->
             timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         )
         server = uvicorn.Server(config)
-        _log_ready(server, where)
+        _on_started(server, where, app.state.service.root_watch, failures)
         if not stop_requested:
             server.run(sockets=sockets)
+        if failures:
+            return 1
         return 0 if server.started or stop_requested else 1
     finally:
         for sock in sockets:
             sock.close()
-        if unix_bound:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(settings.socket_path)
+        if bound is not None:
+            _unlink_if_same(settings.socket_path, bound)
 
 
-def _log_ready(server: uvicorn.Server, where: list[str]) -> None:
-    """Log where the daemon listens once uvicorn has started (tests wait for this line)."""
+def _on_started(server: uvicorn.Server, where: list[str], watch: RootWatch, failures: list[str]) -> None:
+    """Once uvicorn has started: log where the daemon listens (tests wait for this line) and
+    start watching the root."""
     original = server.startup
+    tasks: list[asyncio.Task[None]] = []
 
     async def startup(*args: Any, **kwargs: Any) -> None:
         await original(*args, **kwargs)
         if server.started:
             logger.info("shmcache daemon (pid %d) listening on %s", os.getpid(), " and ".join(where))
+            tasks.append(asyncio.create_task(_watch_root(server, watch, failures)))
 
     server.startup = startup  # type: ignore[method-assign]
+
+
+async def _watch_root(server: uvicorn.Server, watch: RootWatch, failures: list[str]) -> None:
+    """Stop the daemon (exit status 1) with a clear message if its root goes away: removed
+    (``rm -rf``), replaced, or emptied of its entries. Requests meanwhile get 503 saying so."""
+    while not server.should_exit:
+        await asyncio.sleep(_ROOT_CHECK_S)
+        problem = watch.problem()
+        if problem is not None:
+            logger.error("%s", problem)
+            failures.append(problem)
+            server.should_exit = True
+            return

@@ -46,6 +46,7 @@ from .settings import Settings
 __all__ = [
     "EntryView",
     "MappingScans",
+    "RootWatch",
     "Service",
     "entry_json",
     "entry_model",
@@ -259,6 +260,45 @@ def limit_malloc_arenas(arenas: int = _MALLOC_ARENAS) -> None:
         pass
 
 
+class RootWatch:
+    """Whether the root a daemon serves is still the one it started on.
+
+    ``rm -rf`` of a running daemon's root takes its entries, socket and pid file: the
+    daemon can no longer be reached on its socket, another daemon may start on a recreated
+    root, and every load and listing would fail with a misleading error. The daemon does not
+    recreate the root (it could not take the pid file back safely); it answers 503 with
+    :meth:`problem` until it has stopped, and stops with that message (exit status 1).
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        st = os.stat(layout.root)
+        self._identity = (st.st_dev, st.st_ino)
+
+    def problem(self) -> str | None:
+        """None while the root is intact, else what happened and what to do (three ``stat`` calls)."""
+        root = self.layout.root
+        try:
+            st = os.stat(root)
+        except FileNotFoundError:
+            what = "was removed"
+        except OSError as exc:
+            what = f"can no longer be read ({exc.strerror})"
+        else:
+            if (st.st_dev, st.st_ino) != self._identity:
+                what = "was replaced by another directory"
+            else:
+                missing = [p.name for p in (self.layout.entries, self.layout.objects) if not p.is_dir()]
+                if not missing:
+                    return None
+                dirs = "directory" if len(missing) == 1 else "directories"
+                what = f"lost its {' and '.join(f'{name}/' for name in missing)} {dirs}"
+        return (
+            f"the cache root {root} {what} while the daemon was running (its entries, socket and pid "
+            "file with it); the daemon stops: start `shmcache serve` again to recreate the root"
+        )
+
+
 class Service:
     """Everything a request handler needs; one per app."""
 
@@ -285,6 +325,7 @@ class Service:
             allowed_dirs=settings.allow_dirs,
         )
         self.readers = MappingScans(store)
+        self.root_watch = RootWatch(store.layout)
         self.started = time.time()
         self._generations: memoryview | None = None
         self._view: EntryView | None = None
