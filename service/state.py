@@ -20,7 +20,6 @@ entries there are and however fast loads and evictions come, so:
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import threading
 import time
@@ -32,7 +31,7 @@ import numpy as np
 from shmcache import EntryInfo, Store, StoreStats
 from shmcache._disk.fs import free_bytes, total_bytes
 from shmcache._disk.generations import map_generations
-from shmcache._disk.layout import Layout, decode_key, generation_slot, read_version
+from shmcache._disk.layout import Layout, generation_slot, read_version
 from shmcache._disk.procmaps import MappingScan
 from shmcache._store.catalog import info_of
 
@@ -134,19 +133,15 @@ def _caught_up(layout: Layout, previous: EntryView, changed: set[int] | None) ->
     next catch-up reads it; one not yet listed whose slot did not change is such a key
     (switched, not yet bumped) and waits for that bump too.
     """
-    try:
-        names = os.listdir(layout.entries)
-    except FileNotFoundError:
-        return {}
+    links = layout.links_under("")
     rows: dict[str, _Row] = {}
-    for name in names:
-        key = decode_key(name)
+    for key, link in links.items():
         row = previous.rows.get(key)
         if changed is not None and (row.slot if row is not None else generation_slot(key)) not in changed:
             if row is not None:
                 rows[key] = row
             continue
-        version = read_version(layout.entry_link(key))
+        version = read_version(link)
         if version is None:
             continue  # evicted since the listing
         if row is None or row.info.version != version:

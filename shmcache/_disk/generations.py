@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from .layout import GENERATION_SLOTS, Layout, generation_slot
 
-__all__ = ["bump_generations", "map_generations"]
+__all__ = ["bump_all_generations", "bump_generations", "map_generations"]
 
 
 def map_generations(layout: Layout) -> tuple[memoryview, int] | None:
@@ -43,5 +43,15 @@ def bump_generations(layout: Layout, keys: Iterable[str]) -> None:
     try:
         for slot in sorted(slots):
             os.pwrite(fd, os.urandom(8), 8 * slot)
+    finally:
+        os.close(fd)
+
+
+def bump_all_generations(layout: Layout) -> None:
+    """Record that any key may have changed (after a writer died between switching links
+    and bumping their slots: every process's warm opens go back to the disk once)."""
+    fd = os.open(layout.generation, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, os.urandom(8 * GENERATION_SLOTS), 0)
     finally:
         os.close(fd)

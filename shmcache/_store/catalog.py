@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .._disk.fs import free_bytes, total_bytes
-from .._disk.layout import Layout, decode_key, read_version
+from .._disk.layout import Layout, read_version
 from .._disk.meta import read_meta
 from ..errors import CacheRootError
 from .records import EntryInfo, StoreStats, entry_info
@@ -28,33 +28,32 @@ def info_of(layout: Layout, version: str) -> EntryInfo | None:
     return entry_info(meta, max(last_used, meta.get("created", 0.0)))
 
 
-def _entry_names(layout: Layout) -> list[str]:
+def _entry_links(layout: Layout) -> dict[str, str]:
+    """Key -> link path of every entry (the tree, and a format 1 root's flat links)."""
     try:
-        return os.listdir(layout.entries)
-    except FileNotFoundError:
-        return []
+        return layout.links_under("")
     except OSError as exc:
         raise CacheRootError(f"cannot read cache root {layout.root}: {exc.strerror}") from exc
 
 
 def iter_infos(layout: Layout) -> Iterator[EntryInfo]:
-    """Every published entry (in directory order)."""
-    for name in _entry_names(layout):
-        version = read_version(layout.entries / name)
+    """Every published entry (sorted by key)."""
+    for key, link in _entry_links(layout).items():
+        version = read_version(link)
         if version is None:
             continue
         info = info_of(layout, version)
-        if info is not None and info.key == decode_key(name):
+        if info is not None and info.key == key:
             yield info
 
 
 def referenced_versions(layout: Layout) -> dict[str, str]:
-    """Version -> the entry file name that links to it, for every entry link."""
+    """Version -> the key whose entry links to it, for every entry link."""
     linked = {}
-    for name in _entry_names(layout):
-        version = read_version(layout.entries / name)
+    for key, link in _entry_links(layout).items():
+        version = read_version(link)
         if version is not None:
-            linked[version] = name
+            linked[version] = key
     return linked
 
 

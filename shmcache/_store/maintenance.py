@@ -11,11 +11,14 @@ from contextlib import suppress
 from pathlib import Path
 
 from .._disk.checksum import crc_of_range, parse_checksums
+from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
-from .._disk.layout import Layout, decode_key
+from .._disk.generations import bump_all_generations
+from .._disk.layout import Layout
 from .._disk.writer import STAGING_SUFFIX, writer_of
 from ..errors import CorruptEntryError, KeyNotFoundError
 from .catalog import referenced_versions
+from .locks import publish_lock
 from .records import EntryInfo
 
 __all__ = ["remove_dead_writers_leftovers", "verify_entry"]
@@ -27,25 +30,34 @@ _STAGING_GRACE_S = 60.0
 
 def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, str], int | None]) -> int:
     """Remove partial writes and unreferenced versions of dead writers, and entry links
-    whose data vanished; returns the bytes freed.
+    whose data vanished; move a format 1 root's flat links into the tree and remove empty
+    prefix directories; returns the bytes freed.
 
     Partial writes of live writers are never touched: a writer's flock tells the two
     apart, whatever PID namespace the writer runs in.
     """
     freed = 0
     live: dict[str, bool] = {}
+    with publish_lock(layout, shared=False):  # no writer links or copies a prefix meanwhile
+        moved = migrate_flat_links(layout)
+        pruned = prune_empty_prefixes(layout)
+    if moved or pruned:
+        logger.info("cleanup moved %d flat entry links to the tree, removed %d empty prefixes", moved, pruned)
 
     def alive(writer: str) -> bool:
         if writer not in live:
             live[writer] = FileLockProbe.holder_alive(layout.tmp / f"{writer}.lock")
         return live[writer]
 
+    swapped_out = False
     for name in os.listdir(layout.tmp):
         path = layout.tmp / name
         if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
             if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
                 freed += remove_tree(path)
         elif not alive(writer_of(name)):
+            if name.endswith(".tree"):  # a dead directory put's copy: it may have died
+                swapped_out = True  # between its exchange and its generation bump
             freed += remove_tree(path)
     dead_unreferenced = [v for v in os.listdir(layout.objects) if not alive(writer_of(v))]
     # Read the links only now: a dead writer can no longer link anything.
@@ -53,12 +65,13 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
     for version in dead_unreferenced:
         if version not in linked:
             freed += remove_tree(layout.version_dir(version))
-    for version, name in linked.items():  # links whose version directory was removed by hand
+    for version, key in linked.items():  # links whose version directory was removed by hand
         if not layout.version_dir(version).is_dir():
             with suppress(KeyNotFoundError, OSError):
-                key = decode_key(name)
                 if evict_version(key, version) is not None:
                     logger.warning("removed entry %s: its data had vanished", key)
+    if swapped_out:  # send every warm open back to the disk once
+        bump_all_generations(layout)
     if freed:
         logger.info("cleanup freed %d bytes in %s", freed, layout.root)
     return freed

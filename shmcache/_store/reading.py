@@ -25,7 +25,7 @@ from .._containers.shared import open_version, wrong_kind
 from .._disk.attach import attach_array
 from .._disk.generations import map_generations
 from .._disk.keys import validate_key
-from .._disk.layout import ARRAY_FILE, Layout, generation_slot, read_version
+from .._disk.layout import ARRAY_FILE, Layout, generation_slot
 from .._disk.meta import read_meta
 from .._disk.trust import check_root
 from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
@@ -92,7 +92,10 @@ class Reader:
                 version = os.readlink(link).rpartition("/")[2]
             except (OSError, ValueError):  # missing, or a name no key could have
                 validate_key(key)
-                raise self.not_found(key) from None
+                found = self.layout.find_entry(key)  # a walk into a swapped-out tree, a flat root
+                if found is None:
+                    raise self.not_found(key) from None
+                version = found[1]
             hit = self._arrays.get(key)
             if hit is not None and hit[3] == version:
                 array = hit[4]
@@ -112,7 +115,7 @@ class Reader:
         kind = read_meta(self.layout, version).get("kind")
         if kind is not None and kind != "array":
             raise wrong_kind(key, str(kind), "array")
-        if read_version(link) == version:
+        if self.layout.entry_version(key) == version:
             raise CorruptEntryError(
                 f"entry {key!r}: its data ({version}) is missing from "
                 f"{self.layout.objects}; run `shmcache cleanup` and put it again"
@@ -125,7 +128,7 @@ class Reader:
         self.trust_root()
         link = self.layout.entry_link(key)
         for _ in range(_RESOLVE_RETRIES):
-            version = read_version(link)
+            version = self.layout.entry_version(key)
             if version is None:
                 raise self.not_found(key)
             try:
@@ -154,7 +157,7 @@ class Reader:
         table, slot, link = self._start_resolving(key, self._handles)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0
-            version = read_version(link)
+            version = self.layout.entry_version(key)
             if version is None:
                 raise self.not_found(key)
             meta = read_meta(self.layout, version)
@@ -174,7 +177,7 @@ class Reader:
                     else:
                         opened = open_version(self._root_str, key, version, found, meta)
                 except (FileNotFoundError, KeyNotFoundError):
-                    if found == "array" and read_version(link) == version:
+                    if found == "array" and self.layout.entry_version(key) == version:
                         self._explain_missing_array(key, version, link)
                     continue  # evicted while being opened: resolve again
             if table is not None:
@@ -251,7 +254,7 @@ class Reader:
         self.check_root_identity()
         for cache in (self._arrays, self._handles):
             for key, hit in list(cache.items()):
-                if read_version(self.layout.entry_link(key)) != hit[3]:
+                if self.layout.entry_version(key) != hit[3]:
                     cache.pop(key, None)
 
 

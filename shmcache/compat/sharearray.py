@@ -43,7 +43,7 @@ import numpy as np
 
 from .._api import get_store
 from .._disk.layout import ARRAY_FILE as _ARRAY_FILE
-from .._disk.layout import encode_key
+from .._disk.layout import entry_path
 from .._store import Store
 from ..errors import InvalidKeyError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
 
@@ -95,7 +95,7 @@ def _link(id: str, key: str, prefix: str, shm_path: str) -> None:
     """Point ``<shm_path>/<prefix><id>.npy`` at the entry's current file (relative: the link
     and the store share a directory, since both names start with ``prefix``)."""
     path = _build_path(id, prefix, shm_path)[0]
-    target = f"{os.path.basename(_store_name(prefix))}/entries/{encode_key(key)}/{_ARRAY_FILE}"
+    target = f"{os.path.basename(_store_name(prefix))}/entries/{entry_path(key)}/{_ARRAY_FILE}"
     try:
         if os.readlink(path) == target:
             return
