@@ -364,7 +364,11 @@ def mark_tree_format(layout: Layout) -> None:
     """Record that no flat entry link is left (written whole: a temporary name, renamed)."""
     staging = layout.root / f".format.{os.getpid()}.{os.urandom(4).hex()}"
     try:
-        staging.write_text(ENTRY_FORMAT + "\n")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, ENTRY_FORMAT.encode() + b"\n")
+        finally:
+            os.close(fd)
         os.replace(staging, layout.format_file)
     except OSError:  # no room: the next writer records it
         with contextlib.suppress(OSError):

@@ -49,15 +49,14 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
             live[writer] = FileLockProbe.holder_alive(layout.tmp / f"{writer}.lock")
         return live[writer]
 
-    swapped_out = False
+    dead_writer = False  # one may have died switching keys, before bumping (or settling) them
     for name in os.listdir(layout.tmp):
         path = layout.tmp / name
         if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
             if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
                 freed += remove_tree(path)
         elif not alive(writer_of(name)):
-            if name.endswith(".tree"):  # a dead directory put's copy: it may have died
-                swapped_out = True  # between its exchange and its generation bump
+            dead_writer = True
             freed += remove_tree(path)
     dead_unreferenced = [v for v in os.listdir(layout.objects) if not alive(writer_of(v))]
     # Read the links only now: a dead writer can no longer link anything.
@@ -70,7 +69,7 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
             with suppress(KeyNotFoundError, OSError):
                 if evict_version(key, version) is not None:
                     logger.warning("removed entry %s: its data had vanished", key)
-    if swapped_out:  # send every warm open back to the disk once
+    if dead_writer:  # send every warm open back to the disk once
         bump_all_generations(layout)
     if freed:
         logger.info("cleanup freed %d bytes in %s", freed, layout.root)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._containers.shared import open_version, wrong_kind
 from .._disk.attach import attach_array
-from .._disk.generations import map_generations
+from .._disk.generations import CHANGING, map_generations
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, Layout, generation_slot
 from .._disk.meta import read_meta
@@ -105,7 +105,7 @@ class Reader:
                 except FileNotFoundError:
                     self._explain_missing_array(key, version, link)
                     continue  # replaced or evicted between readlink and open: resolve again
-            if table is not None:
+            if table is not None and generation < CHANGING:  # not while a directory put switches
                 self._arrays[key] = (generation, table, slot, version, array)
             return array  # type: ignore[no-any-return]
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
@@ -180,7 +180,7 @@ class Reader:
                     if found == "array" and self.layout.entry_version(key) == version:
                         self._explain_missing_array(key, version, link)
                     continue  # evicted while being opened: resolve again
-            if table is not None:
+            if table is not None and generation < CHANGING:
                 cache[key] = (generation, table, slot, version, opened)
             return opened
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")

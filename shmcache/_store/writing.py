@@ -13,7 +13,7 @@ import numpy as np
 from .._disk.checksum import format_checksums
 from .._disk.entry_tree import common_prefix, migrate_flat_links
 from .._disk.fs import remove_tree
-from .._disk.generations import bump_generations
+from .._disk.generations import bump_generations, mark_changing
 from .._disk.layout import Layout
 from .._disk.meta import META_FORMAT
 from .._disk.npy import NpyHeader
@@ -88,7 +88,7 @@ def publish(
     opening a single key too, sees the whole old set or the whole new one, whenever the
     writer dies. Then bump the generations of those keys once, and remove replaced
     versions (processes that map them keep reading them)."""
-    published = False
+    published = changing = False
     replaced: list[str] = []
     keys = [key for key, _ in versions]
     ensure_tree_format(layout)
@@ -109,11 +109,14 @@ def publish(
                     writer.swap_link(key, version, staged)
             else:
                 with publish_lock(layout, shared=False):
+                    mark_changing(layout, keys)
+                    changing = True
                     writer.swap_tree(common_prefix(keys), versions)
             published = True
     finally:
-        if published:
+        if published or changing:
             bump_generations(layout, keys)
+        if published:
             writer.remove_old_trees()
             for old in replaced:
                 remove_tree(layout.version_dir(old))
