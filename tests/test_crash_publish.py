@@ -103,17 +103,28 @@ def test_a_directory_put_killed_anywhere_is_seen_all_old_or_all_new(root: Path, 
     current = _check_whole_then_clean(root, {1})
     rng = random.Random(18)
     outcomes = {"old": 0, "new": 0}
+    last_old, first_new = 0.0, elapsed * 1.05  # the latest kill seen old, the earliest seen new
     for kill in range(KILLS):
         value = kill + 2
         source = _write_sources(tmp_path, value)
         proc = _start_writer(root, source)
-        delay = elapsed * 1.1 * (kill + rng.random()) / KILLS  # spread over the whole put
+        if kill < KILLS // 2:  # spread over the whole put
+            delay = elapsed * 1.05 * (kill + rng.random()) / (KILLS // 2)
+        else:  # then closing in on the instant it publishes (the outcomes bisect it)
+            if last_old >= first_new:  # timing noise: widen again
+                last_old, first_new = first_new * 0.95, last_old * 1.05
+            delay = last_old + (first_new - last_old) * rng.random()
         _go(proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=WAIT_S)
         seen = _check_whole_then_clean(root, {current, value})
-        outcomes["new" if seen == value else "old"] += 1
+        if seen == value:
+            outcomes["new"] += 1
+            first_new = min(first_new, delay)
+        else:
+            outcomes["old"] += 1
+            last_old = max(last_old, delay)
         current = seen
     assert outcomes["old"] and outcomes["new"], outcomes  # the kills did land on both sides
 
