@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from ..errors import CacheRootError
 from .fs import raise_if_full
-from .layout import DIR_MARK, Layout, decode_key, flat_entry_names, mark_tree_format
+from .layout import DIR_MARK, Layout, decode_key, flat_entry_names, mark_tree_format, version_of_target
 
 __all__ = [
     "CRASH_ENV",
@@ -139,7 +139,7 @@ def migrate_flat_links(layout: Layout) -> int:
             target = os.readlink(flat)
         except OSError:
             continue
-        version = target.rpartition("/")[2]
+        version = version_of_target(target)
         make_prefix_dirs(layout, key.rpartition("/")[0])
         link = layout.entry_link(key)
         if not os.path.lexists(link):

@@ -93,6 +93,9 @@ _SEPARATOR_ON_DISK = "~"  # not a key character, so the mapping is one-to-one
 DIR_MARK = _SEPARATOR_ON_DISK
 """Ends the name of every prefix directory under ``entries/`` (no key segment has it)."""
 _PREFIX_SEPARATOR = DIR_MARK + "/"
+_IN_OBJECTS = "/objects/"
+"""What a link's target holds before the version: everything after it is the version
+(one name today; issue 22's entries inside a directory put's version may be ``<v>/<name>``)."""
 ENTRY_FORMAT = "2"
 """What ``<root>/format`` holds once the root's entries are a tree (see above)."""
 
@@ -146,15 +149,15 @@ def object_path(root: str, version: str, filename: str) -> str:
 
 
 def version_of_target(target: str) -> str:
-    """The version an entry link's target names (``../objects/<version>``, with one
-    ``../`` per key segment)."""
-    return target.rpartition("/")[2]
+    """The version an entry link's target names: what follows ``objects/`` in
+    ``../objects/<version>`` (one ``../`` per key segment)."""
+    return target.partition(_IN_OBJECTS)[2]
 
 
 def read_version(link: str | os.PathLike[str]) -> str | None:
     """The version an entry link points at, or None if there is no such link."""
     try:
-        return os.readlink(link).rpartition("/")[2]
+        return os.readlink(link).partition(_IN_OBJECTS)[2]
     except (OSError, ValueError):  # missing, or a name no key could have (NUL, too long)
         return None
 
@@ -237,7 +240,7 @@ class Layout:
         link = self.entry_link(key)
         for path in (link, link, self.flat_entry_link(key)):
             try:
-                return path, os.readlink(path).rpartition("/")[2]
+                return path, os.readlink(path).partition(_IN_OBJECTS)[2]
             except (OSError, ValueError):  # missing, or a name no key could have
                 continue
         return None

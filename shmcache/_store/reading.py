@@ -89,7 +89,7 @@ class Reader:
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0  # read before the link
             try:  # read_version inlined: this is the cold-open path
-                version = os.readlink(link).rpartition("/")[2]
+                version = os.readlink(link).partition("/objects/")[2]
             except (OSError, ValueError):  # missing, or a name no key could have
                 validate_key(key)
                 found = self.layout.find_entry(key)  # a walk into a swapped-out tree, a flat root
