@@ -281,3 +281,32 @@ def test_cleanup_removes_empty_prefixes(store: Store, root: Path) -> None:
     assert os.listdir(root / "entries") == ["x~"]
     store.cleanup()
     assert os.listdir(root / "entries") == []
+
+
+@pytest.mark.parametrize(("step", "expected"), [("tree-before-exchange", 0), ("tree-after-exchange", 1)])
+def test_a_daemon_killed_inside_a_directory_load_leaves_a_whole_directory(
+    root: Path, tmp_path: Path, step: str, expected: int
+) -> None:
+    """Through the daemon's load: the daemon dies by SIGKILL at that step of publishing a
+    directory; readers see one whole directory, before and after the next daemon's start
+    (which cleans up)."""
+    from service_helpers import Daemon, wait_for
+
+    Store(root).put_file("d", _write_sources(tmp_path, 0))
+    source = _write_sources(tmp_path, 1)
+    daemon = Daemon(root, "--allow-source", str(tmp_path), env={CRASH_ENV: step}).wait_ready()
+    try:
+        with daemon.client() as client:
+            response = client.put("/v1/entries/d", json={"source": str(source), "overwrite": True})
+            assert response.status_code == 202, response.text
+        assert daemon.wait_exit(WAIT_S) == -signal.SIGKILL
+    finally:
+        daemon.stop()
+    assert _whole_value(root, {0, 1}) == expected
+    restarted = Daemon(root).wait_ready()  # its start cleans up after the dead one
+    try:
+        wait_for(lambda: os.listdir(root / "tmp") == [], timeout=WAIT_S, what="the start's cleanup")
+        assert _whole_value(root, {0, 1}) == expected
+        assert len(os.listdir(root / "objects")) == FILES
+    finally:
+        restarted.stop()
