@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache import KeyNotFoundError, Store
+from shmcache import CorruptEntryError, KeyNotFoundError, Store
 from shmcache._disk.entry_tree import CRASH_ENV
 
 FILES = 300
@@ -310,3 +310,47 @@ def test_a_daemon_killed_inside_a_directory_load_leaves_a_whole_directory(
         assert len(os.listdir(root / "objects")) == FILES
     finally:
         restarted.stop()
+
+
+def _old_root_left_half_published(root: Path, tmp_path: Path) -> None:
+    """What shmcache before the tree left when killed halfway through swapping the links of
+    a directory one by one: 2 of 4 keys new, the others old, the rest staged in ``tmp/``."""
+    from shmcache._disk.layout import Layout
+    from shmcache._disk.writer import VersionWriter
+    from shmcache._store.writing import version_meta
+
+    Store(root).put_file("d", _write_sources(tmp_path, 0, files=4))
+    _flatten(root)
+    layout = Layout(root)
+    writer = VersionWriter(layout)
+    for i in range(4):
+        key = f"d/f{i:04d}"
+        version = writer.new_version()
+        crc, header = writer.write_array(version, "data.npy", np.full(8, 1, dtype=np.int64))
+        meta = version_meta(key, "array", version, {"data": header}, {"data": crc}, False)
+        writer.write_meta(version, meta)
+        writer.promote(version)
+        staged = f"{layout.tmp}/{version}.link"
+        os.symlink(f"../objects/{version}", staged)
+        if i < 2:
+            os.replace(staged, layout.flat_entry_link(key))
+    os.close(writer._lock_fd)  # killed: the kernel drops its lock, its files stay
+
+
+def test_verify_names_a_directory_an_older_version_left_half_published(
+    root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _old_root_left_half_published(root, tmp_path)
+    store = Store(root)
+    assert [int(store.open_array(f"d/f{i:04d}")[0]) for i in range(4)] == [1, 1, 0, 0]  # as it was left
+    for _ in range(2):  # cleanup keeps what shows it, so verify still names it afterwards
+        with pytest.raises(CorruptEntryError, match=r"older shmcache.*put the directory again"):
+            store.verify("d/f0000")
+        assert store.verify("d/f0002")  # an entry of the old directory, intact
+        with caplog.at_level("WARNING"):
+            store.cleanup()
+        assert "mixes old and new entries" in caplog.text
+    store.put_file("d", _write_sources(tmp_path, 2, files=4), overwrite=True)
+    store.cleanup()
+    assert all(store.verify(f"d/f{i:04d}") for i in range(4))
+    assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == 4

@@ -21,11 +21,12 @@ from .catalog import referenced_versions
 from .locks import publish_lock
 from .records import EntryInfo
 
-__all__ = ["remove_dead_writers_leftovers", "verify_entry"]
+__all__ = ["refuse_half_published", "remove_dead_writers_leftovers", "verify_entry"]
 
 logger = logging.getLogger(__name__)
 
 _STAGING_GRACE_S = 60.0
+_STAGED_LINK = ".link"  # a version's link staged in tmp/ (swapped one by one before the tree)
 
 
 def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, str], int | None]) -> int:
@@ -49,16 +50,19 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
             live[writer] = FileLockProbe.holder_alive(layout.tmp / f"{writer}.lock")
         return live[writer]
 
+    kept = _half_published(layout, alive)
     dead_writer = False  # one may have died switching keys, before bumping (or settling) them
     for name in os.listdir(layout.tmp):
         path = layout.tmp / name
         if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
             if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
                 freed += remove_tree(path)
-        elif not alive(writer_of(name)):
+        elif not alive(writer_of(name)) and writer_of(name) not in kept:
             dead_writer = True
             freed += remove_tree(path)
-    dead_unreferenced = [v for v in os.listdir(layout.objects) if not alive(writer_of(v))]
+    dead_unreferenced = [
+        v for v in os.listdir(layout.objects) if not alive(writer_of(v)) and writer_of(v) not in kept
+    ]
     # Read the links only now: a dead writer can no longer link anything.
     linked = referenced_versions(layout)
     for version in dead_unreferenced:
@@ -82,6 +86,7 @@ def verify_entry(layout: Layout, info: EntryInfo) -> bool:
     True if they match, False if none were recorded; raises CorruptEntryError if the
     entry's bytes changed.
     """
+    refuse_half_published(layout, info)
     if not info.checksum:
         return False
     for name, crc in sorted(parse_checksums(info.checksum).items()):
@@ -99,6 +104,44 @@ def verify_entry(layout: Layout, info: EntryInfo) -> bool:
                 "when it was put; its bytes changed in memory. Evict it and put it again"
             )
     return True
+
+
+def _half_published(layout: Layout, alive: Callable[[str], bool]) -> set[str]:
+    """Dead writers that left a directory half published: some of their versions linked,
+    others still staged (``tmp/<version>.link``). Only shmcache before the tree format
+    (which swapped a directory's links one by one) leaves that. What shows it (their lock
+    file, staged links and unlinked versions) is kept, so that ``verify`` names the mixed
+    entries, until the directory is put again."""
+    staged = {writer_of(n) for n in os.listdir(layout.tmp) if n.endswith(_STAGED_LINK)}
+    dead = {writer for writer in staged if not alive(writer)}
+    if not dead:
+        return set()
+    half: dict[str, list[str]] = {}
+    for version, key in referenced_versions(layout).items():
+        if writer_of(version) in dead:
+            half.setdefault(writer_of(version), []).append(key)
+    for keys in half.values():
+        logger.warning(
+            "%d entries (%s...) are the half of a directory put that an older shmcache published "
+            "before it was killed: the directory mixes old and new entries; put it again "
+            "(overwrite=True / --overwrite)", len(keys), min(keys),
+        )
+    return set(half)
+
+
+def refuse_half_published(layout: Layout, info: EntryInfo) -> None:
+    """Raise :class:`CorruptEntryError` if the entry belongs to a directory that an older
+    shmcache left half published (see ``_half_published``). One ``stat`` when it does not."""
+    writer = writer_of(info.version)
+    lock = layout.tmp / f"{writer}.lock"
+    if not lock.exists() or FileLockProbe.holder_alive(lock):
+        return
+    if any(writer_of(n) == writer and n.endswith(_STAGED_LINK) for n in os.listdir(layout.tmp)):
+        raise CorruptEntryError(
+            f"entry {info.key!r} is part of a directory put that an older shmcache published only "
+            "in part before it was killed: the directory mixes old and new entries; put the "
+            "directory again (overwrite=True / --overwrite)"
+        )
 
 
 def _age(path: Path) -> float:
