@@ -354,3 +354,27 @@ def test_verify_names_a_directory_an_older_version_left_half_published(
     store.cleanup()
     assert all(store.verify(f"d/f{i:04d}") for i in range(4))
     assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == 4
+
+
+def test_a_file_system_without_rename_exchange_fails_the_directory_put_and_changes_nothing(
+    store: Store, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel refuses ``RENAME_EXCHANGE`` (EINVAL: some network and FUSE file
+    systems), a directory put fails with a typed error rather than swapping links one by
+    one; the refusal is the only thing faked."""
+    import ctypes
+    import errno
+
+    from shmcache import CacheRootError
+    from shmcache._disk import entry_tree
+
+    def refuse(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    store.put_file("d", _write_sources(tmp_path, 0, files=4))
+    monkeypatch.setattr(entry_tree, "_renameat2_function", refuse)
+    with pytest.raises(CacheRootError, match=r"cannot exchange two directories atomically.*tmpfs"):
+        store.put_file("d", _write_sources(tmp_path, 1, files=4), overwrite=True)
+    assert [int(store.open_array(f"d/f{i:04d}")[0]) for i in range(4)] == [0] * 4
+    assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == 4
