@@ -8,7 +8,7 @@ entries there are and however fast loads and evictions come, so:
   evict, by any process, rewrites slot 0 and the key's slot, after switching the link):
   while the table is unchanged the list is current. A change is caught up by one thread
   at a time, which every request waiting for it shares, and it re-reads only the keys
-  whose slots changed (one ``listdir``, then one ``readlink`` per changed key). Re-reading
+  whose slots changed (one walk of the entry tree, then one ``readlink`` per changed key). Re-reading
   every entry per request, with loads landing continuously, kept both cores busy and,
   one syscall per entry, left each re-read waiting for the GIL hundreds of times.
   ``last_used``, which changes without the table, is refreshed in the background every 30 s;

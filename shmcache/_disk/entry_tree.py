@@ -21,12 +21,19 @@ import errno
 import os
 import platform
 import signal
-import stat
 from collections.abc import Iterable
 
 from ..errors import CacheRootError
 from .fs import raise_if_full
-from .layout import DIR_MARK, Layout, decode_key, flat_entry_names, mark_tree_format, version_of_target
+from .layout import (
+    DIR_MARK,
+    Layout,
+    decode_key,
+    entry_path,
+    flat_entry_names,
+    mark_tree_format,
+    version_of_target,
+)
 
 __all__ = [
     "CRASH_ENV",
@@ -75,11 +82,12 @@ def build_tree(layout: Layout, prefix: str, staging: str, links: Iterable[tuple[
 
     Running out of inodes is a :class:`~shmcache.errors.CacheFullError`."""
     live = layout.prefix_dir(prefix)
+    start = len(prefix) + 1 if prefix else 0
+    links = [(key[start:], target) for key, target in links]
     try:
-        _copy_tree(live, staging)
-        start = len(prefix) + 1 if prefix else 0
-        for count, (key, target) in enumerate(links, 1):
-            relative = key[start:].split("/")
+        _copy_tree(live, staging, {entry_path(name) for name, _ in links})
+        for count, (name, target) in enumerate(links, 1):
+            relative = name.split("/")
             directory = staging
             for segment in relative[:-1]:
                 directory = f"{directory}/{segment}{DIR_MARK}"
@@ -182,9 +190,10 @@ def _prune(directory: str, top: bool = False) -> int:
     return removed
 
 
-def _copy_tree(source: str, destination: str) -> None:
-    """Copy a directory of entry links (and prefix directories) as it is: the links keep
-    their targets, right at the same depth."""
+def _copy_tree(source: str, destination: str, replaced: set[str], relative: str = "") -> None:
+    """Copy a directory of entry links (and prefix directories) as it is, but for the links
+    at ``replaced`` (paths relative to ``source``): the links keep their targets, right at
+    the same depth."""
     _mkdir(destination, exist_ok=False)
     try:
         scanned = os.scandir(source)
@@ -193,11 +202,11 @@ def _copy_tree(source: str, destination: str) -> None:
     with scanned:
         for item in scanned:
             path = f"{destination}/{item.name}"
-            mode = item.stat(follow_symlinks=False).st_mode
-            if stat.S_ISLNK(mode):
-                os.symlink(os.readlink(item.path), path)
-            elif stat.S_ISDIR(mode):
-                _copy_tree(item.path, path)
+            if item.is_symlink():  # the directory entry's type: no stat
+                if relative + item.name not in replaced:
+                    os.symlink(os.readlink(item.path), path)
+            elif item.is_dir(follow_symlinks=False):
+                _copy_tree(item.path, path, replaced, f"{relative}{item.name}/")
 
 
 def _mkdir(path: str, exist_ok: bool = True) -> None:
