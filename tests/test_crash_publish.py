@@ -16,8 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache import CorruptEntryError, KeyNotFoundError, Store
+from shmcache import CacheRootError, CorruptEntryError, KeyNotFoundError, Store
+from shmcache._disk import entry_tree
 from shmcache._disk.entry_tree import CRASH_ENV
+from shmcache._disk.layout import Layout
+from shmcache._disk.writer import VersionWriter
+from shmcache._store.writing import publish, version_meta
 
 FILES = 300
 KILLS = 36
@@ -312,12 +316,17 @@ def test_a_daemon_killed_inside_a_directory_load_leaves_a_whole_directory(
         restarted.stop()
 
 
+def _write_version(writer: VersionWriter, key: str, array: np.ndarray) -> str:
+    """A finished (unpublished) version of ``key`` holding ``array``."""
+    version = writer.new_version()
+    crc, header = writer.write_array(version, "data.npy", array)
+    writer.write_meta(version, version_meta(key, "array", version, {"data": header}, {"data": crc}, False))
+    return version
+
+
 def _old_root_left_half_published(root: Path, tmp_path: Path) -> None:
     """What shmcache before the tree left when killed halfway through swapping the links of
     a directory one by one: 2 of 4 keys new, the others old, the rest staged in ``tmp/``."""
-    from shmcache._disk.layout import Layout
-    from shmcache._disk.writer import VersionWriter
-    from shmcache._store.writing import version_meta
 
     Store(root).put_file("d", _write_sources(tmp_path, 0, files=4))
     _flatten(root)
@@ -325,10 +334,7 @@ def _old_root_left_half_published(root: Path, tmp_path: Path) -> None:
     writer = VersionWriter(layout)
     for i in range(4):
         key = f"d/f{i:04d}"
-        version = writer.new_version()
-        crc, header = writer.write_array(version, "data.npy", np.full(8, 1, dtype=np.int64))
-        meta = version_meta(key, "array", version, {"data": header}, {"data": crc}, False)
-        writer.write_meta(version, meta)
+        version = _write_version(writer, key, np.full(8, 1, dtype=np.int64))
         writer.promote(version)
         staged = f"{layout.tmp}/{version}.link"
         os.symlink(f"../objects/{version}", staged)
@@ -365,8 +371,6 @@ def test_a_file_system_without_rename_exchange_fails_the_directory_put_and_chang
     import ctypes
     import errno
 
-    from shmcache import CacheRootError
-    from shmcache._disk import entry_tree
 
     def refuse(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
         ctypes.set_errno(errno.EINVAL)
@@ -378,3 +382,26 @@ def test_a_file_system_without_rename_exchange_fails_the_directory_put_and_chang
         store.put_file("d", _write_sources(tmp_path, 1, files=4), overwrite=True)
     assert [int(store.open_array(f"d/f{i:04d}")[0]) for i in range(4)] == [0] * 4
     assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == 4
+
+
+def _publish_batch(root: Path, arrays: dict[str, int]) -> None:
+    """Publish ``key -> value`` arrays as one batch, as a directory put does."""
+
+    layout = Layout(root)
+    with VersionWriter(layout) as writer:
+        versions = []
+        for key, value in arrays.items():
+            versions.append((key, _write_version(writer, key, np.full(2, value))))
+        publish(layout, writer, versions, overwrite=True, lock_timeout=None)
+
+
+def test_batches_under_a_new_nested_prefix_and_with_no_common_prefix(store: Store, root: Path) -> None:
+    store.put_array("keep", np.full(2, 7))
+    store.put_array("x/keep", np.full(2, 8))
+    _publish_batch(root, {"a/b/c/one": 1, "a/b/c/two": 2})  # a new prefix two levels down
+    _publish_batch(root, {"top": 3, "x/y/z": 4, "a/b/c/one": 5})  # no common prefix: entries/ swapped
+    values = {e.key: int(store.open_array(e.key)[0]) for e in store.list()}
+    assert values == {"a/b/c/one": 5, "a/b/c/two": 2, "keep": 7, "top": 3, "x/keep": 8, "x/y/z": 4}
+    assert os.listdir(root / "tmp") == []
+    store.cleanup()
+    assert len(os.listdir(root / "objects")) == 6
