@@ -273,7 +273,7 @@ class Layout:
         ``prefix/x``. Empty when there are none or no root yet."""
         return list(self.links_under(prefix))
 
-    def link_target(self, version: str, key: str = "") -> str:
+    def link_target(self, version: str, key: str) -> str:
         """What the entry link of ``key`` to ``version`` contains: relative (so the root
         can move), climbing out of the key's prefix directories."""
         return "../" * (key.count("/") + 1) + "objects/" + version
@@ -322,8 +322,8 @@ def _walk(directory: str, prefix: str, links: dict[str, str]) -> None:
                     continue
                 if is_dir:
                     _walk(item.path, f"{prefix}{name[:-1]}/", links)
-            elif _SEPARATOR_ON_DISK not in name:
-                links[prefix + name] = item.path  # a flat name: see links_under
+            elif _SEPARATOR_ON_DISK not in name:  # a leaf (flat format 1 names: links_under)
+                links[prefix + name] = item.path
 
 
 def _mkdir_private(path: Path, what: str) -> None:
