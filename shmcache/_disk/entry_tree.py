@@ -15,13 +15,10 @@ copy to the exchange, so no single-key publish or evict (which take it shared) i
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
-import platform
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..errors import CacheRootError
 from .fs import raise_if_full
@@ -217,13 +214,20 @@ def _mkdir(path: str, exist_ok: bool = True) -> None:
             raise
 
 
-def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+_Renameat2 = Callable[[int, bytes, int, bytes, int], int]
+
+
+def _load_renameat2() -> _Renameat2 | None:
+    import ctypes  # deferred: the write side alone needs it (import time of the open path)
+    import ctypes.util
+    import platform
+
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     function = getattr(libc, "renameat2", None)  # glibc >= 2.28
     if function is not None:
         function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
         function.restype = ctypes.c_int
-        return function
+        return function  # type: ignore[no-any-return]
     number = _SYS_RENAMEAT2.get(platform.machine())
     if number is None:
         return None
@@ -233,20 +237,23 @@ def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     def via_syscall(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
         return int(syscall(ctypes.c_long(number), olddirfd, old, newdirfd, new, ctypes.c_uint(flags)))
 
-    return via_syscall  # type: ignore[return-value]
+    return via_syscall
 
 
-_renameat2_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_renameat2_function: _Renameat2 | None = None
 
 
 def _renameat2(old: str, new: str, flags: int) -> None:
+    """``renameat2(2)`` by ctypes; a refused flag is a :class:`CacheRootError` that says why."""
+    import ctypes
+
     global _renameat2_function
     if _renameat2_function is None:
         _renameat2_function = _load_renameat2()
         if _renameat2_function is None:
             raise CacheRootError(
-                f"cannot publish a directory atomically on {platform.machine()}: no renameat2 "
-                "in the C library nor a known system call number for it"
+                "cannot publish a directory atomically: no renameat2 in the C library nor a known "
+                "system call number for it on this machine; use Linux on x86_64 or aarch64"
             )
     if _renameat2_function(_AT_FDCWD, os.fsencode(old), _AT_FDCWD, os.fsencode(new), flags) == 0:
         return
