@@ -405,3 +405,62 @@ def test_batches_under_a_new_nested_prefix_and_with_no_common_prefix(store: Stor
     assert os.listdir(root / "tmp") == []
     store.cleanup()
     assert len(os.listdir(root / "objects")) == 6
+
+
+DAEMON_KILLS = 8
+
+
+def test_a_daemon_killed_anywhere_in_a_directory_load_leaves_a_whole_directory(
+    root: Path, tmp_path: Path
+) -> None:
+    """Through the daemon's load, at points spread over the load and then closing in on
+    its publish: each killed daemon's successor starts (cleaning up), and readers see one
+    whole directory before and after."""
+    from service_helpers import Daemon, wait_job
+
+    def start() -> Daemon:
+        return Daemon(root, "--allow-source", str(tmp_path)).wait_ready()
+
+    Store(root).put_file("d", _write_sources(tmp_path, 0))
+    daemon = start()
+    try:
+        with daemon.client() as client:
+            began = time.monotonic()
+            body = {"source": str(_write_sources(tmp_path, 1)), "overwrite": True}
+            job = client.put("/v1/entries/d", json=body)
+            assert wait_job(client, job.json()["id"], timeout=WAIT_S)["state"] == "done"
+            elapsed = time.monotonic() - began
+        current = _whole_value(root, {1})
+        rng = random.Random(7)
+        outcomes = {"old": 0, "new": 0}
+        last_old, first_new = 0.0, elapsed * 1.05
+        for kill in range(DAEMON_KILLS):
+            value = kill + 2
+            source = _write_sources(tmp_path, value)
+            if kill < DAEMON_KILLS // 2:
+                delay = elapsed * 1.05 * (kill + rng.random()) / (DAEMON_KILLS // 2)
+            else:
+                if last_old >= first_new:
+                    last_old, first_new = first_new * 0.95, last_old * 1.05
+                delay = last_old + (first_new - last_old) * rng.random()
+            with daemon.client() as client:
+                started = time.monotonic()
+                response = client.put("/v1/entries/d", json={"source": str(source), "overwrite": True})
+                assert response.status_code == 202, response.text
+                time.sleep(max(0.0, delay - (time.monotonic() - started)))
+            daemon.signal(signal.SIGKILL)
+            daemon.wait_exit(WAIT_S)
+            seen = _whole_value(root, {current, value})
+            daemon = start()  # its start cleans up after the killed one
+            assert _whole_value(root, {current, value}) == seen
+            if seen == value:
+                outcomes["new"] += 1
+                first_new = min(first_new, delay)
+            else:
+                outcomes["old"] += 1
+                last_old = max(last_old, delay)
+            current = seen
+    finally:
+        daemon.stop()
+    assert outcomes["old"] and outcomes["new"], outcomes  # the kills did land on both sides
+    assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == FILES
