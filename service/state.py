@@ -8,7 +8,7 @@ entries there are and however fast loads and evictions come, so:
   evict, by any process, rewrites slot 0 and the key's slot, after switching the link):
   while the table is unchanged the list is current. A change is caught up by one thread
   at a time, which every request waiting for it shares, and it re-reads only the keys
-  whose slots changed (one ``listdir``, then one ``readlink`` per changed key). Re-reading
+  whose slots changed (one walk of the entry tree, then one ``readlink`` per changed key). Re-reading
   every entry per request, with loads landing continuously, kept both cores busy and,
   one syscall per entry, left each re-read waiting for the GIL hundreds of times.
   ``last_used``, which changes without the table, is refreshed in the background every 30 s;
@@ -33,7 +33,7 @@ import numpy as np
 from shmcache import EntryInfo, Store, StoreStats
 from shmcache._disk.fs import free_bytes, total_bytes
 from shmcache._disk.generations import map_generations
-from shmcache._disk.layout import Layout, decode_key, generation_slot, read_version
+from shmcache._disk.layout import Layout, generation_slot, read_version
 from shmcache._disk.procmaps import MappingScan
 from shmcache._store.budget import read_budget
 from shmcache._store.catalog import info_of
@@ -147,19 +147,15 @@ def _caught_up(layout: Layout, previous: EntryView, changed: set[int] | None) ->
     next catch-up reads it; one not yet listed whose slot did not change is such a key
     (switched, not yet bumped) and waits for that bump too.
     """
-    try:
-        names = os.listdir(layout.entries)
-    except FileNotFoundError:
-        return {}
+    links = layout.links_under("")
     rows: dict[str, _Row] = {}
-    for name in names:
-        key = decode_key(name)
+    for key, link in links.items():
         row = previous.rows.get(key)
         if changed is not None and (row.slot if row is not None else generation_slot(key)) not in changed:
             if row is not None:
                 rows[key] = row
             continue
-        version = read_version(layout.entry_link(key))
+        version = read_version(link)
         if version is None:
             continue  # evicted since the listing
         if row is None or row.info.version != version:

@@ -91,8 +91,8 @@ def read_group(layout: Layout, prefix: str) -> dict[str, str]:
     """Name -> version of every entry under ``prefix``, sorted by name (the caller holds
     the publish lock shared when the set must be consistent)."""
     versions = {}
-    for name in layout.names_under(prefix):
-        version = read_version(layout.entry_link(f"{prefix}/{name}"))
+    for name, link in layout.links_under(prefix).items():
+        version = read_version(link)
         if version is not None:
             versions[name] = version
     return versions

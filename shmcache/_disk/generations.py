@@ -15,7 +15,12 @@ from collections.abc import Iterable
 
 from .layout import GENERATION_SLOTS, Layout, generation_slot
 
-__all__ = ["bump_generations", "map_generations"]
+__all__ = ["CHANGING", "bump_all_generations", "bump_generations", "map_generations", "mark_changing"]
+
+CHANGING = 1 << 63
+"""A slot value at or above this: a directory put is switching the key (``mark_changing``);
+readers do not keep what they open then. Settled values stay below it."""
+_SETTLED = CHANGING - 1
 
 
 def map_generations(layout: Layout) -> tuple[memoryview, int] | None:
@@ -37,11 +42,33 @@ def map_generations(layout: Layout) -> tuple[memoryview, int] | None:
 
 def bump_generations(layout: Layout, keys: Iterable[str]) -> None:
     """Record that ``keys`` changed (and so the root did)."""
-    slots = {generation_slot(key) for key in keys}
-    slots.add(0)
+    _write_slots(layout, {0, *(generation_slot(key) for key in keys)}, 0)
+
+
+def mark_changing(layout: Layout, keys: Iterable[str]) -> None:
+    """Record that ``keys`` are about to switch together: until ``bump_generations``
+    settles their slots, a reader opens them from the disk and keeps nothing, so a writer
+    that dies between switching and bumping leaves no process with some of them warm and
+    old while it opens the others new."""
+    _write_slots(layout, {generation_slot(key) for key in keys}, CHANGING)
+
+
+def _write_slots(layout: Layout, slots: set[int], flag: int) -> None:
     fd = os.open(layout.generation, os.O_WRONLY | os.O_CLOEXEC)
     try:
         for slot in sorted(slots):
-            os.pwrite(fd, os.urandom(8), 8 * slot)
+            value = int.from_bytes(os.urandom(8), "little") & _SETTLED | flag
+            os.pwrite(fd, value.to_bytes(8, "little"), 8 * slot)
+    finally:
+        os.close(fd)
+
+
+def bump_all_generations(layout: Layout) -> None:
+    """Record that any key may have changed (after a writer died between switching links
+    and bumping their slots: every process's warm opens go back to the disk once)."""
+    fd = os.open(layout.generation, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        values = [int.from_bytes(os.urandom(8), "little") & _SETTLED for _ in range(GENERATION_SLOTS)]
+        os.pwrite(fd, b"".join(v.to_bytes(8, "little") for v in values), 0)
     finally:
         os.close(fd)

@@ -4,7 +4,11 @@ encoding of a cache root. Change the format here and nowhere else.
 ::
 
     <root>/generation            change counters, one 8-byte slot each (see below)
-    <root>/entries/<key>         symlink -> ../objects/<version>   ("/" in keys is "~")
+    <root>/format                "2": entries are a tree (absent: maybe flat links of format 1)
+    <root>/entries/a~/b~/c       the entry of key ``a/b/c``: a symlink -> ../../../objects/<version>
+                                 (each prefix segment is a directory marked by a trailing "~",
+                                 which no key segment contains: keys ``a`` and ``a/b`` coexist;
+                                 the target climbs one level per segment, so it resolves)
     <root>/objects/<version>/    <name>.npy files + meta.json, immutable once published
     <root>/tmp/                  partial writes and the lock of each live writer
     <root>/locks/space.lock      the root's space-accounting lock
@@ -13,6 +17,11 @@ encoding of a cache root. Change the format here and nowhere else.
     <root>/daemon.sock           the daemon's control socket (mode 0600)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
     <root>/budget.json           the root's byte budget, honoured by every writer (absent: none)
+
+A directory put replaces the whole subtree of its keys' common prefix at once
+(``entry_tree``): a reader's path walk lands in the old subtree or the new one, never in a
+mix. Format 1 roots had flat links ``entries/a~b~c -> ../objects/<version>``; readers
+still find those (on the miss path only) and the first writer or ``cleanup`` migrates them.
 
 The generation file holds ``GENERATION_SLOTS`` little-endian uint64 counters. Slot 0
 changes on every publish or evict in the root (what the daemon's entry-list cache
@@ -26,6 +35,7 @@ explicit root.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -39,6 +49,8 @@ from .trust import refuse_untrusted
 __all__ = [
     "ARRAY_FILE",
     "BUDGET_NAME",
+    "DIR_MARK",
+    "ENTRY_FORMAT",
     "ENV_CONFIG",
     "ENV_PREFIX",
     "ENV_ROOT",
@@ -54,7 +66,10 @@ __all__ = [
     "decode_key",
     "default_root",
     "encode_key",
+    "entry_path",
+    "flat_entry_names",
     "generation_slot",
+    "mark_tree_format",
     "object_path",
     "prepare_root",
     "read_version",
@@ -78,7 +93,14 @@ ARRAY_FILE = "data.npy"
 GENERATION_SLOTS = 1024
 GENERATION_BYTES = 8 * GENERATION_SLOTS
 _SEPARATOR_ON_DISK = "~"  # not a key character, so the mapping is one-to-one
-_OBJECTS_TARGET = "../objects/"
+DIR_MARK = _SEPARATOR_ON_DISK
+"""Ends the name of every prefix directory under ``entries/`` (no key segment has it)."""
+_PREFIX_SEPARATOR = DIR_MARK + "/"
+_IN_OBJECTS = "/objects/"
+"""What a link's target holds before the version: everything after it is the version
+(one name today; issue 22's entries inside a directory put's version may be ``<v>/<name>``)."""
+ENTRY_FORMAT = "2"
+"""What ``<root>/format`` holds once the root's entries are a tree (see above)."""
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +126,18 @@ def default_root() -> Path:
 
 
 def encode_key(key: str) -> str:
-    """File name of a (valid) key inside the flat ``entries/`` directory."""
+    """Flat file name of a (valid) key: its lock's name, and its link in a format 1 root."""
     return key.replace("/", _SEPARATOR_ON_DISK)
 
 
 def decode_key(name: str) -> str:
     """Inverse of :func:`encode_key`."""
     return name.replace(_SEPARATOR_ON_DISK, "/")
+
+
+def entry_path(key: str) -> str:
+    """Path of a (valid) key's link relative to ``entries/``: ``a~/b~/c`` for ``a/b/c``."""
+    return key.replace("/", _PREFIX_SEPARATOR)
 
 
 def generation_slot(key: str) -> int:
@@ -125,14 +152,15 @@ def object_path(root: str, version: str, filename: str) -> str:
 
 
 def version_of_target(target: str) -> str:
-    """The version an entry link's target names (``../objects/<version>``)."""
-    return target.rpartition("/")[2]
+    """The version an entry link's target names: what follows ``objects/`` in
+    ``../objects/<version>`` (one ``../`` per key segment)."""
+    return target.partition(_IN_OBJECTS)[2]
 
 
 def read_version(link: str | os.PathLike[str]) -> str | None:
     """The version an entry link points at, or None if there is no such link."""
     try:
-        return os.readlink(link).rpartition("/")[2]
+        return os.readlink(link).partition(_IN_OBJECTS)[2]
     except (OSError, ValueError):  # missing, or a name no key could have (NUL, too long)
         return None
 
@@ -191,25 +219,72 @@ class Layout:
     def directories(self) -> tuple[Path, ...]:
         return (self.root, self.entries, self.objects, self.tmp, self.locks, self.key_locks)
 
+    @property
+    def format_file(self) -> Path:
+        """Holds ``ENTRY_FORMAT`` once no flat (format 1) entry link is left."""
+        return self.root / "format"
+
     def entry_link(self, key: str) -> str:
         """The symlink of a (valid) key (a ``str``: it is on the open hot path)."""
+        return self._entries_prefix + key.replace("/", _PREFIX_SEPARATOR)
+
+    def flat_entry_link(self, key: str) -> str:
+        """Where a format 1 root kept the key's link (read on the miss path only)."""
         return self._entries_prefix + key.replace("/", _SEPARATOR_ON_DISK)
+
+    def prefix_dir(self, prefix: str) -> str:
+        """The directory holding every key under ``prefix`` (``entries/`` itself for "")."""
+        if not prefix:
+            return str(self.entries)
+        return self._entries_prefix + prefix.replace("/", _PREFIX_SEPARATOR) + DIR_MARK
+
+    def find_entry(self, key: str) -> tuple[str, str] | None:
+        """``(link, version)`` of a (valid) key now, or None if it has no entry.
+
+        A miss is read again before it is believed: a walk that entered a subtree just
+        swapped out by a directory put (and being removed) may miss a key that the
+        current subtree holds, and the walk after the swap finds it. Then the flat link of
+        a format 1 root."""
+        link = self.entry_link(key)
+        for path in (link, link, self.flat_entry_link(key)):
+            try:
+                return path, os.readlink(path).partition(_IN_OBJECTS)[2]
+            except (OSError, ValueError):  # missing, or a name no key could have
+                continue
+        return None
+
+    def entry_version(self, key: str) -> str | None:
+        """The version a (valid) key's entry points at, or None if it has none."""
+        found = self.find_entry(key)
+        return None if found is None else found[1]
+
+    def has_entry(self, key: str) -> bool:
+        return self.find_entry(key) is not None
+
+    def links_under(self, prefix: str) -> dict[str, str]:
+        """Name relative to ``prefix`` -> link path, for every key under ``prefix`` (all
+        keys when ""), sorted by name. Empty when there are none or no root yet."""
+        links: dict[str, str] = {}
+        try:
+            _walk(self.prefix_dir(prefix), "", links)
+        except PermissionError as exc:  # another user's root
+            raise CacheRootError(f"cannot read cache root {self.root}: {exc.strerror}") from exc
+        if not self.format_file.exists():  # format 1 links the first writer has not migrated
+            start = encode_key(prefix + "/") if prefix else ""
+            for name in _listdir(self.entries):
+                if _SEPARATOR_ON_DISK in name and name.startswith(start):
+                    links.setdefault(decode_key(name[len(start) :]), f"{self._entries_prefix}{name}")
+        return dict(sorted(links.items()))
 
     def names_under(self, prefix: str) -> list[str]:
         """The keys under ``prefix`` (a group), relative to it and sorted: ``["x"]`` for
         ``prefix/x``. Empty when there are none or no root yet."""
-        start = encode_key(prefix + "/")
-        try:
-            listed = os.listdir(self.entries)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except PermissionError as exc:  # another user's root
-            raise CacheRootError(f"cannot read cache root {self.root}: {exc.strerror}") from exc
-        return sorted(decode_key(name[len(start) :]) for name in listed if name.startswith(start))
+        return list(self.links_under(prefix))
 
-    def link_target(self, version: str) -> str:
-        """What an entry link to ``version`` contains (relative, so the root can move)."""
-        return f"{_OBJECTS_TARGET}{version}"
+    def link_target(self, version: str, key: str) -> str:
+        """What the entry link of ``key`` to ``version`` contains: relative (so the root
+        can move), climbing out of the key's prefix directories."""
+        return "../" * (key.count("/") + 1) + "objects/" + version
 
     def version_dir(self, version: str) -> Path:
         return self.objects / version
@@ -229,6 +304,34 @@ class Layout:
     @property
     def space_lock(self) -> Path:
         return self.locks / "space.lock"
+
+
+def _listdir(path: str | Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _walk(directory: str, prefix: str, links: dict[str, str]) -> None:
+    """Add ``prefix + name -> path`` for every entry link under ``directory`` (a subtree
+    being swapped out may vanish under the walk: what is gone is skipped)."""
+    try:
+        scanned = os.scandir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with scanned:
+        for item in scanned:
+            name = item.name
+            if name.endswith(DIR_MARK):
+                try:
+                    is_dir = item.is_dir(follow_symlinks=False)
+                except OSError:
+                    continue
+                if is_dir:
+                    _walk(item.path, f"{prefix}{name[:-1]}/", links)
+            elif _SEPARATOR_ON_DISK not in name:  # a leaf (flat format 1 names: links_under)
+                links[prefix + name] = item.path
 
 
 def _mkdir_private(path: Path, what: str) -> None:
@@ -258,7 +361,29 @@ def prepare_root(root: Path) -> Layout:
     for directory in layout.directories():
         _mkdir_private(directory, "cache root" if directory == root else "cache directory")
     _prepare_generation(layout)
+    if not layout.format_file.exists() and not flat_entry_names(layout):
+        mark_tree_format(layout)
     return layout
+
+
+def flat_entry_names(layout: Layout) -> list[str]:
+    """Names of the format 1 (flat) entry links left in ``entries/``."""
+    return [n for n in _listdir(layout.entries) if _SEPARATOR_ON_DISK in n and not n.endswith(DIR_MARK)]
+
+
+def mark_tree_format(layout: Layout) -> None:
+    """Record that no flat entry link is left (written whole: a temporary name, renamed)."""
+    staging = layout.root / f".format.{os.getpid()}.{os.urandom(4).hex()}"
+    try:
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, ENTRY_FORMAT.encode() + b"\n")
+        finally:
+            os.close(fd)
+        os.replace(staging, layout.format_file)
+    except OSError:  # no room: the next writer records it
+        with contextlib.suppress(OSError):
+            os.unlink(staging)
 
 
 def _prepare_generation(layout: Layout) -> None:

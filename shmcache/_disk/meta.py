@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from ..errors import CorruptEntryError
-from .layout import META_FILE, Layout, read_version
+from .layout import META_FILE, Layout
 
 __all__ = ["META_FORMAT", "damaged", "read_entry_meta", "read_meta"]
 
@@ -32,8 +32,8 @@ def damaged(key: str, what: str) -> CorruptEntryError:
     )
 
 
-def read_entry_meta(layout: Layout, key: str, version: str, link: str) -> dict[str, Any] | None:
-    """The metadata of ``version``, which ``key``'s entry ``link`` pointed at; None if the
+def read_entry_meta(layout: Layout, key: str, version: str) -> dict[str, Any] | None:
+    """The metadata of ``version``, which ``key``'s entry link pointed at; None if the
     link moved meanwhile (replaced or evicted: resolve again). Raises :func:`damaged` if the
     link still points there and the version or its ``meta.json`` is missing, not a JSON object, or records
     another key (a link pointed at another entry's data). Metadata without a key (older
@@ -42,7 +42,7 @@ def read_entry_meta(layout: Layout, key: str, version: str, link: str) -> dict[s
         with open(layout.object_file(version, META_FILE), "rb") as fp:
             raw = fp.read()
     except (FileNotFoundError, NotADirectoryError):
-        if read_version(link) != version:
+        if layout.entry_version(key) != version:
             return None  # evicted or replaced: both move the link before removing files
         if not os.path.isdir(layout.version_dir(version)):
             raise damaged(
@@ -54,7 +54,7 @@ def read_entry_meta(layout: Layout, key: str, version: str, link: str) -> dict[s
     try:
         meta = json.loads(raw)
     except ValueError as exc:
-        if read_version(link) != version:
+        if layout.entry_version(key) != version:
             return None
         raise damaged(key, f"its {META_FILE} is not valid JSON ({exc})") from None
     if not isinstance(meta, dict):

@@ -1,4 +1,5 @@
-"""Writing new versions into ``tmp/`` and publishing them with one atomic rename.
+"""Writing new versions into ``tmp/`` and publishing them with one atomic rename (of a
+link for one key, of a prefix directory for several: ``entry_tree``).
 
 A writer holds an flock on ``tmp/<writer>.lock`` for as long as it works; the kernel
 drops it if the writer dies (even by ``kill -9``), which is how ``cleanup`` tells the
@@ -15,7 +16,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .checksum import crc32
+from .entry_tree import build_tree, install_tree, make_prefix_dirs
 from .fs import full_is_cache_full, raise_if_full, remove_tree, write_all
 from .layout import META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
@@ -55,6 +57,7 @@ class VersionWriter:
         self._tmp = f"{layout.root}/tmp"  # strings: pathlib costs ~10 us a join, per file
         self._objects = f"{layout.root}/objects"
         self._pending: dict[str, None] = {}  # insertion-ordered set: O(1) removal
+        self._old_trees: list[str] = []  # prefix directories swapped out, to remove
         # Lock under a temporary name, then rename: the lock file never appears unlocked.
         staging = layout.tmp / f"{self.writer_id}{STAGING_SUFFIX}"
         with full_is_cache_full(staging):
@@ -133,24 +136,60 @@ class VersionWriter:
 
     def link(self, key: str, version: str) -> None:
         """Point ``key``'s entry link at a promoted ``version`` with one atomic rename: a
-        reader sees the old version or the new one, never a partial one."""
-        self.swap_link(key, version, self.stage_link(version))
+        reader sees the old version or the new one, never a partial one. The caller holds
+        the publish lock shared (``swap_link``)."""
+        self.swap_link(key, version, self.stage_link(version, key))
 
-    def stage_link(self, version: str) -> str:
-        """Create the link to ``version`` in ``tmp/`` (what may run out of inodes), so that
-        publishing it is one rename: a batch stages all its links before swapping any."""
+    def stage_link(self, version: str, key: str) -> str:
+        """Create the link of ``key`` to ``version`` in ``tmp/`` (what may run out of
+        inodes), so that publishing it is one rename."""
         staged = f"{self._tmp}/{version}.link"
         try:
-            os.symlink(self.layout.link_target(version), staged)
+            os.symlink(self.layout.link_target(version, key), staged)
         except OSError as exc:
             raise_if_full(staged, exc)
             raise
         return staged
 
     def swap_link(self, key: str, version: str, staged: str) -> None:
-        """Rename a staged link over ``key``'s entry link (atomic for readers)."""
-        os.replace(staged, self.layout.entry_link(key))
+        """Rename a staged link over ``key``'s entry link (atomic for readers), creating
+        its prefix directories first if needed. The caller holds the publish lock shared,
+        so that no directory put is copying the prefix meanwhile."""
+        link = self.layout.entry_link(key)
+        try:
+            os.replace(staged, link)
+        except FileNotFoundError:  # a prefix directory is missing (the first key under it)
+            if not os.path.lexists(staged):
+                raise
+            make_prefix_dirs(self.layout, key.rpartition("/")[0])
+            os.replace(staged, link)
         self.mark_published(version)
+
+    def swap_tree(self, prefix: str, versions: Sequence[tuple[str, str]]) -> None:
+        """Make every ``(key, version)`` under ``prefix`` current at one instant: copy the
+        prefix's directory into ``tmp/`` with the new links, exchange it with the live one
+        (``entry_tree``), then remove the old copy. The caller holds the publish lock
+        exclusive until this returns; a crash leaves the old tree or the new one whole, and
+        the copy in ``tmp/`` for ``cleanup``."""
+        self._count += 1
+        staging = f"{self._tmp}/{self.writer_id}.{self._count}.tree"
+        links = ((key, self.layout.link_target(version, key)) for key, version in versions)
+        try:
+            build_tree(self.layout, prefix, staging, links)
+            install_tree(self.layout, prefix, staging)
+        except BaseException:
+            remove_tree(Path(staging))
+            raise
+        for _, version in versions:
+            self.mark_published(version)
+        self._old_trees.append(staging)
+
+    def remove_old_trees(self) -> None:
+        """Remove the trees that ``swap_tree`` swapped out (outside the publish lock:
+        nobody reaches them any more, except a reader's walk already inside, which then
+        misses and reads the link again)."""
+        while self._old_trees:
+            remove_tree(Path(self._old_trees.pop()))
 
     def mark_published(self, version: str) -> None:
         """The version is referenced by an entry link now: no longer ours to discard."""
@@ -163,6 +202,7 @@ class VersionWriter:
         self._pending.pop(version, None)
 
     def close(self) -> None:
+        self.remove_old_trees()
         for version in list(self._pending):
             self.discard(version)
             with contextlib.suppress(FileNotFoundError):

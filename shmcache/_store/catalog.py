@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .._disk.fs import free_bytes, total_bytes
-from .._disk.layout import GENERATION_BYTES, Layout, decode_key, encode_key, generation_slot, read_version
+from .._disk.layout import GENERATION_BYTES, Layout, generation_slot, read_version
 from .._disk.meta import read_meta
 from ..errors import CacheRootError
 from .records import EntryInfo, StoreStats, entry_info
@@ -19,7 +19,7 @@ __all__ = ["info_of", "iter_infos", "referenced_versions", "store_stats", "used_
 
 _USAGE_MAX_AGE_S = 5.0
 _usage: dict[str, tuple[bytes, float, dict[str, tuple[str, int]]]] = {}
-"""root -> (its generation table when read, when, entry name -> (version, size)): the
+"""root -> (its generation table when read, when, key -> (version, size)): the
 sizes of a root's entries, re-read only for keys whose generation slot changed since (a
 published version never changes, so ``meta.json`` is read once per new version)."""
 
@@ -37,30 +37,29 @@ def info_of(layout: Layout, version: str) -> EntryInfo | None:
     return entry_info(meta, max(last_used, meta.get("created", 0.0)))
 
 
-def _entry_names(layout: Layout) -> list[str]:
+def _entry_links(layout: Layout) -> dict[str, str]:
+    """Key -> link path of every entry (the tree, and a format 1 root's flat links)."""
     try:
-        return os.listdir(layout.entries)
-    except FileNotFoundError:
-        return []
+        return layout.links_under("")
     except OSError as exc:
         raise CacheRootError(f"cannot read cache root {layout.root}: {exc.strerror}") from exc
 
 
 def iter_infos(layout: Layout) -> Iterator[EntryInfo]:
-    """Every published entry (in directory order)."""
-    for name in _entry_names(layout):
-        version = read_version(layout.entries / name)
+    """Every published entry (sorted by key)."""
+    for key, link in _entry_links(layout).items():
+        version = read_version(link)
         if version is None:
             continue
         info = info_of(layout, version)
-        if info is not None and info.key == decode_key(name):
+        if info is not None and info.key == key:
             yield info
 
 
 def used_bytes(layout: Layout, excluding: Collection[str] = ()) -> int:
     """Bytes held by the root's published entries but those under ``excluding`` keys (what
     ``stats`` calls used). Every put under a budget pays it first, so it must not read every
-    entry's metadata: one ``listdir``, then a ``readlink`` only for keys whose generation
+    entry's metadata: one walk of the entry tree, then a ``readlink`` only for keys whose generation
     slot changed since the last call (every publish and evict bumps its keys' slots), and
     every key again after a few seconds (a writer killed between its link swap and its
     bump leaves no trace in the table)."""
@@ -78,30 +77,29 @@ def used_bytes(layout: Layout, excluding: Collection[str] = ()) -> int:
         full_scan_at = now if changed is None or cached is None else cached[1]
         _usage[root] = (table, full_scan_at, sizes)
     total = sum([size for _, size in sizes.values()])
-    return total - sum(sizes[name][1] for name in {encode_key(key) for key in excluding} if name in sizes)
+    return total - sum(sizes[key][1] for key in set(excluding) if key in sizes)
 
 
 def _scan_sizes(
     layout: Layout, known: dict[str, tuple[str, int]], changed: set[int] | None
 ) -> dict[str, tuple[str, int]]:
-    """Entry name -> (version, size) of every entry: from ``known`` for names whose slot is
-    not in ``changed``, else read (``meta.json`` only for a version not seen before)."""
-    links = f"{layout.root}/entries/"  # strings, not Paths: a Path per entry cost more than its readlink
+    """Key -> (version, size) of every entry: from ``known`` for keys whose slot is not in
+    ``changed``, else read (``meta.json`` only for a version not seen before)."""
     sizes = {}
-    for name in _entry_names(layout):
-        seen = known.get(name)
-        if seen is not None and changed is not None and generation_slot(decode_key(name)) not in changed:
-            sizes[name] = seen
+    for key, link in _entry_links(layout).items():
+        seen = known.get(key)
+        if seen is not None and changed is not None and generation_slot(key) not in changed:
+            sizes[key] = seen
             continue
-        version = read_version(links + name)
+        version = read_version(link)
         if version is None:
             continue
         if seen is None or seen[0] != version:
             meta = read_meta(layout, version)
-            if not meta or meta.get("key") != decode_key(name):
+            if not meta or meta.get("key") != key:
                 continue
             seen = (version, int(meta.get("size", 0)))
-        sizes[name] = seen
+        sizes[key] = seen
     return sizes
 
 
@@ -119,12 +117,12 @@ def _generation_table(layout: Layout) -> bytes | None:
 
 
 def referenced_versions(layout: Layout) -> dict[str, str]:
-    """Version -> the entry file name that links to it, for every entry link."""
+    """Version -> the key whose entry links to it, for every entry link."""
     linked = {}
-    for name in _entry_names(layout):
-        version = read_version(layout.entries / name)
+    for key, link in _entry_links(layout).items():
+        version = read_version(link)
         if version is not None:
-            linked[version] = name
+            linked[version] = key
     return linked
 
 

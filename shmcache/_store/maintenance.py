@@ -12,58 +12,74 @@ from pathlib import Path
 from typing import Any
 
 from .._disk.checksum import crc_of_range, parse_checksums
+from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
-from .._disk.layout import META_FILE, Layout, decode_key, read_version
+from .._disk.generations import bump_all_generations
+from .._disk.layout import META_FILE, Layout
 from .._disk.meta import damaged, read_entry_meta
 from .._disk.npy import NpyHeader, header_length, parse_header_bytes
 from .._disk.shapes import checked_shape
 from .._disk.writer import STAGING_SUFFIX, writer_of
 from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
 from .catalog import referenced_versions
+from .locks import publish_lock
 from .reading import Reader
 
-__all__ = ["linked_keys", "remove_dead_writers_leftovers", "verify_entry"]
+__all__ = ["linked_keys", "refuse_half_published", "remove_dead_writers_leftovers", "verify_entry"]
 
 logger = logging.getLogger(__name__)
 
 _STAGING_GRACE_S = 60.0
 _HEAD = 4096  # the first read of a file's header (nearly always all of it)
+_STAGED_LINK = ".link"  # a version's link staged in tmp/ (swapped one by one before the tree)
 
 
 def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, str], int | None]) -> int:
     """Remove partial writes and unreferenced versions of dead writers, and entry links
-    whose data vanished; returns the bytes freed.
+    whose data vanished; move a format 1 root's flat links into the tree and remove empty
+    prefix directories; returns the bytes freed.
 
     Partial writes of live writers are never touched: a writer's flock tells the two
     apart, whatever PID namespace the writer runs in.
     """
     freed = 0
     live: dict[str, bool] = {}
+    with publish_lock(layout, shared=False):  # no writer links or copies a prefix meanwhile
+        moved = migrate_flat_links(layout)
+        pruned = prune_empty_prefixes(layout)
+    if moved or pruned:
+        logger.info("cleanup moved %d flat entry links to the tree, removed %d empty prefixes", moved, pruned)
 
     def alive(writer: str) -> bool:
         if writer not in live:
             live[writer] = FileLockProbe.holder_alive(layout.tmp / f"{writer}.lock")
         return live[writer]
 
+    kept = _half_published(layout, alive)
+    dead_writer = False  # one may have died switching keys, before bumping (or settling) them
     for name in os.listdir(layout.tmp):
         path = layout.tmp / name
         if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
             if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
                 freed += remove_tree(path)
-        elif not alive(writer_of(name)):
+        elif not alive(writer_of(name)) and writer_of(name) not in kept:
+            dead_writer = True
             freed += remove_tree(path)
-    dead_unreferenced = [v for v in os.listdir(layout.objects) if not alive(writer_of(v))]
+    dead_unreferenced = [
+        v for v in os.listdir(layout.objects) if not alive(writer_of(v)) and writer_of(v) not in kept
+    ]
     # Read the links only now: a dead writer can no longer link anything.
     linked = referenced_versions(layout)
     for version in dead_unreferenced:
         if version not in linked:
             freed += remove_tree(layout.version_dir(version))
-    for version, name in linked.items():  # links whose version directory was removed by hand
+    for version, key in linked.items():  # links whose version directory was removed by hand
         if not layout.version_dir(version).is_dir():
             with suppress(KeyNotFoundError, OSError):
-                key = decode_key(name)
                 if evict_version(key, version) is not None:
                     logger.warning("removed entry %s: its data had vanished", key)
+    if dead_writer:  # send every warm open back to the disk once
+        bump_all_generations(layout)
     if freed:
         logger.info("cleanup freed %d bytes in %s", freed, layout.root)
     return freed
@@ -72,11 +88,7 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
 def linked_keys(layout: Layout) -> list[str]:
     """Every key that has an entry link, sorted, whatever state its data is in (``list``
     shows only entries whose metadata reads back: ``verify`` must also see the others)."""
-    try:
-        names = os.listdir(layout.entries)
-    except FileNotFoundError:
-        return []
-    return sorted(decode_key(name) for name in names)  # two links may share a version: not by version
+    return list(layout.links_under(""))  # sorted; two links may share a version: not by version
 
 
 def verify_entry(layout: Layout, key: str) -> bool:
@@ -90,11 +102,11 @@ def verify_entry(layout: Layout, key: str) -> bool:
     anything is wrong, :class:`~shmcache.errors.KeyNotFoundError` if there is no entry.
     """
     reader = Reader(layout)
-    link = layout.entry_link(key)
-    version = read_version(link)
-    meta = None if version is None else read_entry_meta(layout, key, version, link)
+    version = layout.entry_version(key)
+    meta = None if version is None else read_entry_meta(layout, key, version)
     if version is None or meta is None:
         raise reader.not_found(key)
+    refuse_half_published(layout, key, version)
     headers = _check_files(layout, key, version, meta)
     _check_meta(key, version, meta, headers)
     checked = _check_checksums(layout, key, version, meta.get("checksum"), sorted(headers))
@@ -222,6 +234,44 @@ def _open_as_a_reader(reader: Reader, key: str) -> None:
         raise damaged(key, f"reading it fails ({type(exc).__name__}: {exc})") from None
     finally:
         reader.forget()
+
+
+def _half_published(layout: Layout, alive: Callable[[str], bool]) -> set[str]:
+    """Dead writers that left a directory half published: some of their versions linked,
+    others still staged (``tmp/<version>.link``). Only shmcache before the tree format
+    (which swapped a directory's links one by one) leaves that. What shows it (their lock
+    file, staged links and unlinked versions) is kept, so that ``verify`` names the mixed
+    entries, until the directory is put again."""
+    staged = {writer_of(n) for n in os.listdir(layout.tmp) if n.endswith(_STAGED_LINK)}
+    dead = {writer for writer in staged if not alive(writer)}
+    if not dead:
+        return set()
+    half: dict[str, list[str]] = {}
+    for version, key in referenced_versions(layout).items():
+        if writer_of(version) in dead:
+            half.setdefault(writer_of(version), []).append(key)
+    for keys in half.values():
+        logger.warning(
+            "%d entries (%s...) are the half of a directory put that an older shmcache published "
+            "before it was killed: the directory mixes old and new entries; put it again "
+            "(overwrite=True / --overwrite)", len(keys), min(keys),
+        )
+    return set(half)
+
+
+def refuse_half_published(layout: Layout, key: str, version: str) -> None:
+    """Raise :class:`CorruptEntryError` if the entry belongs to a directory that an older
+    shmcache left half published (see ``_half_published``). One ``stat`` when it does not."""
+    writer = writer_of(version)
+    lock = layout.tmp / f"{writer}.lock"
+    if not lock.exists() or FileLockProbe.holder_alive(lock):
+        return
+    if any(writer_of(n) == writer and n.endswith(_STAGED_LINK) for n in os.listdir(layout.tmp)):
+        raise CorruptEntryError(
+            f"entry {key!r} is part of a directory put that an older shmcache published only "
+            "in part before it was killed: the directory mixes old and new entries; put the "
+            "directory again (overwrite=True / --overwrite)"
+        )
 
 
 def _age(path: Path) -> float:

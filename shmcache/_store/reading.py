@@ -23,9 +23,9 @@ import numpy as np
 
 from .._containers.shared import open_version, wrong_kind
 from .._disk.attach import WRITABLE, attach_array
-from .._disk.generations import map_generations
+from .._disk.generations import CHANGING, map_generations
 from .._disk.keys import validate_key
-from .._disk.layout import ARRAY_FILE, META_FILE, Layout, generation_slot, read_version
+from .._disk.layout import ARRAY_FILE, META_FILE, Layout, generation_slot
 from .._disk.meta import damaged, read_entry_meta, read_meta
 from .._disk.trust import check_root
 from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError, UnsupportedDataError
@@ -89,10 +89,13 @@ class Reader:
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0  # read before the link
             try:  # read_version inlined: this is the cold-open path
-                version = os.readlink(link).rpartition("/")[2]
+                version = os.readlink(link).partition("/objects/")[2]
             except (OSError, ValueError):  # missing, or a name no key could have
                 validate_key(key)
-                raise self.not_found(key) from None
+                found = self.layout.find_entry(key)  # a walk into a swapped-out tree, a flat root
+                if found is None:
+                    raise self.not_found(key) from None
+                version = found[1]
             hit = self._arrays.get(key)
             if hit is not None and hit[3] == version:
                 array = hit[4]
@@ -100,22 +103,22 @@ class Reader:
                 try:
                     array = attach_array(self._root_str, version, ARRAY_FILE, key)
                 except FileNotFoundError:
-                    self._explain_missing_array(key, version, link)
+                    self._explain_missing_array(key, version)
                     continue  # replaced or evicted between readlink and open: resolve again
                 except (CorruptEntryError, ValueError, TypeError) as exc:
-                    _raise_if_damaged(self.layout, key, version, link, exc)
+                    _raise_if_damaged(self.layout, key, version, exc)
                     continue
-            if table is not None:
+            if table is not None and generation < CHANGING:  # not while a directory put switches
                 self._arrays[key] = (generation, table, slot, version, array)
             return array  # type: ignore[no-any-return]
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
 
-    def _explain_missing_array(self, key: str, version: str, link: str) -> None:
+    def _explain_missing_array(self, key: str, version: str) -> None:
         """Raise if ``version`` has no array file for a reason other than a race."""
         kind = read_meta(self.layout, version).get("kind")
         if kind is not None and kind != "array":
             raise wrong_kind(key, str(kind), "array")
-        if read_version(link) == version:
+        if self.layout.entry_version(key) == version:
             where = self.layout.version_dir(version)
             vanished = "" if where.is_dir() else " (`shmcache cleanup` removes entries whose data vanished)"
             raise damaged(key, f"its data ({ARRAY_FILE}) is missing from {where}{vanished}")
@@ -126,17 +129,16 @@ class Reader:
         ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit)."""
         validate_key(key)
         self.trust_root()
-        link = self.layout.entry_link(key)
         for _ in range(_RESOLVE_RETRIES):
-            version = read_version(link)
+            version = self.layout.entry_version(key)
             if version is None:
                 raise self.not_found(key)
             try:
                 return attach_array(self._root_str, version, ARRAY_FILE, key, mode=WRITABLE)
             except FileNotFoundError:
-                self._explain_missing_array(key, version, link)
+                self._explain_missing_array(key, version)
             except (CorruptEntryError, ValueError, TypeError) as exc:
-                _raise_if_damaged(self.layout, key, version, link, exc)
+                _raise_if_damaged(self.layout, key, version, exc)
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
 
     # ------------------------------------------------------------------ any kind
@@ -156,13 +158,13 @@ class Reader:
             if hit is not None and hit[1][hit[2]] == hit[0]:
                 return hit[4]
         validate_key(key)
-        table, slot, link = self._start_resolving(key, self._handles)
+        table, slot, _ = self._start_resolving(key, self._handles)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0
-            version = read_version(link)
+            version = self.layout.entry_version(key)
             if version is None:
                 raise self.not_found(key)
-            meta = read_entry_meta(self.layout, key, version, link)
+            meta = read_entry_meta(self.layout, key, version)
             if meta is None:
                 continue  # replaced or evicted meanwhile: resolve again
             found = meta.get("kind", "array")
@@ -179,16 +181,16 @@ class Reader:
                     else:
                         opened = open_version(self._root_str, key, version, found, meta)
                 except (FileNotFoundError, KeyNotFoundError) as exc:
-                    if found == "array" and read_version(link) == version:
-                        self._explain_missing_array(key, version, link)
-                    _raise_if_damaged(self.layout, key, version, link, exc)
+                    if found == "array" and self.layout.entry_version(key) == version:
+                        self._explain_missing_array(key, version)
+                    _raise_if_damaged(self.layout, key, version, exc)
                     continue  # evicted while being opened: resolve again
                 except UnsupportedDataError:
                     raise  # the wrong kind asked for
                 except (CorruptEntryError, LookupError, ValueError, TypeError, AttributeError) as exc:
-                    _raise_if_damaged(self.layout, key, version, link, exc)
+                    _raise_if_damaged(self.layout, key, version, exc)
                     continue
-            if table is not None:
+            if table is not None and generation < CHANGING:  # not while a directory put switches
                 cache[key] = (generation, table, slot, version, opened)
             return opened
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
@@ -262,16 +264,16 @@ class Reader:
         self.check_root_identity()
         for cache in (self._arrays, self._handles):
             for key, hit in list(cache.items()):
-                if read_version(self.layout.entry_link(key)) != hit[3]:
+                if self.layout.entry_version(key) != hit[3]:
                     cache.pop(key, None)
 
 
-def _raise_if_damaged(layout: Layout, key: str, version: str, link: str, exc: BaseException) -> None:
+def _raise_if_damaged(layout: Layout, key: str, version: str, exc: BaseException) -> None:
     """Raise :func:`damaged` for what opening ``version`` of ``key`` raised, unless the link
     moved meanwhile (a replace or evict raced the open: the caller resolves again). An
     evict unlinks the link before it removes files, so a link that still points at the
     version means its files are missing or wrong for good."""
-    if read_version(link) != version:
+    if layout.entry_version(key) != version:
         return
     if isinstance(exc, CorruptEntryError) and "`shmcache verify`" in str(exc):
         raise exc

@@ -42,7 +42,7 @@ from .._containers.table_arrow import encode_table
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
-from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root, read_version
+from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root
 from .._disk.meta import read_entry_meta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
@@ -59,7 +59,7 @@ from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
 from .budget import checked_budget, write_budget
 from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
-from .locks import key_lock, snapshot_lock
+from .locks import key_lock, publish_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .planned import write_container
 from .reading import Reader, release_version
@@ -186,7 +186,7 @@ class Store:
     def exists(self, key: str) -> bool:
         validate_key(key)
         self._reader.trust_root()
-        return os.path.lexists(self.layout.entry_link(key))
+        return self.layout.has_entry(key)
 
     # ------------------------------------------------------------------ writing
 
@@ -304,7 +304,7 @@ class Store:
         kind, files, meta = encode_any(obj, f"object for key {key!r}")
         digest = content_digest(kind, files)
         with self._key_lock(key, self.lock_timeout):
-            version = read_version(self.layout.entry_link(key))
+            version = self.layout.entry_version(key)
             if version is not None and read_meta(self.layout, version).get("content_hash") == digest:
                 return self.open(key)
             if version is not None and not overwrite:
@@ -571,7 +571,7 @@ class Store:
             return None
         if wanted is None:
             return array
-        version = read_version(self.layout.entry_link(key))
+        version = self.layout.entry_version(key)
         if version is None or read_meta(self.layout, version).get("cache_version") != wanted:
             return None
         return array
@@ -625,7 +625,7 @@ class Store:
         if overwrite:
             return
         for key in keys:  # valid already: validated once, by the caller or the planner
-            if os.path.lexists(self.layout.entry_link(key)):
+            if self.layout.has_entry(key):
                 raise KeyExistsError(
                     f"entry {key!r} already exists in {self._root_str}; pass overwrite=True "
                     "(--overwrite) to replace it, or evict it first"
@@ -679,7 +679,7 @@ class Store:
         """
         validate_key(key)
         self._reader.trust_root()
-        version = read_version(self.layout.entry_link(key))
+        version = self.layout.entry_version(key)
         freed = None if version is None else self._evict_version(key, version)
         if freed is None:
             raise self._reader.not_found(key)
@@ -689,7 +689,6 @@ class Store:
     def _evict_version(self, key: str, version: str, wait: bool = True) -> int | None:
         """Unlink ``key`` if it still points at ``version`` and return the bytes freed;
         None if it no longer does (or, with ``wait=False``, if its lock is taken)."""
-        link = self.layout.entry_link(key)
         try:
             lock = self._key_lock(key, self.lock_timeout if wait else 0)
             lock.__enter__()
@@ -698,9 +697,11 @@ class Store:
                 raise
             return None
         try:
-            if read_version(link) != version:
-                return None
-            os.unlink(link)
+            with publish_lock(self.layout, shared=True):  # not while a directory put copies
+                found = self.layout.find_entry(key)
+                if found is None or found[1] != version:
+                    return None
+                os.unlink(found[0])
             bump_generations(self.layout, [key])
             if read_meta(self.layout, version).get("key", key) != key:
                 return 0  # a damaged link to another entry's data: that data stays
@@ -724,12 +725,12 @@ class Store:
     def info(self, key: str) -> EntryInfo:
         validate_key(key)
         self._reader.trust_root()
-        link = self.layout.entry_link(key)
-        version = read_version(link)
+        found = self.layout.find_entry(key)
+        version = None if found is None else found[1]
         info = None if version is None else info_of(self.layout, version)
         if info is None or info.key != key:
-            if version is not None:
-                read_entry_meta(self.layout, key, version, link)  # names damage: CorruptEntryError
+            if found is not None:
+                read_entry_meta(self.layout, key, found[1])  # names damage: CorruptEntryError
             raise self._reader.not_found(key)
         return info
 

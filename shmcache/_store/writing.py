@@ -3,24 +3,27 @@ the headers already in hand (never re-read), and published under each key's lock
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
 from .._disk.checksum import format_checksums
+from .._disk.entry_tree import common_prefix, migrate_flat_links
 from .._disk.fs import remove_tree
-from .._disk.generations import bump_generations
-from .._disk.layout import Layout, read_version
+from .._disk.generations import bump_generations, mark_changing
+from .._disk.layout import Layout
 from .._disk.meta import META_FORMAT
 from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
 from ..errors import KeyExistsError
 from .locks import key_locks, publish_lock
 
-__all__ = ["ITEM_TYPES", "publish", "version_meta"]
+__all__ = ["ITEM_TYPES", "ensure_tree_format", "publish", "version_meta"]
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
@@ -78,33 +81,60 @@ def publish(
     lock_timeout: float | None,
 ) -> None:
     """Make every ``(key, version)`` current, all or none: under the locks of all the keys
-    (taken in sorted order), check them all, promote and stage every link, then swap the
-    links in one tight loop under the root's publish lock (exclusive when there are
-    several, so a reader's snapshot of a group sees the whole old set or the whole new
-    one). Then bump the generations of those keys once, and remove replaced versions
-    (processes that map them keep reading them)."""
-    linked: list[str] = []
+    (taken in sorted order), check them all and promote every version. One key: rename
+    its link into place under the root's publish lock shared. Several (a directory put):
+    under that lock exclusive, build a copy of their common prefix directory with the new
+    links and exchange it with the live one (``entry_tree``), so that every reader, one
+    opening a single key too, sees the whole old set or the whole new one, whenever the
+    writer dies. Then bump the generations of those keys once, and remove replaced
+    versions (processes that map them keep reading them)."""
+    published = changing = False
     replaced: list[str] = []
     keys = [key for key, _ in versions]
+    ensure_tree_format(layout)
     try:
         with key_locks(layout, keys, lock_timeout):
             for key in keys:  # before anything is promoted: a conflict publishes nothing
-                old = read_version(layout.entry_link(key))
+                old = layout.entry_version(key)
                 if old is not None:
                     if not overwrite:
                         raise KeyExistsError(f"entry {key!r} was published by another process meanwhile")
                     replaced.append(old)
-            staged = []
             for _, version in versions:
                 writer.promote(version)
-                staged.append(writer.stage_link(version))
-            with publish_lock(layout, shared=False) if len(versions) > 1 else nullcontext():
-                for (key, version), link in zip(versions, staged, strict=True):
-                    writer.swap_link(key, version, link)
-                    linked.append(key)
+            if len(versions) == 1:
+                (key, version), = versions
+                staged = writer.stage_link(version, key)
+                with publish_lock(layout, shared=True):
+                    writer.swap_link(key, version, staged)
+            else:
+                with publish_lock(layout, shared=False):
+                    mark_changing(layout, keys)
+                    changing = True
+                    writer.swap_tree(common_prefix(keys), versions)
+            published = True
     finally:
-        if linked:
-            bump_generations(layout, linked)
-        if len(linked) == len(versions):
+        if published or changing:
+            bump_generations(layout, keys)
+        if published:
+            writer.remove_old_trees()
             for old in replaced:
                 remove_tree(layout.version_dir(old))
+
+
+_TREE_ROOTS: set[str] = set()
+"""Roots this process has seen in the tree format (checked once per root)."""
+
+
+def ensure_tree_format(layout: Layout) -> None:
+    """Migrate a format 1 root's flat links into the tree before the first publish in it
+    (under the publish lock exclusive: no other writer copies or links meanwhile)."""
+    root = str(layout.root)
+    if root in _TREE_ROOTS:
+        return
+    if not layout.format_file.exists():
+        with publish_lock(layout, shared=False):
+            moved = migrate_flat_links(layout)
+        if moved:
+            logger.info("moved %d entry links of %s to the tree format", moved, root)
+    _TREE_ROOTS.add(root)

@@ -46,7 +46,7 @@ import numpy as np
 
 from .._api import get_store
 from .._disk.layout import ARRAY_FILE as _ARRAY_FILE
-from .._disk.layout import encode_key
+from .._disk.layout import entry_path
 from .._disk.trust import describe_uid
 from .._store import Store
 from ..errors import CacheRootError, InvalidKeyError, KeyNotFoundError, LockTimeoutError, UnsupportedDataError
@@ -117,7 +117,7 @@ def _link(id: str, key: str, prefix: str, shm_path: str) -> None:
     and the store share a directory, since both names start with ``prefix``)."""
     path = _build_path(id, prefix, shm_path)[0]
     _check_not_taken(id, path)
-    target = f"{os.path.basename(_store_name(prefix))}/entries/{encode_key(key)}/{_ARRAY_FILE}"
+    target = f"{os.path.basename(_store_name(prefix))}/entries/{entry_path(key)}/{_ARRAY_FILE}"
     try:
         if os.readlink(path) == target:
             return
