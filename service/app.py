@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shmcache import __version__
+from shmcache._error_table import HTTP, reword
 from shmcache.errors import LockTimeoutError, ShmCacheError
 
 from .docs import install_docs
@@ -183,7 +184,7 @@ def _install_error_handlers(app: FastAPI) -> None:
                 "%s %s: %s: %s", request.method, short(request.url.path), type(exc).__name__, short(str(exc))
             )
         headers = {"Retry-After": "1"} if isinstance(exc, LockTimeoutError) else None
-        return _error(status, type(exc).__name__, str(exc), headers)
+        return _error(status, type(exc).__name__, reword(str(exc), HTTP), headers)  # in HTTP words
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -628,7 +628,7 @@ class Store:
             if self.layout.has_entry(key):
                 raise KeyExistsError(
                     f"entry {key!r} already exists in {self._root_str}; pass overwrite=True "
-                    "(--overwrite) to replace it, or evict it first"
+                    "to replace it, or evict it first"
                 )
 
     @contextmanager
