@@ -52,7 +52,7 @@ from ..errors import KeyExistsError, KeyNotFoundError, LockTimeoutError, Unsuppo
 from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
 from .catalog import info_of, iter_infos, store_stats
 from .loading import last_failure, recording_failure
-from .locks import key_lock, snapshot_lock
+from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, key_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .planned import write_container
 from .reading import Reader, release_version
@@ -77,7 +77,11 @@ class Store:
 
     ``max_bytes`` is this store's budget: a put that would exceed it first evicts
     least-recently-used entries that are neither pinned nor mapped by a live process.
-    ``lock_timeout`` bounds waits on other processes' locks (None waits forever).
+    ``lock_timeout`` bounds, in seconds, a wait on a lock that another process (or thread)
+    holds and is still running with: an hour by default, as a ``cache()`` loader may run
+    for many minutes; None waits as long as it takes. A holder that stays stopped
+    (SIGSTOP, Ctrl+Z) fails the wait after a few seconds whatever the bound (unless it is
+    None), with :class:`LockTimeoutError` naming its pid and ``kill -CONT``.
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class Store:
         root: str | os.PathLike[str] | None = None,
         *,
         max_bytes: int | None = None,
-        lock_timeout: float | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
     ) -> None:
         self.root = Path(os.path.abspath(root if root is not None else default_root()))
         if max_bytes is not None and (
@@ -500,7 +504,9 @@ class Store:
         self._check_root_identity()
         self._prepare()
 
-    def cache(self, key: str, loader: Callable[[], Any], *, timeout: float | None = None) -> np.ndarray:
+    def cache(
+        self, key: str, loader: Callable[[], Any], *, timeout: float | StoreTimeout | None = STORE_TIMEOUT
+    ) -> np.ndarray:
         """Get-or-create: open ``key``, or run ``loader`` once across all processes.
 
         Concurrent callers wait on the key's lock and then open what the first one
@@ -508,7 +514,8 @@ class Store:
         stored), the callers that were waiting for it raise the same error, caused by
         the loader's traceback, rather than each running it again; a later call tries
         again. If the loading process dies, the kernel releases its lock and the next
-        waiter loads instead; nothing partial is ever visible.
+        waiter loads instead; nothing partial is ever visible. ``timeout`` bounds the wait
+        for another caller's load (default: the store's ``lock_timeout``; see :class:`Store`).
         """
         try:
             return self.open_array(key)
@@ -533,7 +540,7 @@ class Store:
         url: str,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        timeout: float | None = None,
+        timeout: float | StoreTimeout | None = STORE_TIMEOUT,
     ) -> np.ndarray | SharedGroup:
         """Get-or-create from a URL: open ``key``, or load ``url`` once per machine.
 
@@ -600,9 +607,9 @@ class Store:
             prepare_root(self.root)
             self._prepared = True
 
-    def _key_lock(self, key: str, timeout: float | None) -> AbstractContextManager[None]:
+    def _key_lock(self, key: str, timeout: float | StoreTimeout | None) -> AbstractContextManager[None]:
         self._prepare()
-        return key_lock(self.layout, key, timeout)
+        return key_lock(self.layout, key, self.lock_timeout if timeout is STORE_TIMEOUT else timeout)
 
     def _check_root_identity(self) -> None:
         if self._reader.check_root_identity():
