@@ -37,6 +37,7 @@ deadlock; a hash collision (odds 2^-58 per pair) only makes two keys share a loc
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import threading
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .._disk.fs import (
-    full_is_cache_full,
+    raise_if_full,
     range_lock_holder,
     too_many_open_files,
     try_lock_range,
@@ -112,7 +113,7 @@ class _File:
 Opener = Callable[[bool], int | None]
 """``opener(writable)``: a new descriptor of the lock file, or None when no lock is needed."""
 
-_cond = threading.Condition()
+_cond = threading.Condition(threading.Lock())
 _slots: dict[tuple[str, int], _Hold] = {}
 _files: dict[str, _File] = {}
 _epoch = 0  # bumped in a forked child, which holds none of its parent's locks
@@ -124,7 +125,7 @@ def _after_fork_in_child() -> None:
         for fd in file.fds.values():
             with suppress(OSError):
                 os.close(fd)  # the child's copy: the parent's locks stay the parent's
-    _cond, _slots, _files = threading.Condition(), {}, {}
+    _cond, _slots, _files = threading.Condition(threading.Lock()), {}, {}
     _epoch += 1
 
 
@@ -160,7 +161,7 @@ def _drop_file(path: str, offset: int | None) -> None:
         unlock_range(next(iter(file.fds.values())), offset)
 
 
-def _enter(path: str, offset: int, shared: bool, wait: LockWait, opener: Opener) -> int | None:
+def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener) -> int | None:
     """Take byte ``offset`` of ``path`` for this thread; returns the epoch to release it
     with, or None when no lock was needed (``opener`` said so)."""
     me = threading.get_ident()
@@ -183,12 +184,13 @@ def _enter(path: str, offset: int, shared: bool, wait: LockWait, opener: Opener)
             if shared and hold.shared and not hold.pending:
                 hold.holders[me] = 1
                 return _epoch
-            left = wait.left()
+            left = wait.waiting().left()
             if left is not None and left <= 0:
-                raise wait.give_up_on_thread()
+                raise wait.waiting().give_up_on_thread()
             _cond.wait(_POLL_S if left is None else min(left, _POLL_S))
     try:
-        _take(fd, offset, shared, wait)
+        if not try_lock_range(fd, offset, shared):
+            _take(fd, offset, shared, wait.waiting())
     except BaseException:
         with _cond:
             if epoch == _epoch:
@@ -232,24 +234,52 @@ def _exit(path: str, offset: int, epoch: int) -> None:
             _cond.notify_all()
 
 
-@contextmanager
-def _locked(
-    path: str, offset: int, shared: bool, timeout: float | None, what: str, opener: Opener
-) -> Iterator[None]:
-    epoch = _enter(path, offset, shared, LockWait(timeout, what), opener)
-    try:
-        yield
-    finally:
-        if epoch is not None:
-            _exit(path, offset, epoch)
+class _Waiting:
+    """What a wait will need, built only when there is one (most locks are free)."""
+
+    __slots__ = ("_wait", "timeout", "what")
+
+    def __init__(self, timeout: float | None, what: str) -> None:
+        self.timeout, self.what = timeout, what
+        self._wait: LockWait | None = None
+
+    def waiting(self) -> LockWait:
+        if self._wait is None:
+            self._wait = LockWait(self.timeout, self.what)
+        return self._wait
+
+
+class _Locked:
+    """One lock held for a ``with`` block (a class: a generator costs more than the lock)."""
+
+    __slots__ = ("epoch", "offset", "opener", "path", "shared", "timeout", "what")
+
+    def __init__(
+        self, path: str, offset: int, shared: bool, timeout: float | None, what: str, opener: Opener
+    ) -> None:
+        self.path, self.offset, self.shared, self.opener = path, offset, shared, opener
+        self.timeout, self.what = timeout, what
+        self.epoch: int | None = None
+
+    def __enter__(self) -> None:
+        waiting = _Waiting(self.timeout, self.what)
+        self.epoch = _enter(self.path, self.offset, self.shared, waiting, self.opener)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.epoch is not None:
+            _exit(self.path, self.offset, self.epoch)
+            self.epoch = None
 
 
 def _creating(path: str) -> Opener:
     """Open (creating) a lock file in the root, writable or not."""
 
     def opener(writable: bool) -> int:
-        with full_is_cache_full(path):  # creating the lock file can run out of inodes
+        try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # out of inodes: CacheFullError; of descriptors: TooManyOpenFilesError
+            raise_if_full(path, exc)
+            raise
 
     return opener
 
@@ -257,16 +287,22 @@ def _creating(path: str) -> Opener:
 # ---------------------------------------------------------------------- key locks
 
 
+@functools.lru_cache(maxsize=64)
+def _slot_files(root: str) -> tuple[str, ...]:
+    return tuple(f"{root}/locks/key-slots.{i:02d}.lock" for i in range(KEY_LOCK_FILES))
+
+
 def _key_slot(layout: Layout, key: str) -> tuple[str, int]:
+    """The lock file and byte of ``key``: a 64-bit hash, its low bits pick the file."""
     digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    return f"{layout.root}/locks/key-slots.{digest % KEY_LOCK_FILES:02d}.lock", digest >> 6
+    return _slot_files(str(layout.root))[digest % KEY_LOCK_FILES], digest >> 6
 
 
 def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContextManager[None]:
     """The lock of one key; ``timeout`` bounds the wait on a running holder (None: no
     bound, 0: no wait); a holder stopped for :data:`STOPPED_GRACE_S` ends it sooner."""
     path, offset = _key_slot(layout, key)
-    return _locked(path, offset, False, timeout, f"the lock of key {key!r}", _creating(path))
+    return _Locked(path, offset, False, timeout, f"the lock of key {key!r}", _creating(path))
 
 
 @contextmanager
@@ -277,7 +313,7 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
     taken: list[tuple[str, int, int]] = []
     try:
         for path, offset in sorted(named):
-            wait = LockWait(timeout, f"the lock of key {named[path, offset]!r}")
+            wait = _Waiting(timeout, f"the lock of key {named[path, offset]!r}")
             epoch = _enter(path, offset, False, wait, _creating(path))
             assert epoch is not None
             taken.append((path, offset, epoch))
@@ -293,7 +329,7 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
 def space_lock(layout: Layout, timeout: float | None) -> AbstractContextManager[None]:
     """The lock that serializes checking room and recording a reservation."""
     path = str(layout.space_lock)
-    return _locked(path, 0, False, timeout, "the space-accounting lock", _creating(path))
+    return _Locked(path, 0, False, timeout, "the space-accounting lock", _creating(path))
 
 
 def publish_lock(
@@ -302,7 +338,7 @@ def publish_lock(
     """The root-wide publish lock: exclusive while a multi-key publish swaps its links
     (microseconds per link), shared while a reader reads several links as one snapshot."""
     path = f"{layout.root}/locks/publish.lock"
-    return _locked(path, 0, shared, timeout, "the publish lock", _creating(path))
+    return _Locked(path, 0, shared, timeout, "the publish lock", _creating(path))
 
 
 def snapshot_lock(
@@ -316,7 +352,7 @@ def snapshot_lock(
     another user's root), no publisher could have created it either, so no batch publish
     is under way and the links are read without it."""
     path = f"{layout.root}/locks/publish.lock"
-    return _locked(path, 0, True, timeout, "the publish lock", _reader_opener(path))
+    return _Locked(path, 0, True, timeout, "the publish lock", _reader_opener(path))
 
 
 def _reader_opener(path: str) -> Opener:
