@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import resource
 import shutil
@@ -18,7 +19,7 @@ import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import CacheFullError, TooManyOpenFilesError
 
@@ -29,6 +30,7 @@ __all__ = [
     "allocated_bytes",
     "copy_range",
     "copy_range_at",
+    "descriptors_typed",
     "free_bytes",
     "full_is_cache_full",
     "out_of_descriptors",
@@ -80,6 +82,28 @@ def out_of_descriptors(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _NO_DESCRIPTOR
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def descriptors_typed(function: _F) -> _F:
+    """``function`` with EMFILE/ENFILE from anywhere inside it (a directory listed, a file
+    opened by a module that does not check) raised as :class:`TooManyOpenFilesError`."""
+
+    @functools.wraps(function)
+    def typed(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except TooManyOpenFilesError:
+            raise
+        except OSError as exc:
+            if exc.errno not in _NO_DESCRIPTOR:
+                raise
+            doing = f"opening {exc.filename}" if exc.filename else f"in {function.__name__}()"
+            raise too_many_open_files(exc, doing) from exc
+
+    return typed  # type: ignore[return-value]
+
+
 def too_many_open_files(exc: OSError, doing: str) -> TooManyOpenFilesError:
     """The typed error for EMFILE/ENFILE met while ``doing`` (e.g. "opening /data/x.npy"):
     which limit was reached, and how to raise it."""
@@ -90,13 +114,20 @@ def too_many_open_files(exc: OSError, doing: str) -> TooManyOpenFilesError:
             "(sysctl -w fs.file-max=N)"
         )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        how = (
+            f"raise it (up to the hard limit, {limit}) with `ulimit -n {limit}` in the shell that "
+            "starts the program, or resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)) in Python"
+        )
+    else:
+        how = (
+            "that is also its hard limit: raise both as root (/etc/security/limits.conf, "
+            "LimitNOFILE= in a systemd unit, docker run --ulimit nofile=N:N)"
+        )
     return TooManyOpenFilesError(
-        f"too many open files while {doing}: this process has reached its limit of {soft} "
-        f"open files (RLIMIT_NOFILE, `ulimit -n`; the hard limit is {limit}); raise it with "
-        f"`ulimit -n {limit}` in the shell that starts the program, LimitNOFILE= in a "
-        "systemd unit, or resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)) in "
-        "Python; or close files the program keeps open"
+        f"too many open files while {doing}: this process has reached its limit of {soft} open "
+        f"files (RLIMIT_NOFILE, `ulimit -n`); {how}; or close files the program keeps open"
     )
 
 

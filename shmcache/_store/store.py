@@ -39,7 +39,7 @@ from .._containers.shared import (
 )
 from .._containers.table import SharedTable
 from .._containers.table_arrow import encode_table
-from .._disk.fs import remove_tree
+from .._disk.fs import descriptors_typed, remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
 from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root, read_version
@@ -719,6 +719,16 @@ class Store:
         the entry's bytes changed.
         """
         return verify_entry(self.layout, self.info(key))
+
+
+# Out of descriptors anywhere below (a listing, a module's own open) is the typed error
+# that names the limit. Not the open_* methods: attach already says so, and they are hot.
+for _name in (
+    "put_array", "put_strings", "put_ragged", "put_records", "put_mapping", "put_blobs", "put_table",
+    "put_file", "plan_file", "share", "cache", "cache_remote", "prepare", "evict", "list", "info",
+    "stats", "cleanup", "verify", "exists", "open", "open_group",
+):  # fmt: skip
+    setattr(Store, _name, descriptors_typed(getattr(Store, _name)))
 
 
 def _progress_counter(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None]:
