@@ -117,16 +117,24 @@ _cond = threading.Condition(threading.Lock())
 _slots: dict[tuple[str, int], _Hold] = {}
 _files: dict[str, _File] = {}
 _epoch = 0  # bumped in a forked child, which holds none of its parent's locks
+_waiting = 0  # threads waiting on _cond for a lock another thread holds
+
+
+def _wake() -> None:
+    """Wake the threads waiting for a lock of this process (called holding ``_cond``)."""
+    if _waiting:
+        _cond.notify_all()
 
 
 def _after_fork_in_child() -> None:
-    global _cond, _slots, _files, _epoch
+    global _cond, _slots, _files, _epoch, _waiting
     for file in _files.values():
         for fd in file.fds.values():
             with suppress(OSError):
                 os.close(fd)  # the child's copy: the parent's locks stay the parent's
     _cond, _slots, _files = threading.Condition(threading.Lock()), {}, {}
     _epoch += 1
+    _waiting = 0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -164,6 +172,7 @@ def _drop_file(path: str, offset: int | None) -> None:
 def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener) -> int | None:
     """Take byte ``offset`` of ``path`` for this thread; returns the epoch to release it
     with, or None when no lock was needed (``opener`` said so)."""
+    global _waiting
     me = threading.get_ident()
     slot = (path, offset)
     with _cond:
@@ -187,7 +196,11 @@ def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener)
             left = wait.waiting().left()
             if left is not None and left <= 0:
                 raise wait.waiting().give_up_on_thread()
-            _cond.wait(_POLL_S if left is None else min(left, _POLL_S))
+            _waiting += 1
+            try:
+                _cond.wait(_POLL_S if left is None else min(left, _POLL_S))
+            finally:
+                _waiting -= 1
     try:
         if not try_lock_range(fd, offset, shared):
             _take(fd, offset, shared, wait.waiting())
@@ -196,11 +209,11 @@ def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener)
             if epoch == _epoch:
                 del _slots[slot]
                 _drop_file(path, None)
-                _cond.notify_all()
+                _wake()
         raise
     with _cond:
         hold.pending = False
-        _cond.notify_all()
+        _wake()
     return epoch
 
 
@@ -231,7 +244,7 @@ def _exit(path: str, offset: int, epoch: int) -> None:
         if not hold.holders:
             del _slots[slot]
             _drop_file(path, offset)
-            _cond.notify_all()
+            _wake()
 
 
 class _Waiting:
