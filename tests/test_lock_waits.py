@@ -286,3 +286,34 @@ from shmcache._store.locks import key_lock
 with key_lock(Store(sys.argv[1]).layout, sys.argv[2], 0):
     pass
 """
+
+
+def test_the_daemon_setting_bounds_its_loads_waits(root: Path) -> None:
+    from shmcache.service.settings import Settings
+    from shmcache.service.state import Service
+
+    assert Service(Settings(root=root, lock_timeout=7.5)).load_store.lock_timeout == 7.5
+    assert Service(Settings(root=root, lock_timeout="inf")).load_store.lock_timeout is None
+    assert Service(Settings(root=root)).load_store.lock_timeout == 60.0
+
+
+@pytest.mark.integration
+def test_a_daemon_load_behind_a_stopped_holder_fails_naming_it(root: Path, tmp_path: Path) -> None:
+    """Through the daemon, a load of a key whose lock a stopped process holds fails within
+    seconds (not the load's 60 s), its error naming the pid and ``kill -CONT``."""
+    from service_helpers import running_daemon, wait_job
+
+    source = tmp_path / "x.npy"
+    np.save(source, np.arange(4))
+    with running_daemon(root, "--allow-source", str(tmp_path)) as daemon, daemon.client() as client:
+        holder = Holder(root, "k")
+        try:
+            _stop(holder.pid)
+            response = client.put("/v1/entries/k", json={"source": str(source)})
+            assert response.status_code == 202, response.text
+            job = wait_job(client, response.json()["id"], timeout=WAIT_S)
+            assert job["state"] == "failed", job
+            assert f"kill -CONT {holder.pid}" in str(job) and "LockTimeoutError" in str(job)
+            assert holder.finish() == "published\n"
+        finally:
+            holder.kill()
