@@ -119,9 +119,10 @@ def test_a_daemon_under_the_limit_loads_more_files_than_it(root: Path, tree: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_a_put_of_100000_files_under_256_descriptors(root: Path) -> None:
-    """The issue's target, by the library and the CLI under ``ulimit -n 256`` (a few
-    minutes on 2 cores)."""
+    """The issue's target, by the library, the CLI and a daemon under ``ulimit -n 256``
+    (about five minutes on 2 cores)."""
     with scratch_dir("nofile-many") as path:
         tree = _write_npy_tree(path / "tree", MANY)
         _library_put(root, tree, MANY)
@@ -134,6 +135,13 @@ def test_a_put_of_100000_files_under_256_descriptors(root: Path) -> None:
             env=clean_env(),
         )
         assert done.returncode == 0, done.stderr[-3000:]
+        _check_entries(root, MANY)
+        limited = running_daemon(root, "--allow-source", str(tree), nofile=(LIMIT, LIMIT))
+        with limited as daemon, daemon.client(timeout=60) as client:
+            response = client.put("/v1/entries/ds", json={"source": str(tree), "overwrite": True})
+            assert response.status_code == 202, response.text
+            job = wait_job(client, response.json()["id"], timeout=WAIT_S)
+            assert job["state"] == "done", job
     _check_entries(root, MANY)
 
 
