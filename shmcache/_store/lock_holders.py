@@ -30,6 +30,7 @@ _STATES = {
     "t": "stopped by a debugger or tracer",
     "Z": "exiting",
     "X": "exiting",
+    "": "in a state this process may not read (/proc mounted with hidepid, or it just exited)",
 }
 
 
@@ -50,19 +51,19 @@ class Holder:
     def describe(self) -> str:
         if self.pid == 0:
             return "a process outside this one's PID namespace (e.g. in another container)"
-        what = _STATES.get(self.state, f"in state {self.state}" if self.state else "of unknown state")
-        return f"process {self.pid} ({self.name}), {what}"
+        what = _STATES.get(self.state, f"in state {self.state}")
+        return f"process {self.pid} ({self.name or '?'}), {what}"
 
 
 def holder(pid: int) -> Holder:
-    """What ``/proc`` says of ``pid`` now (a process that is gone reads as exiting)."""
+    """What ``/proc`` says of ``pid`` now (state "" when it cannot be read)."""
     if pid <= 0:
         return Holder(0, "", "")
     try:
         with open(f"/proc/{pid}/stat", "rb") as fp:
             stat = fp.read().decode("utf-8", "replace")
     except OSError:
-        return Holder(pid, "?", "X")
+        return Holder(pid, "", "")
     name = stat[stat.find("(") + 1 : stat.rfind(")")]
     state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
     return Holder(pid, name, state)
