@@ -6,6 +6,7 @@ batch holds no descriptor per key."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,14 @@ import pytest
 
 import shmcache
 from shmcache import LockTimeoutError, Store
-from shmcache._store.locks import KEY_LOCK_FILES, STOPPED_GRACE_S, key_lock, key_locks, publish_lock
+from shmcache._store.locks import (
+    KEY_LOCK_FILES,
+    STOPPED_GRACE_S,
+    key_lock,
+    key_locks,
+    publish_lock,
+    snapshot_lock,
+)
 
 WAIT_S = 60.0  # bound on every wait, so a broken build fails instead of hanging
 
@@ -317,3 +325,77 @@ def test_a_daemon_load_behind_a_stopped_holder_fails_naming_it(root: Path, tmp_p
             assert holder.finish() == "published\n"
         finally:
             holder.kill()
+
+
+def test_threads_and_processes_exclude_each_other_on_every_key(root: Path) -> None:
+    """Mutual exclusion under contention: 4 threads in each of 2 processes increment counters
+    in files under 3 keys' locks (a batch of all three, or one), read-modify-write with a
+    yield in between; no increment is lost."""
+    store = Store(root)
+    store.prepare()
+    counters = root.parent / f"{root.name}-counters"
+    counters.mkdir()
+    keys = ["a", "b", "c"]
+    for key in keys:
+        (counters / key).write_text("0")
+    code = """
+import sys, threading, time
+from pathlib import Path
+from shmcache import Store
+from shmcache._store.locks import key_lock, key_locks
+layout, counters, keys = Store(sys.argv[1]).layout, Path(sys.argv[2]), ["a", "b", "c"]
+def bump(key):
+    value = int((counters / key).read_text())
+    time.sleep(0)
+    (counters / key).write_text(str(value + 1))
+def work(n):
+    for i in range(100):
+        if (i + n) % 4 == 0:
+            with key_locks(layout, keys, 60):
+                for key in keys:
+                    bump(key)
+        else:
+            key = keys[(i + n) % 3]
+            with key_lock(layout, key, 60), key_lock(layout, key, 60):
+                bump(key)
+threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+for thread in threads: thread.start()
+for thread in threads: thread.join()
+"""
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(root), str(counters)]) for _ in range(2)]
+        assert [proc.wait(WAIT_S) for proc in procs] == [0, 0]
+        expected = {key: 0 for key in keys}
+        for n in range(4):
+            for i in range(100):
+                if (i + n) % 4 == 0:
+                    for key in keys:
+                        expected[key] += 2
+                else:
+                    expected[keys[(i + n) % 3]] += 2
+        assert {key: int((counters / key).read_text()) for key in keys} == expected
+    finally:
+        shutil.rmtree(counters, ignore_errors=True)
+
+
+def test_readers_share_the_publish_lock_and_a_publisher_waits_for_them(root: Path) -> None:
+    store = Store(root)
+    store.prepare()
+    inside = threading.Barrier(3, timeout=WAIT_S)
+    order: list[str] = []
+
+    def reader() -> None:
+        with snapshot_lock(store.layout):
+            inside.wait()  # both readers hold it at once
+            time.sleep(0.3)
+            order.append("read")
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    for thread in readers:
+        thread.start()
+    inside.wait()
+    with publish_lock(store.layout, shared=False):
+        order.append("published")
+    for thread in readers:
+        thread.join(WAIT_S)
+    assert order == ["read", "read", "published"]
