@@ -44,6 +44,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "DEFAULT_LOAD_WORKERS",
+    "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_REQUEST_TIMEOUT",
     "ENV_PREFIX",
     "DatasetSpec",
@@ -63,6 +64,7 @@ __all__ = [
 
 DEFAULT_LOAD_WORKERS = 2
 DEFAULT_REQUEST_TIMEOUT = 10.0
+DEFAULT_LOCK_TIMEOUT = 60.0
 _BUDGET = ("max_bytes", "max_fraction")
 _MIN_TOKEN = 16
 _HOST_RE = re.compile(r"[a-z0-9_.-]+|[0-9a-f:.]*:[0-9a-f:.]*")  # a name, an IPv4 or an IPv6 address
@@ -293,6 +295,13 @@ class Settings(BaseSettings):
         "it opens or starts one; slower ones are closed (slow or idle clients must not hold the "
         "daemon's descriptors).",
     )
+    lock_timeout: float = Field(
+        DEFAULT_LOCK_TIMEOUT,
+        gt=0,
+        description="Seconds a load waits for a key lock held by another process that is still "
+        "running (a cache() loader, a put), 'inf' for no bound; a holder stopped (Ctrl+Z) for 3 s "
+        "fails the load at once, naming it. Requests wait at most 5 s.",
+    )
     cleanup_on_exit: bool = Field(False, description="Evict every entry when stopping.")
     load_workers: int = Field(DEFAULT_LOAD_WORKERS, ge=1, description="Loads that run at once.")
     max_load_rate: Size = Field(
@@ -380,6 +389,10 @@ class Settings(BaseSettings):
             return None
         own = normal_host(self.host)
         return loopback_names() | set(self.allow_host) | ({own} if own else set())
+
+    def load_lock_timeout(self) -> float | None:
+        """``lock_timeout`` as a Store takes it (None: no bound)."""
+        return None if self.lock_timeout == float("inf") else self.lock_timeout
 
     def budget_bytes(self, capacity: int) -> int | None:
         """The byte budget, given the capacity of the root's file system."""

@@ -303,11 +303,13 @@ class Service:
         self.settings = settings
         Store(settings.root).prepare()
         if store is None:
-            # Requests wait at most 5 s on another process's lock (then 503); loads 60 s.
+            # Requests wait at most 5 s on another process's lock (then 503); loads lock_timeout.
             store = Store(settings.root, lock_timeout=5.0)
         self.store = store
         record_configured_budget(store, settings)
-        self.load_store = Store(store.root, max_bytes=store.max_bytes, lock_timeout=60.0)
+        self.load_store = Store(
+            store.root, max_bytes=store.max_bytes, lock_timeout=settings.load_lock_timeout()
+        )
         self.metrics = ServiceMetrics(
             space=self.space,
             held_by_readers=lambda: self.readers.deleted_bytes(),

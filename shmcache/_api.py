@@ -16,6 +16,7 @@ from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, Shared
 from ._containers.table import SharedTable
 from ._disk.layout import ENV_ROOT
 from ._store import EntryInfo, Store, StoreStats
+from ._store.locks import STORE_TIMEOUT, StoreTimeout
 
 Root = str | os.PathLike[str] | None
 
@@ -119,7 +120,7 @@ def cache(
     *,
     version: Any = None,
     root: str | os.PathLike[str] | None = None,
-    timeout: float | None = None,
+    timeout: float | StoreTimeout | None = STORE_TIMEOUT,
 ) -> np.ndarray:
     """Get-or-create ``key``: ``loader`` runs once across all processes. ``version`` (a str,
     an int, a file path or a tuple of those) is recorded: another version loads again."""
@@ -132,7 +133,7 @@ def cache_remote(
     *,
     root: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
+    timeout: float | StoreTimeout | None = STORE_TIMEOUT,
 ) -> np.ndarray | SharedGroup:
     """Get-or-create ``key`` from ``url``: one download per machine (every rank of a node
     may call it), then an array (one ``.npy`` object) or a group (a prefix of them)."""

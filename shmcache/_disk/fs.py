@@ -2,22 +2,26 @@
 
 Data is written with ``write()``/``copy_file_range`` and never through a mapping: on a
 full tmpfs a ``write()`` fails with ENOSPC (turned into :class:`CacheFullError`), while
-a store through a mapping kills the process with SIGBUS.
+a store through a mapping kills the process with SIGBUS. Running out of descriptors
+(EMFILE, ENFILE) becomes :class:`TooManyOpenFilesError` naming the limit and how to raise it.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
+import resource
 import shutil
 import stat
+import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from ..errors import CacheFullError
+from ..errors import CacheFullError, TooManyOpenFilesError
 
 Buffer = Any  # anything with the buffer protocol (bytes, memoryview, ndarray)
 
@@ -26,12 +30,18 @@ __all__ = [
     "allocated_bytes",
     "copy_range",
     "copy_range_at",
+    "descriptors_typed",
     "free_bytes",
     "full_is_cache_full",
+    "out_of_descriptors",
     "raise_if_full",
+    "range_lock_holder",
     "remove_tree",
+    "too_many_open_files",
     "total_bytes",
     "try_lock_exclusive",
+    "try_lock_range",
+    "unlock_range",
     "write_all",
 ]
 
@@ -54,11 +64,71 @@ def _full(path: str | Path, exc: OSError) -> CacheFullError:
 
 
 def raise_if_full(path: str | Path, exc: OSError) -> None:
-    """Raise :class:`CacheFullError` for an ENOSPC/EDQUOT ``exc`` met creating ``path``;
-    return otherwise (``full_is_cache_full`` without a context manager, for the per-file
-    steps of a batch: ``except OSError as exc: raise_if_full(path, exc); raise``)."""
+    """Raise :class:`CacheFullError` for an ENOSPC/EDQUOT ``exc`` met creating ``path``
+    (:class:`TooManyOpenFilesError` for EMFILE/ENFILE); return otherwise
+    (``full_is_cache_full`` without a context manager, for the per-file steps of a batch:
+    ``except OSError as exc: raise_if_full(path, exc); raise``)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         raise _full(path, exc) from exc
+    if exc.errno in _NO_DESCRIPTOR:
+        raise too_many_open_files(exc, f"creating {path}") from exc
+
+
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
+
+
+def out_of_descriptors(exc: BaseException) -> bool:
+    """Whether ``exc`` is the kernel refusing a new descriptor (EMFILE, ENFILE)."""
+    return isinstance(exc, OSError) and exc.errno in _NO_DESCRIPTOR
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def descriptors_typed(function: _F) -> _F:
+    """``function`` with EMFILE/ENFILE from anywhere inside it (a directory listed, a file
+    opened by a module that does not check) raised as :class:`TooManyOpenFilesError`."""
+
+    @functools.wraps(function)
+    def typed(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except TooManyOpenFilesError:
+            raise
+        except OSError as exc:
+            if exc.errno not in _NO_DESCRIPTOR:
+                raise
+            doing = f"opening {exc.filename}" if exc.filename else f"in {function.__name__}()"
+            raise too_many_open_files(exc, doing) from exc
+
+    return typed  # type: ignore[return-value]
+
+
+def too_many_open_files(exc: OSError, doing: str) -> TooManyOpenFilesError:
+    """The typed error for EMFILE/ENFILE met while ``doing`` (e.g. "opening /data/x.npy"):
+    which limit was reached, and how to raise it."""
+    if exc.errno == errno.ENFILE:
+        return TooManyOpenFilesError(
+            f"too many open files in the whole system while {doing}: the kernel's limit "
+            "(fs.file-max) is reached; close programs that hold many files, or raise it "
+            "(sysctl -w fs.file-max=N)"
+        )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        how = (
+            f"raise it (up to the hard limit, {limit}) with `ulimit -n {limit}` in the shell that "
+            "starts the program, or resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)) in Python"
+        )
+    else:
+        how = (
+            "that is also its hard limit: raise both as root (/etc/security/limits.conf, "
+            "LimitNOFILE= in a systemd unit, docker run --ulimit nofile=N:N)"
+        )
+    return TooManyOpenFilesError(
+        f"too many open files while {doing}: this process has reached its limit of {soft} open "
+        f"files (RLIMIT_NOFILE, `ulimit -n`); {how}; or close files the program keeps open"
+    )
 
 
 def _out_of_inodes(path: Path) -> bool:
@@ -74,14 +144,14 @@ def _out_of_inodes(path: Path) -> bool:
 @contextmanager
 def full_is_cache_full(path: str | Path) -> Iterator[None]:
     """Turn ENOSPC/EDQUOT from creating or writing ``path`` (a file, directory, link or
-    lock: out of blocks or out of inodes) into :class:`CacheFullError`."""
+    lock: out of blocks or out of inodes) into :class:`CacheFullError`, and EMFILE/ENFILE
+    into :class:`TooManyOpenFilesError`."""
     try:
         yield
-    except CacheFullError:
+    except (CacheFullError, TooManyOpenFilesError):
         raise
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _full(path, exc) from exc
+        raise_if_full(path, exc)
         raise
 
 
@@ -240,3 +310,38 @@ class FileLockProbe:
             return True
         finally:
             os.close(fd)
+
+
+# Byte-range locks (``fcntl`` F_SETLK: owned by the process, not inherited by a fork,
+# released by the kernel when the process dies). ``struct flock`` on 64-bit Linux:
+# short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (32 bytes).
+_FLOCK = "hhqqi4x"
+_BUSY = (errno.EAGAIN, errno.EACCES)
+
+
+def try_lock_range(fd: int, offset: int, shared: bool) -> bool:
+    """Lock byte ``offset`` of ``fd``'s file for this process without waiting; False if
+    another process holds a conflicting lock on it."""
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
+    except OSError as exc:
+        if exc.errno in _BUSY:
+            return False
+        raise
+    return True
+
+
+def unlock_range(fd: int, offset: int) -> None:
+    """Release this process's lock on byte ``offset`` of ``fd``'s file."""
+    fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
+
+
+def range_lock_holder(fd: int, offset: int, shared: bool) -> int | None:
+    """The pid of a process whose lock on byte ``offset`` conflicts with ours (as this
+    process's PID namespace numbers it: 0 for a process it cannot see), or None if none
+    does now. The kernel's answer, so it names the real owner (never a stale pid file)."""
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+    got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
+    held, _, _, _, pid = struct.unpack(_FLOCK, got)
+    return None if held == fcntl.F_UNLCK else int(pid)

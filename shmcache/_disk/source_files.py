@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError
+from .fs import out_of_descriptors, too_many_open_files
 
 __all__ = ["SourceFile", "check_unchanged", "open_checked", "openat2_available", "reopen"]
 
@@ -147,6 +148,8 @@ def _open_stat(path: str, target: str, top: str | None) -> tuple[int, os.stat_re
             ) from None
         if exc.errno == errno.ENXIO:
             raise InvalidSourceError(f"source {path} is not a regular file (a socket, or a device)") from None
+        if out_of_descriptors(exc):
+            raise too_many_open_files(exc, f"opening source {path}") from exc
         raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)

@@ -29,7 +29,7 @@ import numpy as np
 
 from .._containers.encode import encode_strings
 from .._disk.checksum import TrailingCrc
-from .._disk.fs import copy_range_at, write_all
+from .._disk.fs import copy_range_at, out_of_descriptors, too_many_open_files, write_all
 from .._disk.npy import NpyHeader, build_header, parse_header_bytes
 from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from .._disk.writer import VersionWriter
@@ -170,8 +170,13 @@ def directory_fingerprint(path: Path) -> dict[str, int] | None:
 def _walk(top: Path, prefix: str, dir_links: bool = True) -> Iterable[tuple[str, str, os.DirEntry[str]]]:
     """``(full path, relative name, entry)`` of every non-directory under ``top``; a link to
     a directory is refused (or, without ``dir_links``, skipped as the arrays walk does)."""
-    with os.scandir(top) as entries:
-        listed = list(entries)
+    try:
+        with os.scandir(top) as entries:
+            listed = list(entries)
+    except OSError as exc:
+        if out_of_descriptors(exc):
+            raise too_many_open_files(exc, f"listing {top}") from exc
+        raise
     for entry in listed:
         name = f"{prefix}{entry.name}"
         if entry.is_dir(follow_symlinks=False):

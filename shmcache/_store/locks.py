@@ -1,142 +1,394 @@
 """Cross-process locks of a root: one per key (publish, evict, ``cache()``), one for
-space accounting, in separate namespaces (``layout``) so that no key shares the root's
-lock, and the root-wide publish lock that makes a multi-key publish all-or-nothing for
-readers (``publish.lock``: exclusive while a batch swaps its links, shared while a reader
+space accounting, and the root-wide publish lock that makes a multi-key publish
+all-or-nothing for readers (exclusive while a batch swaps its links, shared while a reader
 takes a snapshot of several links).
 
-``flock`` on a file under ``locks/``: the kernel releases it when the holder dies, even by
-``kill -9``. Compatible with ``filelock``'s Unix locks (also ``flock``), which earlier
-versions used; ours cost ~5 us instead of ~400 us, which matters for a directory of a
-thousand files. Within a process a lock is reentrant per thread (as ``filelock``'s
-singletons were): ``share()`` publishes under the key lock it already holds, while another
-thread of the same process waits for it like another process would.
+Each lock is one byte of a lock file under ``locks/``, locked with ``fcntl`` (F_SETLK):
+
+- **No descriptor per key.** A key's lock is the byte at a 58-bit hash of the key in one
+  of :data:`KEY_LOCK_FILES` files (``locks/key-slots.NN.lock``): a batch of 100,000 keys
+  holds at most that many descriptors, whatever the open-file limit (one file per key, as
+  before, ran out of descriptors at 1,024 files). Several files, not one: the kernel scans
+  a file's whole list of locks on every lock, so 100,000 on one file cost minutes; spread
+  over 32, about a second.
+- **Released on death.** The kernel drops a process's locks when it exits, even by
+  ``kill -9``; a fork does not inherit them (a DataLoader worker forked during a load does
+  not keep the key locked after its parent dies, as it did an ``flock``).
+- **The holder is known.** ``F_GETLK`` gives the pid of the process holding the lock, as
+  this process's PID namespace numbers it (0 if invisible), from the kernel itself; a pid
+  written in the lock file would go stale on a fork or a crash, and ``/proc/locks`` gives
+  no pid for open-file-description locks and the creator's for an inherited ``flock``.
+  So every wait is bounded and explained (:mod:`.lock_holders`): a holder that stays
+  stopped (Ctrl+Z) fails its waiters in :data:`STOPPED_GRACE_S` with ``kill -CONT PID``;
+  a running one is waited for up to ``timeout`` (:data:`DEFAULT_LOCK_TIMEOUT`, an hour:
+  a ``cache()`` loader may legitimately run for many minutes); None waits forever.
+- **Per thread.** fcntl locks belong to the process, so this module keeps, per lock, which
+  threads hold it: a lock is reentrant per thread (``share()`` publishes under the key lock
+  it holds) while another thread of the process waits for it as another process would.
+  The process's lock on a byte is taken by the first holder and released by the last;
+  a lock file stays open while any of its bytes is held or wanted (closing a descriptor
+  would release every lock of the process on that file), and is closed after.
+
+Waits poll (1 ms doubling to 50 ms): F_SETLKW cannot be bounded or interrupted to look at
+the holder. Keys are taken in the order of their (file, byte), so two batches never
+deadlock; a hash collision (odds 2^-58 per pair) only makes two keys share a lock.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
+import functools
+import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
+from dataclasses import dataclass, field
+from enum import Enum
 
-from .._disk.fs import full_is_cache_full
-from .._disk.layout import Layout, encode_key
-from ..errors import LockTimeoutError
+from .._disk.fs import (
+    raise_if_full,
+    range_lock_holder,
+    too_many_open_files,
+    try_lock_range,
+    unlock_range,
+)
+from .._disk.layout import Layout
+from .lock_holders import STOPPED_GRACE_S, LockWait
 
-__all__ = ["key_lock", "key_locks", "publish_lock", "snapshot_lock", "space_lock"]
+__all__ = [
+    "DEFAULT_LOCK_TIMEOUT",
+    "KEY_LOCK_FILES",
+    "STOPPED_GRACE_S",
+    "STORE_TIMEOUT",
+    "StoreTimeout",
+    "key_lock",
+    "key_locks",
+    "publish_lock",
+    "snapshot_lock",
+    "space_lock",
+]
 
-_POLL_S = 0.05  # how often a bounded wait retries a taken lock
-_held: dict[tuple[str, int, bool], list[int]] = {}  # (path, thread, shared) -> [fd, depth]
+DEFAULT_LOCK_TIMEOUT = 3600.0
+"""Seconds a wait on a running holder lasts by default: far beyond a legitimate hold (a
+long ``cache()`` loader, a big put), so that only a hung holder (blocked in the kernel, or
+waiting on something that never comes) reaches it. A stopped holder fails its waiters
+after :data:`STOPPED_GRACE_S` whatever the bound."""
+
+KEY_LOCK_FILES = 32
+"""Lock files the key locks are spread over: the most descriptors a process holds for key
+locks, whatever the number of keys."""
+
+_POLL_FIRST_S = 0.001
+_POLL_S = 0.05
 
 
-@contextmanager
-def _flocked(path: str | Path, timeout: float | None, what: str, shared: bool = False) -> Iterator[None]:
-    """Hold an flock on ``path`` (created if missing); ``timeout`` None waits forever,
-    0 does not wait. Reentrant within one thread."""
-    slot = (str(path), threading.get_ident(), shared)
-    held = _held.get(slot)
-    if held is not None:
-        held[1] += 1
-        try:
-            yield
-        finally:
-            held[1] -= 1
-        return
-    with full_is_cache_full(path):  # creating the lock file can run out of inodes
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+class StoreTimeout(Enum):
+    """``timeout=`` left out of ``cache()``: use the store's ``lock_timeout``."""
+
+    STORE = "the store's lock_timeout"
+
+
+STORE_TIMEOUT = StoreTimeout.STORE
+
+
+@dataclass
+class _Hold:
+    """One locked byte in this process: who holds it, and whether the process has it yet."""
+
+    shared: bool
+    holders: dict[int, int]  # thread ident -> depth
+    pending: bool = True  # its first holder is still taking the process's lock
+
+
+@dataclass
+class _File:
+    """A lock file open in this process: a read-only and/or a writable descriptor."""
+
+    fds: dict[bool, int] = field(default_factory=dict)  # writable -> fd
+    users: int = 0  # bytes held or being taken
+
+
+Opener = Callable[[bool], int | None]
+"""``opener(writable)``: a new descriptor of the lock file, or None when no lock is needed."""
+
+_cond = threading.Condition(threading.Lock())
+_slots: dict[tuple[str, int], _Hold] = {}
+_files: dict[str, _File] = {}
+_epoch = 0  # bumped in a forked child, which holds none of its parent's locks
+_waiting = 0  # threads waiting on _cond for a lock another thread holds
+
+
+def _wake() -> None:
+    """Wake the threads waiting for a lock of this process (called holding ``_cond``)."""
+    if _waiting:
+        _cond.notify_all()
+
+
+def _after_fork_in_child() -> None:
+    global _cond, _slots, _files, _epoch, _waiting
+    for file in _files.values():
+        for fd in file.fds.values():
+            with suppress(OSError):
+                os.close(fd)  # the child's copy: the parent's locks stay the parent's
+    _cond, _slots, _files = threading.Condition(threading.Lock()), {}, {}
+    _epoch += 1
+    _waiting = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _use_file(path: str, writable: bool, opener: Opener) -> int | None:
+    """A descriptor of ``path`` fit for the lock (called holding ``_cond``)."""
+    file = _files.get(path)
+    fd = None if file is None else file.fds.get(writable, file.fds.get(True))
+    if fd is None:
+        fd = opener(writable)
+        if fd is None:
+            return None
+        if file is None:
+            file = _files[path] = _File()
+        file.fds[writable] = fd
+    assert file is not None
+    file.users += 1
+    return fd
+
+
+def _drop_file(path: str, offset: int | None) -> None:
+    """One user of ``path`` is done (called holding ``_cond``): unlock ``offset`` (if
+    given), or close the file when it was the last, which releases everything at once."""
+    file = _files[path]
+    file.users -= 1
+    if file.users == 0:
+        del _files[path]
+        for fd in file.fds.values():
+            os.close(fd)
+    elif offset is not None:
+        unlock_range(next(iter(file.fds.values())), offset)
+
+
+def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener) -> int | None:
+    """Take byte ``offset`` of ``path`` for this thread; returns the epoch to release it
+    with, or None when no lock was needed (``opener`` said so)."""
+    global _waiting
+    me = threading.get_ident()
+    slot = (path, offset)
+    with _cond:
+        while True:
+            hold = _slots.get(slot)
+            if hold is None:
+                fd = _use_file(path, not shared, opener)
+                if fd is None:
+                    return None
+                hold = _slots[slot] = _Hold(shared, {me: 1})
+                epoch = _epoch
+                break
+            if me in hold.holders:
+                if shared or not hold.shared:  # nested (shared inside exclusive included)
+                    hold.holders[me] += 1
+                    return _epoch
+                raise RuntimeError(f"{wait.what}: this thread holds it shared and asked for it exclusive")
+            if shared and hold.shared and not hold.pending:
+                hold.holders[me] = 1
+                return _epoch
+            left = wait.waiting().left()
+            if left is not None and left <= 0:
+                raise wait.waiting().give_up_on_thread()
+            _waiting += 1
+            try:
+                _cond.wait(_POLL_S if left is None else min(left, _POLL_S))
+            finally:
+                _waiting -= 1
     try:
-        _acquire(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, timeout, what)
+        if not try_lock_range(fd, offset, shared):
+            _take(fd, offset, shared, wait.waiting())
     except BaseException:
-        os.close(fd)
+        with _cond:
+            if epoch == _epoch:
+                del _slots[slot]
+                _drop_file(path, None)
+                _wake()
         raise
-    _held[slot] = [fd, 1]
-    try:
-        yield
-    finally:
-        del _held[slot]
-        os.close(fd)  # drops the flock
+    with _cond:
+        hold.pending = False
+        _wake()
+    return epoch
 
 
-def _acquire(fd: int, mode: int, timeout: float | None, what: str) -> None:
-    if timeout is None:
-        fcntl.flock(fd, mode)
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+def _take(fd: int, offset: int, shared: bool, wait: LockWait) -> None:
+    """This process's lock on the byte, polled until it is free or ``wait`` gives up."""
+    pause = _POLL_FIRST_S
+    while not try_lock_range(fd, offset, shared):
+        pid = range_lock_holder(fd, offset, shared)
+        if pid is None:
+            continue  # released between the two calls
+        wait.check(pid)
+        left = wait.left()
+        time.sleep(pause if left is None else max(0.0, min(pause, left)))
+        pause = min(pause * 2, _POLL_S)
+
+
+def _exit(path: str, offset: int, epoch: int) -> None:
+    me = threading.get_ident()
+    with _cond:
+        if epoch != _epoch:
+            return  # taken before this process forked: the child never held it
+        slot = (path, offset)
+        hold = _slots[slot]
+        hold.holders[me] -= 1
+        if hold.holders[me]:
             return
-        except BlockingIOError:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LockTimeoutError(
-                    f"gave up after {timeout:g} s waiting for the lock on {what} held by another "
-                    "process; raise the timeout, or look for a stuck loading process"
-                ) from None
-            time.sleep(min(_POLL_S, left))
+        del hold.holders[me]
+        if not hold.holders:
+            del _slots[slot]
+            _drop_file(path, offset)
+            _wake()
+
+
+class _Waiting:
+    """What a wait will need, built only when there is one (most locks are free)."""
+
+    __slots__ = ("_wait", "timeout", "what")
+
+    def __init__(self, timeout: float | None, what: str) -> None:
+        self.timeout, self.what = timeout, what
+        self._wait: LockWait | None = None
+
+    def waiting(self) -> LockWait:
+        if self._wait is None:
+            self._wait = LockWait(self.timeout, self.what)
+        return self._wait
+
+
+class _Locked:
+    """One lock held for a ``with`` block (a class: a generator costs more than the lock)."""
+
+    __slots__ = ("epoch", "offset", "opener", "path", "shared", "timeout", "what")
+
+    def __init__(
+        self, path: str, offset: int, shared: bool, timeout: float | None, what: str, opener: Opener
+    ) -> None:
+        self.path, self.offset, self.shared, self.opener = path, offset, shared, opener
+        self.timeout, self.what = timeout, what
+        self.epoch: int | None = None
+
+    def __enter__(self) -> None:
+        waiting = _Waiting(self.timeout, self.what)
+        self.epoch = _enter(self.path, self.offset, self.shared, waiting, self.opener)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.epoch is not None:
+            _exit(self.path, self.offset, self.epoch)
+            self.epoch = None
+
+
+def _creating(path: str) -> Opener:
+    """Open (creating) a lock file in the root, writable or not."""
+
+    def opener(writable: bool) -> int:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # out of inodes: CacheFullError; of descriptors: TooManyOpenFilesError
+            raise_if_full(path, exc)
+            raise
+
+    return opener
+
+
+# ---------------------------------------------------------------------- key locks
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_files(root: str) -> tuple[str, ...]:
+    return tuple(f"{root}/locks/key-slots.{i:02d}.lock" for i in range(KEY_LOCK_FILES))
+
+
+def _key_slot(layout: Layout, key: str) -> tuple[str, int]:
+    """The lock file and byte of ``key``: a 64-bit hash, its low bits pick the file."""
+    digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return _slot_files(str(layout.root))[digest % KEY_LOCK_FILES], digest >> 6
 
 
 def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContextManager[None]:
-    """The lock of one key; ``timeout`` None waits forever, 0 does not wait."""
-    return _flocked(f"{layout.root}/locks/keys/{encode_key(key)}.lock", timeout, f"key {key!r}")
+    """The lock of one key; ``timeout`` bounds the wait on a running holder (None: no
+    bound, 0: no wait); a holder stopped for :data:`STOPPED_GRACE_S` ends it sooner."""
+    path, offset = _key_slot(layout, key)
+    return _Locked(path, offset, False, timeout, f"the lock of key {key!r}", _creating(path))
 
 
 @contextmanager
 def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Iterator[None]:
-    """The locks of several keys, taken in sorted order (two batches never deadlock)."""
-    with ExitStack() as stack:
-        for key in sorted(set(keys)):
-            stack.enter_context(key_lock(layout, key, timeout))
+    """The locks of several keys, taken in the order of their slots (two batches never
+    deadlock) and released in that order (the kernel finds each at the head of the list)."""
+    named = {_key_slot(layout, key): key for key in keys}
+    taken: list[tuple[str, int, int]] = []
+    try:
+        for path, offset in sorted(named):
+            wait = _Waiting(timeout, f"the lock of key {named[path, offset]!r}")
+            epoch = _enter(path, offset, False, wait, _creating(path))
+            assert epoch is not None
+            taken.append((path, offset, epoch))
         yield
+    finally:
+        for path, offset, epoch in taken:
+            _exit(path, offset, epoch)
+
+
+# ---------------------------------------------------------------------- root locks
 
 
 def space_lock(layout: Layout, timeout: float | None) -> AbstractContextManager[None]:
     """The lock that serializes checking room and recording a reservation."""
-    return _flocked(layout.space_lock, timeout, "space accounting")
+    path = str(layout.space_lock)
+    return _Locked(path, 0, False, timeout, "the space-accounting lock", _creating(path))
 
 
-def publish_lock(layout: Layout, *, shared: bool) -> AbstractContextManager[None]:
+def publish_lock(
+    layout: Layout, *, shared: bool, timeout: float | None = DEFAULT_LOCK_TIMEOUT
+) -> AbstractContextManager[None]:
     """The root-wide publish lock: exclusive while a multi-key publish swaps its links
     (microseconds per link), shared while a reader reads several links as one snapshot."""
-    return _flocked(f"{layout.root}/locks/publish.lock", None, "publishing", shared)
+    path = f"{layout.root}/locks/publish.lock"
+    return _Locked(path, 0, shared, timeout, "the publish lock", _creating(path))
 
 
-@contextmanager
-def snapshot_lock(layout: Layout) -> Iterator[None]:
+def snapshot_lock(
+    layout: Layout, timeout: float | None = DEFAULT_LOCK_TIMEOUT
+) -> AbstractContextManager[None]:
     """The publish lock shared, for a reader reading several links as one set.
 
-    A reader never needs to write: the lock file is opened read-only (``flock`` works on
-    such a descriptor; a cache mounted read-only into a pod stays readable). Where the file
-    does not exist and cannot be created (no ``locks/`` yet, no inode left, a read-only
-    mount, another user's root), no publisher could have created it either, so no batch
-    publish is under way and the links are read without it."""
+    A reader never needs to write: the lock file is opened read-only (a read lock needs no
+    more; a cache mounted read-only into a pod stays readable). Where the file does not
+    exist and cannot be created (no ``locks/`` yet, no inode left, a read-only mount,
+    another user's root), no publisher could have created it either, so no batch publish
+    is under way and the links are read without it."""
     path = f"{layout.root}/locks/publish.lock"
-    slot = (path, threading.get_ident(), True)
-    if slot in _held:  # this thread holds it shared already
-        yield
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    return _Locked(path, 0, True, timeout, "the publish lock", _reader_opener(path))
+
+
+def _reader_opener(path: str) -> Opener:
+    def opener(writable: bool) -> int | None:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            try:
+                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise too_many_open_files(exc, f"opening {path}") from exc
+                if exc.errno not in _NO_LOCK_NEEDED:
+                    raise
+                return None
+        except (NotADirectoryError, PermissionError):
+            return None
         except OSError as exc:
-            if exc.errno not in _NO_LOCK_NEEDED:
-                raise
-            yield
-            return
-    except (NotADirectoryError, PermissionError):
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # drops the flock
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise too_many_open_files(exc, f"opening {path}") from exc
+            raise
+
+    return opener
 
 
 _NO_LOCK_NEEDED = frozenset(

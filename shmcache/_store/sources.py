@@ -12,10 +12,10 @@ import zipfile
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .._disk.checksum import TrailingCrc, crc32
-from .._disk.fs import copy_range, write_all
+from .._disk.fs import copy_range, out_of_descriptors, too_many_open_files, write_all
 from .._disk.keys import validate_key
 from .._disk.npy import (
     NpyHeader,
@@ -93,7 +93,7 @@ def _files_under(top: str) -> list[tuple[str, ...]]:
     pending: list[tuple[str, ...]] = [()]
     while pending:
         parts = pending.pop()
-        with os.scandir(os.path.join(top, *parts)) as entries:
+        with _listing(os.path.join(top, *parts)) as entries:
             for entry in entries:
                 try:
                     if entry.is_dir(follow_symlinks=False):
@@ -104,6 +104,16 @@ def _files_under(top: str) -> list[tuple[str, ...]]:
                     continue
     found.sort()
     return found
+
+
+def _listing(directory: str) -> Any:
+    """``os.scandir(directory)``; out of descriptors is :class:`TooManyOpenFilesError`."""
+    try:
+        return os.scandir(directory)
+    except OSError as exc:
+        if out_of_descriptors(exc):
+            raise too_many_open_files(exc, f"listing {directory}") from exc
+        raise
 
 
 def _child_key(key: str, relative: str, file: Path) -> str:

@@ -39,7 +39,7 @@ from .._containers.shared import (
 )
 from .._containers.table import SharedTable
 from .._containers.table_arrow import encode_table
-from .._disk.fs import remove_tree
+from .._disk.fs import descriptors_typed, remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
 from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root
@@ -59,7 +59,7 @@ from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
 from .budget import checked_budget, write_budget
 from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
-from .locks import key_lock, publish_lock, snapshot_lock
+from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .planned import write_container
 from .reading import Reader, release_version
@@ -87,7 +87,11 @@ class Store:
     least-recently-used entries that are neither pinned nor mapped by a live process, or
     raises :class:`CacheFullError` naming what holds the space. ``max_bytes`` is a lower
     limit of this store's own on top of it (not recorded; other writers do not see it).
-    ``lock_timeout`` bounds waits on other processes' locks (None waits forever).
+    ``lock_timeout`` bounds, in seconds, a wait on a lock that another process (or thread)
+    holds and is still running with: an hour by default, as a ``cache()`` loader may run
+    for many minutes; None waits as long as it takes. A holder that stays stopped
+    (SIGSTOP, Ctrl+Z) fails the wait after a few seconds whatever the bound (unless it is
+    None), with :class:`LockTimeoutError` naming its pid and ``kill -CONT``.
     """
 
     def __init__(
@@ -95,7 +99,7 @@ class Store:
         root: str | os.PathLike[str] | None = None,
         *,
         max_bytes: int | None = None,
-        lock_timeout: float | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
     ) -> None:
         self.root = Path(os.path.abspath(root if root is not None else default_root()))
         if max_bytes is not None and (
@@ -529,7 +533,7 @@ class Store:
         loader: Callable[[], Any],
         *,
         version: CacheVersion = None,
-        timeout: float | None = None,
+        timeout: float | StoreTimeout | None = STORE_TIMEOUT,
     ) -> np.ndarray:
         """Get-or-create: open ``key``, or run ``loader`` once across all processes.
 
@@ -543,7 +547,8 @@ class Store:
         stored), the callers that were waiting for it raise the same error, caused by
         the loader's traceback, rather than each running it again; a later call tries
         again. If the loading process dies, the kernel releases its lock and the next
-        waiter loads instead; nothing partial is ever visible.
+        waiter loads instead; nothing partial is ever visible. ``timeout`` bounds the wait
+        for another caller's load (default: the store's ``lock_timeout``; see :class:`Store`).
         """
         wanted = None if version is None else cache_version_token(version)
         found = self._open_cached_version(key, wanted)
@@ -582,7 +587,7 @@ class Store:
         url: str,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        timeout: float | None = None,
+        timeout: float | StoreTimeout | None = STORE_TIMEOUT,
     ) -> np.ndarray | SharedGroup:
         """Get-or-create from a URL: open ``key``, or load ``url`` once per machine.
 
@@ -649,9 +654,9 @@ class Store:
             prepare_root(self.root)
             self._prepared = True
 
-    def _key_lock(self, key: str, timeout: float | None) -> AbstractContextManager[None]:
+    def _key_lock(self, key: str, timeout: float | StoreTimeout | None) -> AbstractContextManager[None]:
         self._prepare()
-        return key_lock(self.layout, key, timeout)
+        return key_lock(self.layout, key, self.lock_timeout if timeout is STORE_TIMEOUT else timeout)
 
     def _check_root_identity(self) -> None:
         if self._reader.check_root_identity():
@@ -793,6 +798,16 @@ class Store:
         validate_key(key)
         self._reader.trust_root()
         return verify_entry(self.layout, key)
+
+
+# Out of descriptors anywhere below (a listing, a module's own open) is the typed error
+# that names the limit. Not the open_* methods: attach already says so, and they are hot.
+for _name in (
+    "put_array", "put_strings", "put_ragged", "put_records", "put_mapping", "put_blobs", "put_table",
+    "put_file", "plan_file", "share", "cache", "cache_remote", "prepare", "evict", "list", "info",
+    "stats", "cleanup", "verify", "exists", "open", "open_group",
+):  # fmt: skip
+    setattr(Store, _name, descriptors_typed(getattr(Store, _name)))
 
 
 def _progress_counter(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None]:
