@@ -33,12 +33,16 @@ _INNER = textwrap.dedent(
     import numpy as np
     subprocess.run(["mount", "--make-rprivate", "/"], check=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", "/dev/shm"], check=True)
+    for name in [name for name in os.environ if name.startswith("SHMCACHE_")]:
+        del os.environ[name]  # the user's shell: no SHMCACHE_ROOT (the test's sandbox is not theirs)
+    user_env = dict(os.environ)
     import shmcache
     from shmcache.client import Client
-    user_env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCACHE_")}
     root = shmcache.default_root()
     daemon = subprocess.Popen([sys.executable, "-m", "shmcache", "serve", "--allow-source", "/"],
-                              env=user_env, stderr=subprocess.PIPE, text=True)
+                              env=user_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import atexit
+    atexit.register(daemon.kill)  # whatever fails below, no daemon keeps our pipes open
     client = Client(root, timeout=60)
     for _ in range(600):
         try:
