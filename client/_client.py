@@ -27,7 +27,7 @@ from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
 from ._errors import JobCancelledError, error_from_body
 from ._liveness import LiveDaemon, live_daemon
-from ._records import EntryDetail, Health, Job, ServiceStats, entry_from_json
+from ._records import BudgetState, EntryDetail, Health, Job, ServiceStats, entry_from_json
 from ._transport import CheckedUnixBackend, expected_uids
 
 if TYPE_CHECKING:
@@ -213,6 +213,15 @@ class Client:
     def stats(self) -> ServiceStats:
         """Capacity, use, budget and entry count, plus bytes held by readers and job counts."""
         return ServiceStats.from_json(self._request("GET", "/v1/stats"))
+
+    def budget(self) -> BudgetState:
+        """The root's budget and what its entries use (:meth:`Store.budget <shmcache.Store.budget>`)."""
+        return BudgetState.from_json(self._request("GET", "/v1/budget"))
+
+    def set_budget(self, max_bytes: int | None) -> BudgetState:
+        """Record the root's budget (None removes it); every writer of the root keeps it. A
+        budget below what the root holds evicts nothing now: the next put evicts to fit."""
+        return BudgetState.from_json(self._request("PUT", "/v1/budget", json={"max_bytes": max_bytes}))
 
     def list(self, prefix: str | None = None) -> builtins.list[EntryInfo]:
         """Entries that are ``prefix`` or lie under ``prefix/`` (all without it), sorted by key."""
@@ -411,7 +420,8 @@ def _not_answering(live: LiveDaemon, root: Path, socket_path: Path, reason: str,
         )
     return (
         f"the shmcache daemon {live} of {root} does not answer on {socket_path} ({reason}); {state}. "
-        "Working on the root without it (shmcache.Store; the CLI's --local) bypasses its budget"
+        "Working on the root without it (shmcache.Store; the CLI's --local) goes around its loads "
+        "and jobs (the root's budget still holds)"
     )
 
 

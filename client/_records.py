@@ -15,7 +15,16 @@ from typing import Any
 from shmcache import EntryInfo, StoreStats
 from shmcache._control import ACTIVE_STATES, Job, JobError, known_fields
 
-__all__ = ["ACTIVE_STATES", "EntryDetail", "Health", "Job", "JobError", "ServiceStats", "entry_from_json"]
+__all__ = [
+    "ACTIVE_STATES",
+    "BudgetState",
+    "EntryDetail",
+    "Health",
+    "Job",
+    "JobError",
+    "ServiceStats",
+    "entry_from_json",
+]
 
 
 def entry_from_json(data: dict[str, Any]) -> EntryInfo:
@@ -52,6 +61,22 @@ class ServiceStats(StoreStats):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServiceStats:
+        return cls(**known_fields(cls, data))
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """``GET``/``PUT /v1/budget``: the root's budget (None: none), who set it and when, and
+    what the root's entries use against it."""
+
+    max_bytes: int | None
+    set_by: str | None
+    set_at: float | None
+    used: int
+    over_budget: bool
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BudgetState:
         return cls(**known_fields(cls, data))
 
 

@@ -30,6 +30,7 @@ from .errors import (
     KeyNotFoundError,
     LockTimeoutError,
     ShmCacheError,
+    TooManyOpenFilesError,
     UnauthorizedError,
     UnsupportedDataError,
 )
@@ -90,6 +91,7 @@ ERRORS: tuple[ErrorRow, ...] = (  # most specific first: the first matching row 
     ErrorRow(UnsupportedDataError, 415),
     ErrorRow(InvalidSourceError, 400),  # SourceNotFound, CorruptSource, SourceNotAllowed
     ErrorRow(LockTimeoutError, 503),
+    ErrorRow(TooManyOpenFilesError, 503),  # the daemon's descriptors, not the request's fault
     ErrorRow(CorruptEntryError, 500),
     ErrorRow(CacheRootError, 500),
 )

@@ -9,6 +9,7 @@ tests run as root.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import subprocess
@@ -107,6 +108,18 @@ def test_cli_refuses_another_users_daemon_before_sending(
         assert err.startswith("error: the process listening on") and f"uid {user[0]}" in err, err
         assert "Traceback" not in err
     assert received and set(received) == {0}  # connected, checked, closed: nothing sent
+
+
+def test_doctor_fails_its_daemon_check_on_another_users_daemon(
+    other_users_socket: tuple[Path, Path, tuple[int, int]],
+) -> None:
+    root, socket_path, user = other_users_socket
+    with fake_daemon(socket_path, root, user=user) as received:
+        code, out, _ = cli("doctor", "--json", "--root", str(root), "--socket", str(socket_path))
+    checks = {check["name"]: check for check in json.loads(out)["checks"]}
+    assert code == 1 and checks["daemon"]["status"] == "fail", checks["daemon"]
+    assert f"uid {user[0]}" in checks["daemon"]["summary"] and "666" not in out
+    assert set(received) == {0}
 
 
 def test_a_slow_daemon_of_ours_keeps_the_whole_timeout(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -141,10 +141,8 @@ def _call(
 
 
 def _through_daemon(client: Client, method: str, max_bytes: int | None) -> dict[str, Any]:
-    # Client has no budget methods yet: the request through its connection and error mapping.
-    body = {"max_bytes": max_bytes} if method == "PUT" else None
-    answer: dict[str, Any] = client._request(method, "/v1/budget", json=body)
-    return answer
+    state = client.set_budget(max_bytes) if method == "PUT" else client.budget()
+    return asdict(state)
 
 
 def _print(state: dict[str, Any]) -> None:

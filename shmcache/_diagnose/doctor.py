@@ -24,7 +24,7 @@ from .._disk.layout import ENV_ROOT, SHM_DIR, Layout
 from .._disk.trust import untrusted_reason
 from .._store import Store, StoreStats
 from .._units import human_bytes
-from ..errors import DaemonUnavailableError, ShmCacheError
+from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
 from .logind import removeipc_risk
 
 __all__ = ["Check", "Status", "run_checks"]
@@ -250,13 +250,19 @@ def _check_daemon(root: Path, socket_path: Path) -> tuple[Check, StoreStats | No
                 f"within {_PROBE_TIMEOUT_S:g} s" + (": it is stopped (SIGSTOP or Ctrl+Z)" if stopped else ""),
                 (f"resume it: kill -CONT {pid}" if stopped else
                  f"it is hung or overloaded: check its log, or restart it (kill -TERM {pid}, then "
-                 "`shmcache serve`)") + "; until then shmcache commands fail (--local works without it, "
-                "outside its budget)", details,
+                 "`shmcache serve`)") + "; until then shmcache commands fail (--local works without it; "
+                "the root's budget still holds)", details,
             ), None
         return Check(
             "daemon", "warn", f"{socket_path} exists but nothing answers ({exc.__cause__ or exc})",
             "a daemon died without cleaning up: start it again with `shmcache serve` "
             "(it replaces the stale socket)", details,
+        ), None
+    except UntrustedDaemonError as exc:  # another user listens on the socket: never trust it
+        return Check(
+            "daemon", "fail", str(exc),
+            f"remove {socket_path} if it is not your daemon's, or point SHMCACHE_SOCKET at yours",
+            details,
         ), None
     except ShmCacheError as exc:  # an error status, or an answer that is not JSON
         return Check(

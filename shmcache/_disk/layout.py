@@ -11,9 +11,10 @@ encoding of a cache root. Change the format here and nowhere else.
                                  the target climbs one level per segment, so it resolves)
     <root>/objects/<version>/    <name>.npy files + meta.json, immutable once published
     <root>/tmp/                  partial writes and the lock of each live writer
-    <root>/locks/space.lock      the root's space-accounting lock
-    <root>/locks/keys/           one lock per key (``<key>.lock``), apart from the root's own,
-                                 and the key's last failed ``cache()`` load (``<key>.failed``)
+    <root>/locks/space.lock      the root's space-accounting lock (fcntl byte-range locks, all)
+    <root>/locks/key-slots.NN.lock  a key's lock is one byte at a hash of the key in one of 32
+                                 files (no descriptor per key); publish.lock for directory puts
+    <root>/locks/keys/           the key's last failed ``cache()`` load (``<key>.failed``)
     <root>/daemon.sock           the daemon's control socket (mode 0600)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
     <root>/budget.json           the root's byte budget, honoured by every writer (absent: none)
@@ -293,8 +294,10 @@ class Layout:
         """A published file of a version (a ``str``: it is on the attach hot path)."""
         return object_path(str(self.root), version, filename)
 
-    def key_lock(self, key: str) -> Path:
-        return self.key_locks / f"{encode_key(key)}.lock"
+    def key_slot_file(self, index: int) -> str:
+        """One of the files whose bytes are the keys' locks (``_store/locks.py`` picks the
+        file and the byte from a hash of the key)."""
+        return f"{self.root}/locks/key-slots.{index:02d}.lock"
 
     def key_failure(self, key: str) -> Path:
         """The record of the key's last failed ``cache()`` load (JSON), for the callers

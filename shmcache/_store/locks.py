@@ -301,14 +301,14 @@ def _creating(path: str) -> Opener:
 
 
 @functools.lru_cache(maxsize=64)
-def _slot_files(root: str) -> tuple[str, ...]:
-    return tuple(f"{root}/locks/key-slots.{i:02d}.lock" for i in range(KEY_LOCK_FILES))
+def _slot_files(layout: Layout) -> tuple[str, ...]:
+    return tuple(layout.key_slot_file(i) for i in range(KEY_LOCK_FILES))
 
 
 def _key_slot(layout: Layout, key: str) -> tuple[str, int]:
     """The lock file and byte of ``key``: a 64-bit hash, its low bits pick the file."""
     digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    return _slot_files(str(layout.root))[digest % KEY_LOCK_FILES], digest >> 6
+    return _slot_files(layout)[digest % KEY_LOCK_FILES], digest >> 6
 
 
 def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContextManager[None]:

@@ -144,6 +144,7 @@ class Store:
         ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit)."""
         return self._reader.open_private_array(key)
 
+    @descriptors_typed
     def open(self, key: str) -> Any:
         """Open an entry of any kind: an array, or the shared container its kind names."""
         return self._reader.open(key)
@@ -171,6 +172,7 @@ class Store:
         """Read-only table over a ``put_table`` entry: rows as fresh dicts, zero-copy columns."""
         return self._reader.open(key, "table")  # type: ignore[no-any-return]
 
+    @descriptors_typed
     def open_group(self, prefix: str) -> SharedGroup:
         """Lazy read-only ``Mapping`` of every entry under ``prefix`` (relative names)."""
         validate_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
@@ -187,6 +189,7 @@ class Store:
         """Attach one version of a container entry."""
         return open_version(self._root_str, key, version, kind)
 
+    @descriptors_typed
     def exists(self, key: str) -> bool:
         validate_key(key)
         self._reader.trust_root()
@@ -194,12 +197,14 @@ class Store:
 
     # ------------------------------------------------------------------ writing
 
+    @descriptors_typed
     def put_array(self, key: str, array: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
         """Publish ``array`` under ``key`` atomically; returns the new entry's info."""
         validate_key(key)
         array = _as_storable_array(array, f"array for key {key!r}")
         return self._put_entry(key, "array", {"data": array}, {}, overwrite=overwrite, pin=pin)
 
+    @descriptors_typed
     def put_strings(
         self, key: str, strings: Iterable[str], *, overwrite: bool = False, pin: bool = False
     ) -> EntryInfo:
@@ -209,6 +214,7 @@ class Store:
         meta = {"length": len(files["offsets"]) - 1}
         return self._put_entry(key, "strings", files, meta, overwrite=overwrite, pin=pin)
 
+    @descriptors_typed
     def put_ragged(
         self, key: str, arrays: Iterable[Any], *, overwrite: bool = False, pin: bool = False
     ) -> EntryInfo:
@@ -218,6 +224,7 @@ class Store:
         meta["length"] = len(files["offsets"]) - 1
         return self._put_entry(key, "ragged", files, meta, overwrite=overwrite, pin=pin)
 
+    @descriptors_typed
     def put_records(
         self,
         key: str,
@@ -239,6 +246,7 @@ class Store:
         meta = {"length": len(files["offsets"]) - 1}
         return self._put_entry(key, "records", files, meta, overwrite=overwrite, pin=pin)
 
+    @descriptors_typed
     def put_mapping(
         self, key: str, mapping: Mapping[str, Any], *, overwrite: bool = False, pin: bool = False
     ) -> EntryInfo:
@@ -247,6 +255,7 @@ class Store:
         _, files, meta = encode_mapping(mapping, f"mapping for key {key!r}")
         return self._put_entry(key, "mapping", files, meta, overwrite=overwrite, pin=pin)
 
+    @descriptors_typed
     def put_blobs(
         self,
         key: str,
@@ -275,6 +284,7 @@ class Store:
             publish(self.layout, writer, versions, overwrite=overwrite, lock_timeout=self.lock_timeout)
         logger.info("put %s (blobs, %d files, %d bytes)", key, len(plan.names), plan.size)
         return entry_info(meta, meta["created"])
+    @descriptors_typed
     def put_table(
         self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False
     ) -> EntryInfo:
@@ -291,6 +301,7 @@ class Store:
             files, meta = encode_table(data, f"table for key {key!r}")
         return self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
 
+    @descriptors_typed
     def share(self, key: str, obj: Any, *, overwrite: bool = False) -> Any:
         """Put ``obj`` in the form that fits it and return the opened shared object.
 
@@ -353,6 +364,7 @@ class Store:
         logger.info("put %s (%s, %d bytes, version %s)", key, kind, nbytes, version)
         return entry_info(meta, meta["created"])
 
+    @descriptors_typed
     def put_file(
         self,
         key: str,
@@ -490,6 +502,7 @@ class Store:
         logger.info("put %s from %s (%d entries, %d bytes)", key, plan.url, len(keys), total)
         return keys
 
+    @descriptors_typed
     def plan_file(
         self,
         key: str,
@@ -522,11 +535,13 @@ class Store:
             for p in plan_sources(key, Path(path), builtins.list(allowed_dirs))
         ]
 
+    @descriptors_typed
     def prepare(self) -> None:
         """Create the root and its directories (0700) now rather than on the first put."""
         self._check_root_identity()
         self._prepare()
 
+    @descriptors_typed
     def cache(
         self,
         key: str,
@@ -581,6 +596,7 @@ class Store:
             return None
         return array
 
+    @descriptors_typed
     def cache_remote(
         self,
         key: str,
@@ -675,6 +691,7 @@ class Store:
 
     # ------------------------------------------------------------------ evict, list, stats
 
+    @descriptors_typed
     def evict(self, key: str) -> int:
         """Remove an entry (pinned or not); returns the bytes released.
 
@@ -716,6 +733,7 @@ class Store:
         finally:
             lock.__exit__(None, None, None)
 
+    @descriptors_typed
     def list(self, prefix: str | None = None) -> builtins.list[EntryInfo]:
         """Entries whose key is ``prefix`` or lies under it, sorted by key."""
         if prefix is not None and not isinstance(prefix, str):
@@ -727,6 +745,7 @@ class Store:
             infos = [e for e in iter_infos(self.layout) if key_in_prefix(e.key, prefix)]
         return sorted(infos, key=lambda e: e.key)
 
+    @descriptors_typed
     def info(self, key: str) -> EntryInfo:
         validate_key(key)
         self._reader.trust_root()
@@ -748,6 +767,7 @@ class Store:
         """Which processes map which versions, and bytes still held by unlinked ones."""
         return scan_mappings(self.layout.objects)
 
+    @descriptors_typed
     def stats(self) -> StoreStats:
         """Capacity, use, the budget in force (see :attr:`budget`) and entry count."""
         self._reader.trust_root()
@@ -777,6 +797,7 @@ class Store:
 
     # ------------------------------------------------------------------ cleanup, verify
 
+    @descriptors_typed
     def cleanup(self) -> int:
         """Remove what dead writers left behind; returns the bytes freed.
 
@@ -788,6 +809,7 @@ class Store:
         self._prepare()
         return remove_dead_writers_leftovers(self.layout, self._evict_version)
 
+    @descriptors_typed
     def verify(self, key: str) -> bool:
         """Check an entry against the checksums recorded when it was put, its metadata
         against its files, its link against its key, and open it as a reader does.
@@ -800,14 +822,6 @@ class Store:
         return verify_entry(self.layout, key)
 
 
-# Out of descriptors anywhere below (a listing, a module's own open) is the typed error
-# that names the limit. Not the open_* methods: attach already says so, and they are hot.
-for _name in (
-    "put_array", "put_strings", "put_ragged", "put_records", "put_mapping", "put_blobs", "put_table",
-    "put_file", "plan_file", "share", "cache", "cache_remote", "prepare", "evict", "list", "info",
-    "stats", "cleanup", "verify", "exists", "open", "open_group",
-):  # fmt: skip
-    setattr(Store, _name, descriptors_typed(getattr(Store, _name)))
 
 
 def _progress_counter(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None]:
