@@ -27,7 +27,7 @@ from ._errors import (
     SourceNotAllowedError,
     error_from_body,
 )
-from ._records import ACTIVE_STATES, EntryDetail, Health, Job, JobError, ServiceStats
+from ._records import ACTIVE_STATES, BudgetState, EntryDetail, Health, Job, JobError, ServiceStats
 
 __all__ = [
     "ACTIVE_STATES",
@@ -35,6 +35,7 @@ __all__ = [
     "ENV_SOCKET",
     "ENV_TOKEN",
     "ERROR_TYPES",
+    "BudgetState",
     "Client",
     "EntryDetail",
     "Health",
