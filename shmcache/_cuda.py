@@ -132,8 +132,8 @@ def read_only_registration_supported(device: Any = None) -> bool:
         if getter is not None:
             try:
                 answer = getter(ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED, index)
-                value = answer[-1] if isinstance(answer, tuple) else answer
-                supported = bool(int(value))
+                if isinstance(answer, tuple) and len(answer) == 2 and _code(answer[0]) == 0:
+                    supported = bool(int(answer[1]))  # (cudaError_t, value); any other shape: probe
             except Exception:
                 supported = None
         if supported is None:
