@@ -73,7 +73,7 @@ def transfer(store: Any, size: int, repeats: int) -> tuple[list[list[object]], d
         pinned.copy_(host)
         target.copy_(pinned, non_blocking=True)
 
-    held = st.pin("whole")
+    held = st.pin("whole", root=store.root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         registered = torch.from_numpy(held.array)
@@ -89,9 +89,9 @@ def transfer(store: Any, size: int, repeats: int) -> tuple[list[list[object]], d
     }
     held.release()
     seconds["to_cuda (register + H2D + unregister)"] = _median_seconds(
-        lambda: st.to_cuda("whole"), max(3, repeats // 2), sync
+        lambda: st.to_cuda("whole", root=store.root), max(3, repeats // 2), sync
     )
-    assert torch.equal(st.to_cuda("whole")[:1024].cpu(), host[:1024])
+    assert torch.equal(st.to_cuda("whole", root=store.root)[:1024].cpu(), host[:1024])
     base = seconds["pinned copy (memcpy + H2D)"]
     rows = [[name, f"{size / s / 1e9:.1f}", f"{base / s:.2f}x"] for name, s in seconds.items()]
     store.evict("whole")

@@ -141,7 +141,7 @@ def test_gpu_loader_gives_the_cpu_batches_on_the_device(
             gpu_batch["y"].cpu(), cpu_batch["y"]
         )
         count += 1
-    assert count == len(on_gpu) == 4
+    assert count == len(on_gpu) == 16  # 65,536 rows
     on_gpu.close()
 
 
