@@ -160,3 +160,29 @@ def test_a_process_exiting_with_pins_unregisters_cleanly(root: Path, rows: np.nd
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "256.0" and "Error" not in done.stderr
+
+
+def test_processes_pinning_one_entry_copy_no_page(root: Path, rows: np.ndarray) -> None:
+    code = (
+        "import sys, torch, shmcache.torch as st\n"
+        "def anonymous():\n"
+        "    for line in open('/proc/self/smaps_rollup'):\n"
+        "        if line.startswith('Anonymous:'): return int(line.split()[1])\n"
+        "torch.zeros(1, device='cuda')\n"
+        "before = anonymous(); held = st.pin('rows'); view = st.cuda_view('rows')\n"
+        "assert held.registered and float(view[2, 0].item()) == 512.0\n"
+        "print(anonymous() - before); sys.stdout.flush(); sys.stdin.read()\n"  # hold until told
+    )
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    try:
+        grown = [int(child.stdout.readline()) for child in children if child.stdout is not None]
+    finally:
+        for child in children:
+            child.communicate("", timeout=120)
+    assert len(grown) == 3 and all(kib < 8 * 1024 for kib in grown), grown  # a copy: +65,536 KiB each
+    assert all(child.returncode == 0 for child in children)
