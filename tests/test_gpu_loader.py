@@ -155,3 +155,14 @@ def test_a_hold_of_an_array_view_maps_the_same_bytes(store: shmcache.Store) -> N
     store.put_strings("words", ["a", "b"])
     with pytest.raises(UnsupportedDataError, match="strings entry"):
         _cuda.hold("words", store.root, torch.device("cpu"), register=False)
+
+
+def test_a_key_and_an_array_of_it_share_one_hold_per_process(store: shmcache.Store) -> None:
+    store.put_array("one", np.arange(10.0))
+    by_key = _cuda.hold("one", None, torch.device("cpu"), register=False)
+    by_array = _cuda.hold(store.open_array("one")[2:4], None, torch.device("cpu"), register=False)
+    ident = (str(store.root), store.info("one").version, "data.npy")
+    assert list(_cuda._REGISTRY) == [ident] and _cuda._REGISTRY[ident].count == 2
+    by_key.release()
+    by_array.release()
+    assert _cuda._REGISTRY == {}
