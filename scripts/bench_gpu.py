@@ -4,7 +4,8 @@
    a pinned copy (memcpy into a pinned buffer, then the copy; the pinned buffer alone for
    reference), and from the entry registered with CUDA (``shmcache.torch.pin``), with and
    without the registration's own cost (``to_cuda``).
-2. Random batches of 256 / 4,096 / 65,536 rows of 1 KiB, shuffled, delivered on the GPU:
+2. Random batches of 256 / 4,096 / 65,536 rows of 1 KiB (and of 256 / 1,024 images of
+   3x224x224 uint8), shuffled, delivered on the GPU:
    ``DataLoader(CachedDataset, num_workers=4, pin_memory=True)`` then ``.cuda()``, a
    gather on the CPU into a pinned buffer then ``.cuda(non_blocking=True)``, and
    ``GPULoader`` (one ``index_select`` on the GPU over the registered pages).
@@ -29,6 +30,8 @@ from _benchlib import Target, markdown_table, print_targets, scratch_dir, write_
 GiB = 1 << 30
 ROW = 1024  # bytes per row: 256 float32
 BATCHES = (256, 4096, 65536)
+IMAGE = 3 * 224 * 224  # bytes per image row
+IMAGE_BATCHES = (256, 1024)  # 4,096 images (616 MB a batch) would not fit a --quick entry
 
 
 def _no_gpu() -> str | None:
@@ -119,15 +122,17 @@ def _forever(make: Callable[[], Any]) -> Any:
         yield from make()
 
 
-def random_batches(store: Any, size: int, rows_wanted: int) -> tuple[list[list[object]], dict[int, float]]:
-    import numpy as np
+def random_batches(
+    store: Any, rows: Any, batches: tuple[int, ...], rows_wanted: int
+) -> tuple[list[list[object]], dict[int, float]]:
+    """Rows per second delivered on the GPU, for each batch size, by each path."""
     import torch
     from torch.utils.data import DataLoader
 
     import shmcache.torch as st
 
-    count = size // ROW
-    store.put_array("rows", np.arange(count * (ROW // 4), dtype=np.float32).reshape(count, ROW // 4))
+    store.put_array("rows", rows, overwrite=True)
+    count, row_bytes = len(rows), rows[0].nbytes
     dataset = st.CachedDataset("rows", root=store.root)
     device = torch.device("cuda", torch.cuda.current_device())
     table: list[list[object]] = []
@@ -135,7 +140,7 @@ def random_batches(store: Any, size: int, rows_wanted: int) -> tuple[list[list[o
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         column = torch.from_numpy(store.open_array("rows"))
-    for batch in BATCHES:
+    for batch in batches:
         loader = DataLoader(
             dataset,
             batch,
@@ -150,7 +155,7 @@ def random_batches(store: Any, size: int, rows_wanted: int) -> tuple[list[list[o
             for item in loader:
                 yield item.to(device, non_blocking=True)
 
-        staging = torch.empty((batch, ROW // 4), dtype=torch.float32, pin_memory=True)
+        staging = torch.empty((batch, *column.shape[1:]), dtype=column.dtype, pin_memory=True)
 
         def cpu_pinned(batch: int = batch, staging: Any = staging) -> Any:
             order = torch.randperm(count)
@@ -168,14 +173,21 @@ def random_batches(store: Any, size: int, rows_wanted: int) -> tuple[list[list[o
             "GPULoader": _rows_per_second(_forever(lambda gpu=gpu: iter(gpu)), rows_wanted, batch, 2),
         }
         first = next(iter(st.GPULoader(dataset, batch, device=device)))
-        assert torch.equal(first[:, 0].cpu(), torch.arange(batch, dtype=torch.float32) * (ROW // 4))
+        assert torch.equal(first.cpu(), column[:batch])
+        del first
         gpu.close()
         del loader
         base = speeds["DataLoader(4 workers, pin_memory)"]
         ratios[batch] = speeds["GPULoader"] / base
         for name, speed in speeds.items():
             table.append(
-                [f"{batch:,}", name, f"{speed / 1e6:.2f}", f"{speed * ROW / 1e9:.1f}", f"{speed / base:.2f}x"]
+                [
+                    f"{batch:,}",
+                    name,
+                    f"{speed / 1e6:.3f}",
+                    f"{speed * row_bytes / 1e9:.1f}",
+                    f"{speed / base:.2f}x",
+                ]
             )
     store.evict("rows")
     return table, ratios
@@ -201,6 +213,7 @@ def main() -> int:
             elapsed_s=0.0,
         )
         return 0
+    import numpy as np
     import torch
 
     import shmcache
@@ -214,9 +227,17 @@ def main() -> int:
         moved, bandwidth = transfer(store, size, 5 if args.quick else 9)
         print(f"\n## Whole entry ({size / GiB:.2f} GiB) host -> GPU, median\n")
         print(markdown_table(["path", "GB/s", "vs pinned copy"], moved, "lrr"))
-        batches, ratios = random_batches(store, size, rows_wanted)
-        print(f"\n## Random batches of 1 KiB rows delivered on the GPU ({size // ROW:,} rows)\n")
+        count = size // ROW
+        rows = np.arange(count * (ROW // 4), dtype=np.float32).reshape(count, ROW // 4)
+        batches, ratios = random_batches(store, rows, BATCHES, rows_wanted)
+        del rows
+        print(f"\n## Random batches of 1 KiB rows delivered on the GPU ({count:,} rows)\n")
         print(markdown_table(["batch", "path", "M rows/s", "GB/s", "vs DataLoader"], batches, "rlrrr"))
+        images = np.random.default_rng(0).integers(0, 255, (size // IMAGE, 3, 224, 224), dtype=np.uint8)
+        pictures, _ = random_batches(store, images, IMAGE_BATCHES, rows_wanted // 64)
+        del images
+        print(f"\n## Random batches of 3x224x224 uint8 images on the GPU ({size // IMAGE:,} images)\n")
+        print(markdown_table(["batch", "path", "M rows/s", "GB/s", "vs DataLoader"], pictures, "rlrrr"))
     registered = bandwidth["registered (pin held)"] / bandwidth["pinned buffer alone (H2D)"]
     targets = [
         Target(
