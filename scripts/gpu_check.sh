@@ -13,6 +13,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
     echo "ulimit -l: $(ulimit -l)"
+    echo "doctor's gpu check:"
+    python3 -c "from shmcache._diagnose.gpu import gpu_report; print(gpu_report())"
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu_cuda.py 2>&1 | tee "$OUT/pytest-gpu.txt"
