@@ -118,6 +118,7 @@ PARSERS: dict[str, Parser] = {
     "bench_ingest": _from_own_report,
     "bench_remote": _from_own_report,
     "bench_api": _from_api,
+    "bench_gpu": _from_own_report,
     "soak_api": _from_own_report,
 }
 
@@ -135,6 +136,7 @@ def steps() -> list[Step]:
         Step("bench_ingest", "bench_ingest.py"),
         Step("bench_remote", "bench_remote.py"),
         Step("bench_api", "bench_api.py", json=False),
+        Step("bench_gpu", "bench_gpu.py"),  # "no GPU" in 2 s without one
         Step("soak_api", "soak_api.py"),
     ]
     return [s for s in found if (SCRIPTS / s.script).exists()]

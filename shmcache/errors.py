@@ -17,6 +17,7 @@ The tree (built-in bases in brackets)::
     ├── TooManyOpenFilesError       [OSError]           the descriptor limit is exhausted
     ├── MappingRefusedError         [MemoryError]       the kernel refused a private mapping
     ├── LockTimeoutError            [TimeoutError]      another process holds a lock too long
+    ├── GPUUnavailableError         [RuntimeError]      CUDA (or read-only host registration) is missing
     ├── CorruptEntryError           [ValueError]        a published entry was damaged
     ├── CacheRootError              [PermissionError]   the root is unusable or not ours
     ├── InvalidSourceError                              a source cannot be loaded
@@ -44,6 +45,7 @@ __all__ = [
     "CorruptSourceError",
     "DaemonRunningError",
     "DaemonUnavailableError",
+    "GPUUnavailableError",
     "InvalidKeyError",
     "InvalidRequestError",
     "InvalidSourceError",
@@ -100,6 +102,12 @@ class TooManyOpenFilesError(ShmCacheError, OSError):
 class MappingRefusedError(ShmCacheError, MemoryError):
     """The kernel refused the private copy-on-write mapping a writable tensor needs
     (strict overcommit, ``vm.overcommit_memory=2``, or ``RLIMIT_DATA``)."""
+
+
+class GPUUnavailableError(ShmCacheError, RuntimeError):
+    """A GPU function of ``shmcache.torch`` found no CUDA: a CPU-only PyTorch build, no
+    usable device or driver, or (for ``cuda_view``) no read-only host registration.
+    Never raised over HTTP: the daemon has no GPU functions."""
 
 
 class LockTimeoutError(ShmCacheError, TimeoutError):

@@ -6,6 +6,10 @@ warning: they sit on a private copy-on-write mapping of the entry of their own, 
 training loop that writes into one changes only that tensor's copy of the touched pages,
 never the cache, another process, or the arrays ``open_array`` returns.
 
+On a GPU machine, ``pin``/``cuda_view``/``to_cuda`` register an entry's pages with CUDA
+read-only (no copy) and ``GPULoader`` gathers batches on the GPU (``_cuda`` has the
+details); without CUDA they raise :class:`~shmcache.errors.GPUUnavailableError`.
+
 Where the kernel refuses such a mapping (strict overcommit, ``vm.overcommit_memory=2``,
 for an entry bigger than the room left under the commit limit), ``as_tensor`` raises
 :class:`~shmcache.errors.MappingRefusedError` and ``CachedDataset`` reads the shared
@@ -33,10 +37,30 @@ except ImportError as exc:  # say what to install, not just "No module named 'to
 from torch.utils.data import Dataset, default_collate
 
 from ._api import get_store
+from ._cuda import (
+    Pinned,
+    cuda_device,
+    cuda_view,
+    pin,
+    read_only_registration_supported,
+    recorded_event,
+    to_cuda,
+)
 from ._disk.attach import private_view
-from .errors import MappingRefusedError
+from .errors import MappingRefusedError, UnsupportedDataError
 
-__all__ = ["CachedDataset", "GatheredBatch", "as_tensor", "collate"]
+__all__ = [
+    "CachedDataset",
+    "GPULoader",
+    "GatheredBatch",
+    "Pinned",
+    "as_tensor",
+    "collate",
+    "cuda_view",
+    "pin",
+    "read_only_registration_supported",
+    "to_cuda",
+]
 
 Root = str | os.PathLike[str] | None
 
@@ -171,3 +195,134 @@ class CachedDataset(Dataset[Any]):
         self._pid = -1
         self._tensors = []
         self._copy_rows = False
+
+
+class GPULoader:
+    """Batches of a :class:`CachedDataset`'s columns gathered on ``device``: one
+    ``index_select`` per column per batch, no worker process, no pickling.
+
+    On CUDA the columns are :func:`cuda_view` s of the cache's registered pages, so a
+    batch crosses PCIe once, already gathered; where read-only registration is not
+    supported, each batch is gathered on the CPU into a pinned staging buffer and copied
+    asynchronously (logged once). ``device="cpu"`` runs the same code on the CPU.
+    Sampling follows ``DataLoader``: ``shuffle`` draws a fresh permutation each epoch
+    (``torch.randperm`` with ``generator``, else torch's global RNG); ``sampler`` (e.g. a
+    ``DistributedSampler``: call ``loader.set_epoch(e)``) replaces it. Batches have the
+    dataset's shape: a tensor, a tuple, or a dict of tensors. Only numeric array columns
+    can be gathered this way (every ``CachedDataset`` column is an array; a structured
+    or string dtype is refused): use a ``DataLoader`` for anything else. Batches are
+    fresh tensors (writable); the loader holds its pins until ``close()`` or collection.
+    """
+
+    def __init__(
+        self,
+        dataset: CachedDataset,
+        batch_size: int,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        sampler: Any = None,
+        generator: torch.Generator | None = None,
+        device: Any = None,
+    ) -> None:
+        if not isinstance(dataset, CachedDataset):
+            raise TypeError(
+                f"GPULoader gathers the array columns of a shmcache.torch.CachedDataset, not a "
+                f"{type(dataset).__name__}; use torch's DataLoader for other datasets"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
+        if sampler is not None and shuffle:
+            raise ValueError("sampler and shuffle=True are exclusive (as in DataLoader): a sampler shuffles")
+        resolved = torch.device("cuda" if device is None else device)
+        if resolved.type == "cuda":
+            resolved = cuda_device(resolved, "GPULoader")
+        elif resolved.type != "cpu":
+            raise ValueError(f"GPULoader runs on a CUDA device or on 'cpu', not {resolved}")
+        store = get_store(dataset._root)
+        for key in dataset._keys:
+            dtype = store.open_array(key).dtype
+            if dtype.fields is not None or dtype.kind not in "biufc":
+                raise UnsupportedDataError(
+                    f"GPULoader gathers numeric array columns; column {key!r} has dtype {dtype} "
+                    "(records, strings, objects): load that column with a DataLoader instead"
+                )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.generator = generator
+        self.device = resolved
+        self._columns: list[torch.Tensor] | None = None
+        self._staged = False
+        self._buffers: list[list[torch.Tensor]] = []
+        self._turn = 0
+        self._done: list[Any] = [None, None]
+
+    def __len__(self) -> int:
+        count = len(self.dataset) if self.sampler is None else len(self.sampler)
+        return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``epoch`` to the sampler (``DistributedSampler`` reshuffles with it)."""
+        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def close(self) -> None:
+        """Drop the columns (and with them the pins on the cache's pages)."""
+        self._columns = None
+        self._buffers = []
+
+    def _device_columns(self) -> list[torch.Tensor]:
+        if self._columns is None:
+            if self.device.type == "cpu":
+                self._columns = self.dataset._columns()
+            elif read_only_registration_supported(self.device):
+                root = self.dataset._root
+                self._columns = [cuda_view(k, self.device, root=root) for k in self.dataset._keys]
+            else:
+                self._staged = True
+                self._columns = self.dataset._columns()
+        return self._columns
+
+    def _order(self) -> torch.Tensor:
+        if self.sampler is not None:
+            return torch.as_tensor(list(iter(self.sampler)), dtype=torch.long)
+        if self.shuffle:  # a tensor, not RandomSampler's list of ints (~70 ms per million rows)
+            return torch.randperm(len(self.dataset), generator=self.generator)
+        return torch.arange(len(self.dataset))
+
+    def __iter__(self) -> Any:
+        columns = self._device_columns()
+        order = self._order()
+        if not self._staged:
+            order = order.to(self.device)
+        for start in range(0, len(order), self.batch_size):
+            positions = order[start : start + self.batch_size]
+            if len(positions) < self.batch_size and self.drop_last:
+                return
+            if self._staged:
+                yield self.dataset._pack(self._gather_staged(columns, positions))
+            else:
+                yield self.dataset._pack([column.index_select(0, positions) for column in columns])
+
+    def _gather_staged(self, cols: list[torch.Tensor], positions: torch.Tensor) -> list[torch.Tensor]:
+        """Gather on the CPU into one of two pinned buffers per column, then copy it
+        asynchronously; a buffer is reused only after its previous copy finished."""
+        if not self._buffers:
+            self._buffers = [
+                [torch.empty((self.batch_size, *c.shape[1:]), dtype=c.dtype, pin_memory=True) for c in cols]
+                for _ in range(2)
+            ]
+        slot = self._turn % 2
+        self._turn += 1
+        event = self._done[slot]
+        if event is not None:
+            event.synchronize()
+        count = len(positions)
+        out = []
+        for column, buffer in zip(cols, self._buffers[slot], strict=True):
+            torch.index_select(column, 0, positions, out=buffer[:count])
+            out.append(buffer[:count].to(self.device, non_blocking=True))
+        self._done[slot] = recorded_event()
+        return out

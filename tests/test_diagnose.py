@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +53,18 @@ def test_doctor_reports_every_check(root: Path) -> None:
     human = invoke("doctor", "--root", str(root))
     assert re.search(r"^(ok|WARN|FAIL)\s+shm\s", human.stdout, re.MULTILINE)
     assert "failed" in human.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(
+    Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None,
+    reason="checks a machine without an NVIDIA driver",
+)
+def test_doctor_says_no_gpu_in_one_line_without_a_driver(root: Path) -> None:
+    _, checks = _doctor("--root", str(root))
+    assert checks["gpu"]["status"] == "ok" and checks["gpu"]["summary"] == "no GPU (no NVIDIA driver)"
+    assert "memlock" in checks["gpu"]["details"]  # type: ignore[operator]
+    human = invoke("doctor", "--root", str(root))
+    assert re.search(r"^ok\s+gpu\s+no GPU \(no NVIDIA driver\)$", human.stdout, re.MULTILINE)
 
 
 def test_doctor_fails_on_a_root_that_is_not_yours(root: Path, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.TooManyOpenFilesError: OSError,
     errors.MappingRefusedError: MemoryError,
     errors.DaemonRunningError: RuntimeError,
+    errors.GPUUnavailableError: RuntimeError,
     errors.UnauthorizedError: PermissionError,
     errors.UntrustedDaemonError: PermissionError,
     errors.InvalidRequestError: ValueError,

@@ -24,7 +24,7 @@ LAYERS: list[list[str]] = [
     ["shmcache._containers"],
     ["shmcache._store"],
     ["shmcache._control", "shmcache._api"],
-    ["shmcache", "shmcache.torch", "shmcache.compat"],
+    ["shmcache", "shmcache.torch", "shmcache._cuda", "shmcache.compat"],
     ["shmcache.client", "shmcache.service"],
     ["shmcache._diagnose"],
     ["shmcache._cli"],

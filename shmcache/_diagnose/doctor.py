@@ -4,8 +4,8 @@ each with a fix.
 The /dev/shm size and free space (Docker's 64 MB default), a cgroup memory limit below the
 cache, the root's owner and mode, the daemon (probed with :class:`shmcache.client.Client`,
 imported only when its socket exists), the root's budget (exceeded, or above the tmpfs size), the
-multiprocessing start method, ``ulimit -n``, vm.overcommit, and systemd-logind's RemoveIPC
-(which deletes a regular user's /dev/shm files at logout).
+multiprocessing start method, ``ulimit -n``, vm.overcommit, systemd-logind's RemoveIPC
+(which deletes a regular user's /dev/shm files at logout), and the GPU (``gpu``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .._disk.trust import untrusted_reason
 from .._store import Store, StoreStats
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
+from .gpu import gpu_report
 from .logind import removeipc_risk
 
 __all__ = ["Check", "Status", "run_checks"]
@@ -442,5 +443,6 @@ def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
         _check_open_files(len(entries)),
         _check_overcommit(),
         _check_held(store),
+        Check("gpu", *gpu_report()),  # type: ignore[arg-type]
     ]
     return checks
