@@ -101,6 +101,21 @@ def _ask(proc: subprocess.Popen[str], command: str) -> float:
     return float(proc.stdout.readline())
 
 
+def _run_ok(script: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter on ``root``; it must exit 0 (not -11, a SIGSEGV)
+    and print "ok"."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=clean_env({ENV_ROOT: str(root)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"exit code {done.returncode} (-11 is SIGSEGV)\n{done.stderr[-3000:]}"
+    assert done.stdout.strip() == "ok"
+    return done
+
+
 def test_one_physical_copy_while_nobody_writes_and_only_written_pages_become_private(
     store: shmcache.Store,
 ) -> None:
@@ -185,15 +200,7 @@ def test_writes_through_containers_stay_in_the_writing_process(store: shmcache.S
     store.put_strings("strings", ["alpha", "beta"])
     store.put_records("records", [{"label": 3}, {"tags": ["cat"]}])
     before = _container_values(store)
-    done = subprocess.run(
-        [sys.executable, "-c", _CONTAINER_WRITES],
-        env=clean_env({ENV_ROOT: str(store.root)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"exit code {done.returncode} (-11 is SIGSEGV)\n{done.stderr[-3000:]}"
-    assert done.stdout.strip() == "ok"
+    _run_ok(_CONTAINER_WRITES, store.root)
     assert _container_values(store) == before
     assert store.open("shared").column("v").tolist() == [1, 2]
     for key in ("table", "ragged", "blobs", "mapping", "group/x", "strings", "records", "shared"):
@@ -248,15 +255,7 @@ def test_a_refused_private_mapping_falls_back_to_shared_read_only_said_once(stor
     store.put_array("big1", big)
     store.put_array("big2", big)
     store.put_array("small", np.arange(10))
-    done = subprocess.run(
-        [sys.executable, "-c", _REFUSED],
-        env=clean_env({ENV_ROOT: str(store.root)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"exit code {done.returncode} (-11 is SIGSEGV)\n{done.stderr[-3000:]}"
-    assert done.stdout.strip() == "ok"
+    done = _run_ok(_REFUSED, store.root)
     assert done.stderr.count("refused a private copy-on-write mapping") == 1  # said once
     assert "mapped shared read-only" in done.stderr and "'big1'" in done.stderr
     assert store.verify("big1")
@@ -284,15 +283,7 @@ def test_under_strict_overcommit_entries_are_mapped_shared_said_once(store: shmc
     assert not overcommit_is_strict(b"1")
     store.put_array("a", np.arange(3))
     store.put_array("b", np.arange(4))
-    done = subprocess.run(
-        [sys.executable, "-c", _STRICT],
-        env=clean_env({ENV_ROOT: str(store.root)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "ok"
+    done = _run_ok(_STRICT, store.root)
     assert done.stderr.count("vm.overcommit_memory=2 (strict overcommit)") == 1
     assert "mapped shared read-only" in done.stderr
 

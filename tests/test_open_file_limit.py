@@ -71,16 +71,17 @@ def _check_entries(root: Path, count: int) -> None:
         assert store.open_array(f"ds/d{n // 1000:03d}/a{n % 1000:03d}").tolist() == [n, n + 1, n + 2, n + 3]
 
 
-def _library_put(root: Path, tree: Path, count: int) -> None:
+def _run_limited(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` under the descriptor limit; it must succeed."""
     done = subprocess.run(
-        [sys.executable, "-c", _LIBRARY_PUT, str(root), str(tree)],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        preexec_fn=_limited,
-        env=clean_env(),
+        command, capture_output=True, text=True, timeout=WAIT_S, preexec_fn=_limited, env=clean_env()
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _library_put(root: Path, tree: Path, count: int) -> None:
+    done = _run_limited([sys.executable, "-c", _LIBRARY_PUT, str(root), str(tree)])
     assert done.stdout.split() == [str(count), str(count)]
     _check_entries(root, count)
 
@@ -90,15 +91,7 @@ def test_a_library_put_of_more_files_than_the_descriptor_limit(root: Path, tree:
 
 
 def test_a_cli_put_of_more_files_than_the_descriptor_limit(root: Path, tree: Path) -> None:
-    done = subprocess.run(
-        [*CLI, "put", str(tree), "--key", "ds", "--root", str(root), "--local"],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        preexec_fn=_limited,
-        env=clean_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_limited([*CLI, "put", str(tree), "--key", "ds", "--root", str(root), "--local"])
     assert len(Store(root).list("ds")) == FILES
     _check_entries(root, FILES)
 
@@ -126,15 +119,7 @@ def test_a_put_of_100000_files_under_256_descriptors(root: Path) -> None:
     with scratch_dir("nofile-many") as path:
         tree = _write_npy_tree(path / "tree", MANY)
         _library_put(root, tree, MANY)
-        done = subprocess.run(
-            [*CLI, "put", str(tree), "--key", "ds", "--root", str(root), "--local", "--overwrite"],
-            capture_output=True,
-            text=True,
-            timeout=WAIT_S,
-            preexec_fn=_limited,
-            env=clean_env(),
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        _run_limited([*CLI, "put", str(tree), "--key", "ds", "--root", str(root), "--local", "--overwrite"])
         _check_entries(root, MANY)
         limited = running_daemon(root, "--allow-source", str(tree), nofile=(LIMIT, LIMIT))
         with limited as daemon, daemon.client(timeout=60) as client:
