@@ -123,15 +123,22 @@ def test_a_directory_put_killed_anywhere_is_seen_all_old_or_all_new(root: Path, 
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=WAIT_S)
         seen = _check_whole_then_clean(root, {current, value})
-        if seen == value:
-            outcomes["new"] += 1
-            first_new = min(first_new, delay)
-        else:
-            outcomes["old"] += 1
-            last_old = max(last_old, delay)
+        last_old, first_new = _landed(outcomes, seen == value, delay, last_old, first_new)
         current = seen
     assert outcomes["old"] and outcomes["new"], outcomes  # the kills did land on both sides
 
+
+
+def _landed(
+    outcomes: dict[str, int], new: bool, delay: float, last_old: float, first_new: float
+) -> tuple[float, float]:
+    """Count on which side a kill after ``delay`` landed, and narrow the window the next
+    kills aim at: the new ``(last_old, first_new)``."""
+    if new:
+        outcomes["new"] += 1
+        return last_old, min(first_new, delay)
+    outcomes["old"] += 1
+    return max(last_old, delay), first_new
 
 @pytest.mark.parametrize(
     ("step", "expected"),
@@ -453,12 +460,7 @@ def test_a_daemon_killed_anywhere_in_a_directory_load_leaves_a_whole_directory(
             seen = _whole_value(root, {current, value})
             daemon = start()  # its start cleans up after the killed one
             assert _whole_value(root, {current, value}) == seen
-            if seen == value:
-                outcomes["new"] += 1
-                first_new = min(first_new, delay)
-            else:
-                outcomes["old"] += 1
-                last_old = max(last_old, delay)
+            last_old, first_new = _landed(outcomes, seen == value, delay, last_old, first_new)
             current = seen
     finally:
         daemon.stop()

@@ -233,9 +233,7 @@ def _mmap(fd: int, key: str, mode: MapMode) -> mmap.mmap:
                 "of each entry in full to the commit limit, in every process and again at every "
                 "fork (each DataLoader worker)"
             )
-        mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
-        mapping.shared = True
-        return mapping
+        mode = SHARED  # the fallback: a shared read-only mapping, below
     if mode == SHARED:
         mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
         mapping.shared = True
