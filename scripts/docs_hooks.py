@@ -21,7 +21,11 @@ from typing import Any
 __all__ = ["cli_markdown", "on_files", "openapi_markdown", "site_markdown"]
 
 REPO = Path(__file__).resolve().parents[1]
-ROOT_PAGES = {"architecture.md": "ARCHITECTURE.md", "security.md": "SECURITY.md", "benchmarks.md": "BENCHMARKS.md"}
+ROOT_PAGES = {
+    "architecture.md": "ARCHITECTURE.md",
+    "security.md": "SECURITY.md",
+    "benchmarks.md": "BENCHMARKS.md",
+}
 """Site page -> the repository's top-level document it shows."""
 _SITE_NAME = {source: page for page, source in ROOT_PAGES.items()}
 _LINK = re.compile(r"\]\((?P<target>[^)\s#]*)(?P<anchor>#[^)\s]*)?\)")
@@ -98,7 +102,6 @@ def openapi_markdown(schema: dict[str, Any]) -> str:
 def on_files(files: Any, config: Any, **_: Any) -> Any:
     """Add the generated pages to the site's files."""
     from mkdocs.structure.files import File
-
     from shmcache.service.app import openapi_schema
 
     for page, source in ROOT_PAGES.items():
@@ -106,6 +109,8 @@ def on_files(files: Any, config: Any, **_: Any) -> Any:
         files.append(File.generated(config, page, content=text))
     files.append(File.generated(config, "reference/cli.md", content=cli_markdown()))
     schema = openapi_schema()
-    files.append(File.generated(config, "reference/openapi.json", content=json.dumps(schema, indent=2) + "\n"))
+    files.append(
+        File.generated(config, "reference/openapi.json", content=json.dumps(schema, indent=2) + "\n")
+    )
     files.append(File.generated(config, "reference/openapi.md", content=openapi_markdown(schema)))
     return files

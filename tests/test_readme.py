@@ -118,7 +118,9 @@ def _marks_before(path: Path, lines: list[str], fence: int) -> dict[str, str]:
                     f"<!-- needs: gpu --> or <!-- requires: EXTRA -->, not {lines[i].strip()}"
                 )
             if mark["name"] == "needs" and mark["value"] not in NEEDS:
-                raise ValueError(f"{where}: unknown need {mark['value']!r} (known: {', '.join(sorted(NEEDS))})")
+                raise ValueError(
+                    f"{where}: unknown need {mark['value']!r} (known: {', '.join(sorted(NEEDS))})"
+                )
             if mark["name"] == "requires":
                 unknown = [n.strip() for n in mark["value"].split(",") if n.strip() not in REQUIRES]
                 if unknown:
@@ -130,7 +132,9 @@ def _marks_before(path: Path, lines: list[str], fence: int) -> dict[str, str]:
 
 def documents() -> list[Path]:
     """The README, the other top-level documents and every page under docs/."""
-    return [REPO / name for name in ROOT_DOCS if (REPO / name).exists()] + sorted((REPO / "docs").rglob("*.md"))
+    return [REPO / name for name in ROOT_DOCS if (REPO / name).exists()] + sorted(
+        (REPO / "docs").rglob("*.md")
+    )
 
 
 @cache
@@ -237,8 +241,14 @@ def quick_start_installs(readme: str) -> set[str]:
 def test_the_quick_start_installs_what_the_readme_blocks_need() -> None:
     installed = quick_start_installs((REPO / "README.md").read_text(encoding="utf-8"))
     needed = {name for block in python_blocks(REPO / "README.md") if block.runs for name in block.requires}
-    needed |= {"service"} if any(b.marks.get("needs") == "daemon" for b in python_blocks(REPO / "README.md")) else set()
-    assert needed - installed == set(), f"the Quick start's pip install line lacks {sorted(needed - installed)}"
+    needed |= (
+        {"service"}
+        if any(b.marks.get("needs") == "daemon" for b in python_blocks(REPO / "README.md"))
+        else set()
+    )
+    assert needed - installed == set(), (
+        f"the Quick start's pip install line lacks {sorted(needed - installed)}"
+    )
 
 
 def test_the_collector_reads_fences_and_marks(tmp_path: Path) -> None:
@@ -284,9 +294,14 @@ def test_the_collector_reads_fences_and_marks(tmp_path: Path) -> None:
         (29, True, {"requires": "arrow, torch", "needs": "gpu"}),
     ]
     assert blocks[2].code == "b = a + 1\n```\nstill code\n"
-    assert blocks[3].code == "import pandas, torch\nimport shmcache.torch\n" and blocks[3].requires == ["arrow", "torch"]
+    assert blocks[3].code == "import pandas, torch\nimport shmcache.torch\n" and blocks[3].requires == [
+        "arrow",
+        "torch",
+    ]
     assert missing_marks(blocks[3]) == []
-    assert missing_marks(Block(doc, 1, "import os, numpy\nimport pandas\nfrom shmcache.torch import pin\n")) == [
+    assert missing_marks(
+        Block(doc, 1, "import os, numpy\nimport pandas\nfrom shmcache.torch import pin\n")
+    ) == [
         "pandas",
         "shmcache.torch (requires: torch)",
     ]
@@ -296,5 +311,6 @@ def test_the_collector_reads_fences_and_marks(tmp_path: Path) -> None:
 
 
 def test_the_quick_start_line_is_parsed() -> None:
-    readme = "## Quick start\n\n```bash\npython3 -m venv .venv && .venv/bin/pip install torch -e '.[service,arrow]' && x\n```\n"
+    line = "python3 -m venv .venv && .venv/bin/pip install torch -e '.[service,arrow]' && x"
+    readme = f"## Quick start\n\n```bash\n{line}\n```\n"
     assert quick_start_installs(readme) == {"torch", "service", "arrow"}
