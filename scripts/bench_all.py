@@ -243,11 +243,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured = t["measured_text"] + (f" ({t['note']})" if t.get("note") else "")
             rows.append([t["target"], result["name"], t["row"], measured, mark(t["ok"])])
     print(f"\n=== summary ({'quick' if args.quick else 'full'}, {elapsed:.0f} s)\n")
-    print(markdown_table(["target (DESIGN.md)", "benchmark", "row", "measured", "ok"], rows))
+    if args.quick:
+        print(QUICK_NOTE + "\n")
+    ok_column = "at this size" if args.quick else "ok"
+    print(markdown_table(["target (DESIGN.md)", "benchmark", "row", "measured", ok_column], rows))
     checked = [t for r in results for t in r["targets"] if t["ok"] is not None]
     crashed = [r["name"] for r in results if r["returncode"] != 0]
     print(
-        f"\n{sum(bool(t['ok']) for t in checked)}/{len(checked)} targets met"
+        "\n"
+        + verdict_line(sum(bool(t["ok"]) for t in checked), len(checked), args.quick)
         + (f"; crashed: {', '.join(crashed)}" if crashed else "")
         + "\n"
         + "\n".join(f"- {r['name']}: {r['elapsed_s']:.0f} s" for r in results)
@@ -262,6 +266,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(summary, fp, indent=1)
     print(f"\nsummary: {args.out / 'summary.json'}")
     return 1 if crashed else 0
+
+
+QUICK_NOTE = (
+    "Quick sizes do not judge the targets: they check that every benchmark runs. At these sizes "
+    "fixed costs (process start, imports, thread start-up) weigh more than at full size, so a ✗ "
+    "below is not a miss. The targets are judged at full size: BENCHMARKS.md has the latest full "
+    "numbers (python scripts/bench_all.py reproduces them)."
+)
+
+
+def verdict_line(met: int, checked: int, quick: bool) -> str:
+    """The closing count; in the quick size, said so that a ✗ does not read as a failure."""
+    if quick:
+        return (
+            f"{met}/{checked} rows reached their target at the quick size (not a verdict: "
+            "full-size results are in BENCHMARKS.md)"
+        )
+    return f"{met}/{checked} targets met"
 
 
 def _versions() -> dict[str, str]:

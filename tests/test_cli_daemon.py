@@ -328,7 +328,7 @@ def test_debug_shows_the_traceback_of_a_failed_daemon_load(daemon: Daemon, data_
     assert isinstance(debug.exception, shmcache.KeyExistsError) and "error:" not in debug.stderr
 
 
-# ---------------------------------------------------------------------- help and README agree
+# ---------------------------------------------------------------------- help and docs/command-line.md agree
 
 
 def test_help_and_readme_list_the_same_commands() -> None:
@@ -343,10 +343,9 @@ def test_help_and_readme_list_the_same_commands() -> None:
         ]
         + [group.name or "" for group in app.registered_groups]  # commands with subcommands: budget
     )
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Command line", 1)[1].split("\n## ", 1)[0]
+    section = (Path(__file__).parent.parent / "docs" / "command-line.md").read_text()  # the command guide
     for name in names:
-        assert re.search(rf"`shmcache {name}\b", section), f"README's Command line section lacks {name}"
+        assert re.search(rf"`shmcache {name}\b", section), f"docs/command-line.md lacks {name}"
         assert re.search(rf"^\s*│?\s*{name}\b", out, re.MULTILINE), f"--help lacks {name}"
     for documented in set(re.findall(r"`shmcache ([a-z][a-z-]*)", section)):
-        assert documented in names, f"README documents shmcache {documented}, which does not exist"
+        assert documented in names, f"docs/command-line.md documents shmcache {documented}, which does not exist"

@@ -1,4 +1,4 @@
-"""The README's table of HTTP error statuses is the API's: every status a route declares in the
+"""docs/http-api.md's table of HTTP error statuses is the API's: every status a route declares in the
 OpenAPI schema, every status an error type maps to and every status the HTTP edge answers
 has a row, every row is one of those, and each error type a row names maps to that status."""
 
@@ -16,7 +16,7 @@ from shmcache.service.errors import status_of
 
 from shmcache import errors
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+HTTP_API = Path(__file__).resolve().parent.parent / "docs" / "http-api.md"  # the status table
 EDGE = {
     400: "InvalidRequestError",  # malformed HTTP (service/protocol.py)
     405: "MethodNotAllowedError",  # a route's other methods
@@ -34,7 +34,7 @@ ANSWERED_BY_THE_APP = {
 
 def readme_table() -> dict[int, str]:
     """Status -> its row's text, from the table under ``| status | error |``."""
-    lines = README.read_text().splitlines()
+    lines = HTTP_API.read_text().splitlines()
     start = lines.index("| status | error |") + 2
     rows: dict[int, str] = {}
     for line in lines[start:]:
@@ -55,7 +55,7 @@ def error_classes() -> dict[str, type[errors.ShmCacheError]]:
 
 def test_the_readme_lists_every_status_the_api_returns(root: Path) -> None:
     table = readme_table()
-    assert table, "no status table in README.md"
+    assert table, "no status table in docs/http-api.md"
     # TCP with a token: 401 and 421 are in the schema.
     flags = {"host": "127.0.0.1", "port": 0, "allow_source": [root.parent]}
     with app_client(root, env={"SHMCACHE_TOKEN": "t" * 32}, **flags) as client:
@@ -70,8 +70,8 @@ def test_the_readme_lists_every_status_the_api_returns(root: Path) -> None:
     }
     mapped = {status_of(cls("x")) for cls in error_classes().values()}
     returned = declared | mapped | set(EDGE)
-    assert sorted(returned - set(table)) == [], "statuses the API returns missing from README's table"
-    assert sorted(set(table) - returned) == [], "README lists statuses the API never returns"
+    assert sorted(returned - set(table)) == [], "statuses the API returns missing from docs/http-api.md's table"
+    assert sorted(set(table) - returned) == [], "docs/http-api.md lists statuses the API never returns"
     for status, name in EDGE.items():
         assert f"`{name}`" in table[status], (status, name)
 

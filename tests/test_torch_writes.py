@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
     overcommit_is_strict(),
     reason="strict overcommit (vm.overcommit_memory=2): entries are mapped shared read-only",
 )
-README = Path(__file__).resolve().parents[1] / "README.md"
+PYTORCH_GUIDE = Path(__file__).resolve().parents[1] / "docs" / "pytorch.md"
 ORIGINAL = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
 
 PRELUDE = '''
@@ -47,7 +47,7 @@ def others_see(key):
 
 
 class Rows(torch.utils.data.Dataset):
-    """The README's Dataset: rows of open_array, as views."""
+    """The docs' Dataset: rows of open_array, as views."""
 
     def __init__(self, key, write_in_worker=False):
         self.x = shmcache.open_array(key)
@@ -190,12 +190,12 @@ def test_cached_dataset_batches_take_in_place_writes(
 
 
 def _section(text: str, title: str) -> str:
-    start = text.index(f"\n### {title}")
+    start = text.index(f"\n## {title}")
     return text[start : text.index("\n#", start + 1)]
 
 
 def test_the_docs_say_what_a_write_through_torch_does() -> None:
-    section = " ".join(_section(README.read_text(), "PyTorch helpers").split())
+    section = " ".join(_section(PYTORCH_GUIDE.read_text(), "PyTorch helpers").split())
     assert "torch.from_numpy(shmcache.open_array(key))" in section
     assert "copy-on-write" in section and "never the cache" in section
     assert "shmcache.torch.as_tensor(key)" in section and "CachedDataset" in section
