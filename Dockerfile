@@ -1,4 +1,4 @@
-# shmcache daemon in a container (README: "Daemon (`shmcache serve`)" > Docker).
+# shmcache daemon in a container (docs/daemon.md, "Docker").
 #
 # The cache lives in the container's /dev/shm: run with --ipc=host (the host's /dev/shm)
 # or --ipc=shareable --shm-size=<size> (Docker's default /dev/shm is 64 MB). Training
