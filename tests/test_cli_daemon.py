@@ -348,4 +348,4 @@ def test_help_and_readme_list_the_same_commands() -> None:
         assert re.search(rf"`shmcache {name}\b", section), f"docs/command-line.md lacks {name}"
         assert re.search(rf"^\s*│?\s*{name}\b", out, re.MULTILINE), f"--help lacks {name}"
     for documented in set(re.findall(r"`shmcache ([a-z][a-z-]*)", section)):
-        assert documented in names, f"docs/command-line.md documents shmcache {documented}, which does not exist"
+        assert documented in names, f"the guide documents shmcache {documented}, which does not exist"

@@ -70,7 +70,7 @@ def test_the_readme_lists_every_status_the_api_returns(root: Path) -> None:
     }
     mapped = {status_of(cls("x")) for cls in error_classes().values()}
     returned = declared | mapped | set(EDGE)
-    assert sorted(returned - set(table)) == [], "statuses the API returns missing from docs/http-api.md's table"
+    assert sorted(returned - set(table)) == [], "statuses the API returns missing from the table"
     assert sorted(set(table) - returned) == [], "docs/http-api.md lists statuses the API never returns"
     for status, name in EDGE.items():
         assert f"`{name}`" in table[status], (status, name)

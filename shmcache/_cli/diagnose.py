@@ -29,7 +29,9 @@ from .options import JsonOption, RootOption, SocketOption
 __all__ = ["register"]
 
 _Snapshot = Callable[[], tuple[list[str], list[tuple[str, ...]], str]]
-_README_FIX = 'docs/pytorch.md, "Fixing DataLoader memory growth": keep big Python lists/dicts in shmcache.share(...)'
+_README_FIX = (
+    'docs/pytorch.md, "Fixing DataLoader memory growth": keep big Python lists/dicts in shmcache.share(...)'
+)
 _TRACEMALLOC_HINT = (
     "For Python objects, tracemalloc says which lines allocated what stays: tracemalloc.start() "
     "(or PYTHONTRACEMALLOC=1), take tracemalloc.take_snapshot() twice and print "
