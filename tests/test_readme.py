@@ -314,3 +314,22 @@ def test_the_quick_start_line_is_parsed() -> None:
     line = "python3 -m venv .venv && .venv/bin/pip install torch -e '.[service,arrow]' && x"
     readme = f"## Quick start\n\n```bash\n{line}\n```\n"
     assert quick_start_installs(readme) == {"torch", "service", "arrow"}
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readme_links_resolve() -> None:
+    """README.md is not part of the site (whose build checks its own links): its relative links
+    must name files of the repository, and its anchors headings of those files."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\((?!https?:)([^)#\s]*)(?:#([^)\s]+))?\)", readme)
+    assert len(links) > 10
+    for target, anchor in links:
+        path = REPO / (target or "README.md")
+        assert path.exists(), f"README.md links to {target}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {github_anchor(h) for h in headings}, f"no heading of {target} has #{anchor}"
