@@ -5,7 +5,8 @@
 # nvidia-ml-py is used if present), then, writing each output under $OUT:
 #   1. the machine (nvidia-smi, torch, ulimit -l) and doctor's gpu check
 #   2. the `gpu`-marked tests, and the GPULoader tests on CPU
-#   3. ls / top --once / doctor while a process pins an entry (the CUDA PINS and GPU columns)
+#   3. ls / top --once / doctor while a process pins an entry (the CUDA PINS and GPU columns),
+#      and watch's gpu column over a process holding 256 MiB on the GPU
 #   4. scripts/bench_gpu.py (1 GiB entries; QUICK=1: 256 MiB): transfer, random batches,
 #      4 processes pinning one entry (PSS)
 #   5. scripts/grid_search.py --loader gpu -n 4: the GPULoader epoch vs the DataLoader's
@@ -50,6 +51,16 @@ for command in (["ls"], ["top", "--once"], ["doctor"]):
     done = subprocess.run([sys.executable, "-m", "shmcache", *command, "--root", root], capture_output=True, text=True)
     print(f"$ shmcache {' '.join(command)} (rc {done.returncode})\n{done.stdout}{done.stderr}")
 holder.communicate("")
+# watch's gpu column and GPU panel (filled where nvidia-ml-py is installed)
+out = sys.argv[1] + "-watch"
+grab = "import time, torch; x = torch.empty(256 << 20, dtype=torch.uint8, device='cuda'); time.sleep(3)"
+done = subprocess.run([sys.executable, "-m", "shmcache", "watch", "--interval", "0.5", "--out", out, "--",
+                       sys.executable, "-c", grab], capture_output=True, text=True)
+print(f"$ shmcache watch -- (256 MiB on the GPU for 3 s) (rc {done.returncode})\n{done.stderr}")
+import glob, shutil
+for path in glob.glob(out + "/*.csv"):
+    print(open(path).read().splitlines()[-1])
+shutil.rmtree(out, ignore_errors=True)
 EOF
 show_rc=$?
 [ "$cli" = 1 ] || show_rc=0

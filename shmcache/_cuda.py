@@ -7,8 +7,9 @@ mapping copies every page into the process, even with the read-only flag (measur
 BENCHMARKS.md "probe_gpu_mappings"). Flag 8 (``cudaHostRegisterReadOnly``) is the one
 that works on such a mapping; flag 0 fails. Registrations are counted per mapping per
 process and undone on the last release and at exit. A pinned entry is a live shared
-mapping, so the budget (which never evicts a mapped entry) keeps it, and ``ls``/``top``
-show the process among its mappers.
+mapping, so the budget (which never evicts a mapped entry) keeps it; each process also
+records what it holds in ``<root>/pins/<pid>`` (``_disk.pin_records``), which ``ls``,
+``top`` and ``doctor`` read.
 
 Where read-only registration is not supported (a B300 answered error 801), or where
 registering an entry fails for any other reason (``cudaErrorMemoryAllocation`` under a
