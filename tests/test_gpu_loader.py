@@ -1,7 +1,8 @@
 """GPU-direct without a GPU: GPULoader's sampling, batching, epochs and errors on
 ``device="cpu"`` (the same code as on CUDA), the one typed error every GPU function
 raises without CUDA, and a pin's bookkeeping (a live shared mapping of the entry's
-version, which is what keeps the budget from evicting it)."""
+version, which is what keeps the budget from evicting it), and ``grid_search.py --loader
+gpu`` without a GPU."""
 
 from __future__ import annotations
 
