@@ -1,12 +1,15 @@
 """GPU-direct bookkeeping on CPU (issue 20 items 1, 3, 4): what a failed CUDA registration
 falls back to, how a pinned entry is kept by the budget, and the per-process ``pins/<pid>``
 records that ``ls``, ``top`` and ``doctor`` read, with real processes and a real
-``kill -9``. The one stand-in is ``FakeRegister``, which plays ``cudaHostRegister``'s
-answers for the tests of the fallback *decision*; nothing here claims to test CUDA
-(tests/test_gpu_cuda.py does, on a GPU)."""
+``kill -9``. Two stand-ins, each for what this machine lacks and none for what a test
+claims to check: ``FakeRegister`` plays ``cudaHostRegister``'s answers for the tests of
+the fallback *decision*, and ``STAND_IN_NVML`` plays NVML for the plumbing of ``top``'s
+and ``watch``'s GPU columns. CUDA and NVML themselves are tested on a GPU
+(tests/test_gpu_cuda.py, through scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import shutil
@@ -198,3 +201,77 @@ def test_without_a_driver_gpu_memory_and_doctor_say_no_gpu_in_one_line(store: sh
     status, summary, _, details = gpu_report(store.root)
     assert (status, summary) == ("ok", "no GPU (no NVIDIA driver)")
     assert details["memlock"] and details["staged"] == []
+
+
+STAND_IN_NVML = '''
+"""A stand-in for NVML's binding (pynvml): two GPUs, on which every process whose command
+line holds the marker uses 100 + 28 MiB. It tests shmcache's plumbing, not NVML."""
+import os
+MARK = b"nvml-stand-in-user"
+class NVMLError(Exception):
+    pass
+class _Process:
+    def __init__(self, pid, used):
+        self.pid, self.usedGpuMemory = pid, used
+def nvmlInit():
+    pass
+def nvmlShutdown():
+    pass
+def nvmlDeviceGetCount():
+    return 2
+def nvmlDeviceGetHandleByIndex(index):
+    return index
+def nvmlDeviceGetComputeRunningProcesses(handle):
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and MARK in open(f"/proc/{name}/cmdline", "rb").read():
+                found.append(_Process(int(name), (100 if handle == 0 else 28) << 20))
+        except OSError:
+            pass
+    return found
+'''
+
+
+def test_top_and_watch_show_what_nvml_reports_per_process(root: Path, tmp_path: Path) -> None:
+    """With a stand-in NVML (and a stand-in nvidia-smi, which only says a driver is there):
+    the GPU column of top, the gpu column of watch's CSV and its plot's GPU panel."""
+    stand_in = tmp_path / "stand-in"
+    stand_in.mkdir()
+    (stand_in / "pynvml.py").write_text(STAND_IN_NVML)
+    (stand_in / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (stand_in / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": f"{stand_in}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PATH": f"{stand_in}{os.pathsep}{os.environ['PATH']}", "SHMCACHE_ROOT": str(root)}
+    shmcache.put_array("feats", np.ones((256, 1024), np.float32), root=root)
+    user = (
+        "import sys, shmcache; a = shmcache.open_array('feats'); print(a[0, 0], flush=True); sys.stdin.read()"
+    )
+    reader = subprocess.Popen([sys.executable, "-c", user, "nvml-stand-in-user"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "1.0"
+        top = subprocess.run([sys.executable, "-m", "shmcache", "top", "--once"], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert top.returncode == 0, top.stderr
+        header, *rows = top.stdout.splitlines()
+        assert header.split()[-2:] == ["GPU", "COMMAND"]
+        row = next(r for r in rows if r.startswith(f"{reader.pid} "))
+        assert "128.0 MiB" in row  # 100 + 28 MiB, summed over the two GPUs
+        assert "GPU memory of these: 128.0 MiB" in top.stdout and "no GPU" not in top.stdout
+    finally:
+        reader.communicate("")
+    out = tmp_path / "watch"
+    sleeper = "import time; time.sleep(1.5)"
+    watch = ["watch", "--interval", "0.3", "--out", str(out), "--"]
+    watch += [sys.executable, "-c", sleeper, "nvml-stand-in-user"]
+    done = subprocess.run([sys.executable, "-m", "shmcache", *watch], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no GPU" not in done.stderr
+    [csv_path] = out.glob("*.csv")
+    with open(csv_path) as fp:
+        used = {row["gpu"] for row in csv.DictReader(fp)}
+    assert used == {str(128 << 20)}
+    if "plot:" in done.stderr:  # matplotlib installed: the GPU panel is drawn
+        assert csv_path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
