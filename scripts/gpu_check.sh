@@ -10,7 +10,8 @@
 #   4. scripts/bench_gpu.py (1 GiB entries; QUICK=1: 256 MiB): transfer, random batches,
 #      4 processes pinning one entry (PSS)
 #   5. scripts/grid_search.py --loader gpu -n 4: the GPULoader epoch vs the DataLoader's
-# About 4-6 minutes on one H100; each step has its own timeout (590 s in all at worst).
+# About 4-6 minutes on one H100 (QUICK=1: less); each step has its own timeout (650 s in all
+# at worst: give the call timeout_s=600 and look at what came back under $OUT).
 set -u
 OUT="${OUT:-./gpu-out}"
 mkdir -p "$OUT"
@@ -37,7 +38,7 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_loader.py $pi
 loader_rc=${PIPESTATUS[0]}
 # 3. what ls, top and doctor show while a process pins an entry
 ROOT="$(mktemp -d /dev/shm/gpu-check-XXXXXX)"
-[ "$cli" = 1 ] && timeout 60 python3 - "$ROOT" >"$OUT/ls-top.txt" 2>&1 <<'EOF'
+[ "$cli" = 1 ] && timeout 90 python3 - "$ROOT" >"$OUT/ls-top.txt" 2>&1 <<'EOF'
 import subprocess, sys
 import numpy as np, shmcache
 root = sys.argv[1]
@@ -70,7 +71,7 @@ quick=""
 [ "${QUICK:-0}" = "1" ] && quick="--quick"
 timeout 200 python3 scripts/bench_gpu.py $quick --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
 bench_rc=${PIPESTATUS[0]}
-timeout 150 python3 scripts/grid_search.py --loader gpu --experiments 4 $quick 2>&1 | tee "$OUT/grid_search.txt"
+timeout 120 python3 scripts/grid_search.py --loader gpu --experiments 4 $quick 2>&1 | tee "$OUT/grid_search.txt"
 grid_rc=${PIPESTATUS[0]}
 echo "gpu tests rc=$tests_rc, loader tests rc=$loader_rc, ls/top rc=$show_rc, bench_gpu rc=$bench_rc," \
     "grid_search rc=$grid_rc" | tee "$OUT/summary.txt"
