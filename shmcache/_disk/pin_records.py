@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -143,12 +144,12 @@ def _read_live(path: Path) -> list[PinnedEntry] | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:  # held: its process lives
-            for _ in range(_RETRIES):
+            for attempt in range(_RETRIES):
                 try:
                     found = json.loads(os.pread(fd, 1 << 20, 0))
                     return [PinnedEntry(**pin) for pin in found["pins"]]
                 except (ValueError, KeyError, TypeError):
-                    continue
+                    time.sleep(0.001 * (attempt + 1))  # caught between truncate and write
             return None
         except OSError:
             return None
