@@ -274,3 +274,16 @@ def test_top_and_watch_show_what_nvml_reports_per_process(root: Path, tmp_path: 
     assert rows and {row["gpu"] for row in rows} == {str(128 << 20)}, (rows, done.stderr)
     if "plot:" in done.stderr:  # matplotlib installed: the GPU panel is drawn
         assert csv_path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_only_plain_files_are_read_as_records(root: Path) -> None:
+    """A FIFO or a symlink under pins/ is skipped: ls must not block on it or follow it."""
+    shmcache.Store(root).put_array("t", np.arange(3))
+    pins = root / PINS_DIR
+    pins.mkdir()
+    os.mkfifo(pins / "4000001")
+    (pins / "4000002").symlink_to("/dev/zero")
+    code = f"from shmcache._disk.pin_records import live_pins; print(live_pins({str(root)!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "{}", done.stderr
+    assert (pins / "4000001").exists() and (pins / "4000002").is_symlink()  # not ours to remove

@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -76,8 +77,13 @@ class PinRecord:
         with contextlib.suppress(FileExistsError):
             mode = os.stat(self.root).st_mode & 0o777
             self.directory.mkdir(mode=mode)
+        if not stat.S_ISDIR(os.lstat(self.directory).st_mode):  # a symlink or a file: not ours
+            raise NotADirectoryError(f"{self.directory} is not a directory")
         temporary = self.directory / f".{os.getpid()}.{threading.get_ident()}"
-        fd = os.open(temporary, os.O_CREAT | os.O_TRUNC | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)  # left by a namesake that died between create and rename
+        flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
+        fd = os.open(temporary, flags, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(temporary, self.path)  # a dead namesake's record (pid reuse) is replaced
@@ -136,11 +142,13 @@ def _sweep_temporary(path: Path) -> None:
 def _read_live(path: Path) -> list[PinnedEntry] | None:
     """The entries of a live process's record; None (and the record removed) if its
     process is gone, or if it cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # never follow a link, never block on a FIFO: only a plain file is a record
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:  # held: its process lives
