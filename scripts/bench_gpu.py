@@ -9,6 +9,9 @@
    ``DataLoader(CachedDataset, num_workers=4, pin_memory=True)`` then ``.cuda()``, a
    gather on the CPU into a pinned buffer then ``.cuda(non_blocking=True)``, and
    ``GPULoader`` (one ``index_select`` on the GPU over the registered pages).
+3. N processes (4) pinning one entry (``pin`` + ``cuda_view``, every page read on the GPU):
+   the PSS of the cache's pages summed over them (target: 1x the entry, not N x) and the
+   anonymous memory each one grew by (a copied page would land there).
 
 Prints "no GPU" and exits 0 without CUDA. Run from the repository root::
 
@@ -25,7 +28,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from _benchlib import Target, markdown_table, print_targets, scratch_dir, write_report
+from _benchlib import Target, markdown_table, print_targets, read_memory, scratch_dir, write_report
 
 GiB = 1 << 30
 ROW = 1024  # bytes per row: 256 float32
@@ -193,6 +196,65 @@ def random_batches(
     return table, ratios
 
 
+PINNERS = 4
+_PINNER = """
+import sys, torch, shmcache.torch as st
+def anonymous():
+    for line in open('/proc/self/smaps_rollup'):
+        if line.startswith('Anonymous:'):
+            return int(line.split()[1]) * 1024
+torch.zeros(1, device='cuda')
+before = anonymous()
+held = st.pin('shared', root=sys.argv[1])
+view = st.cuda_view('shared', root=sys.argv[1])
+total = float(view.view(-1, 1024).sum(dtype=torch.float64))  # every page read by the GPU
+print(held.registered, anonymous() - before, total, flush=True)
+sys.stdin.read()
+"""
+
+
+def pinning_pss(store: Any, size: int) -> tuple[list[list[object]], float]:
+    """PINNERS processes pin one entry at once: the sum of their cache PSS vs the entry."""
+    import subprocess
+
+    import numpy as np
+
+    store.put_array("shared", np.ones(size // 4, dtype=np.float32))
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PINNER, str(store.root)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(PINNERS)
+    ]
+    try:
+        answers = [child.stdout.readline().split() for child in children if child.stdout is not None]
+        if len(answers) != PINNERS or any(len(a) != 3 for a in answers):
+            raise RuntimeError(f"a pinning process failed: {answers}")
+        memories = [read_memory(child.pid, store.root) for child in children]
+    finally:
+        for child in children:
+            child.communicate("", timeout=120)
+    assert all(float(a[2]) == size // 4 for a in answers), answers  # the GPU read the right bytes
+    cache = sum(m.cache_pss for m in memories if m is not None)
+    grown = max(int(a[1]) for a in answers)
+    ratio = cache / size
+    rows: list[list[object]] = [
+        [
+            PINNERS,
+            f"{size / GiB:.2f} GiB",
+            ", ".join(sorted({a[0] for a in answers})),
+            f"{cache / GiB:.2f} GiB",
+            f"{ratio:.2f}x",
+            f"{grown / (1 << 20):.1f} MiB",
+        ]
+    ]
+    store.evict("shared")
+    return rows, ratio
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -238,6 +300,14 @@ def main() -> int:
         del images
         print(f"\n## Random batches of 3x224x224 uint8 images on the GPU ({size // IMAGE:,} images)\n")
         print(markdown_table(["batch", "path", "M rows/s", "GB/s", "vs DataLoader"], pictures, "rlrrr"))
+        pinners, pss_ratio = pinning_pss(store, size)
+        print(f"\n## {PINNERS} processes pinning one entry at once\n")
+        print(markdown_table(
+            ["processes", "entry", "registered", "cache PSS, all of them", "x the entry",
+             "most anonymous growth"],
+            pinners,
+            "rrlrrr",
+        ))
     registered = bandwidth["registered (pin held)"] / bandwidth["pinned buffer alone (H2D)"]
     targets = [
         Target(
@@ -254,6 +324,13 @@ def main() -> int:
             f"{ratios[4096]:.2f}x",
             ratios[4096] >= 3.0,
         ),
+        Target(
+            f"{PINNERS} processes pinning one entry keep 1x PSS",
+            "sum of their cache PSS / the entry",
+            pss_ratio,
+            f"{pss_ratio:.2f}x",
+            pss_ratio <= 1.1,
+        ),
     ]
     print()
     print_targets(targets)
@@ -262,7 +339,11 @@ def main() -> int:
         "bench_gpu",
         quick=args.quick,
         config={"size": size, "rows_wanted": rows_wanted},
-        results={"transfer_bytes_per_s": bandwidth, "gpuloader_vs_dataloader": ratios},
+        results={
+            "transfer_bytes_per_s": bandwidth,
+            "gpuloader_vs_dataloader": ratios,
+            "pinning_cache_pss_vs_entry": pss_ratio,
+        },
         targets=targets,
         elapsed_s=time.perf_counter() - started,
     )

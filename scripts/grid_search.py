@@ -10,13 +10,20 @@ pages. While all of them are alive (after training, persistent workers still up)
 PSS of every process is read from ``/proc/PID/smaps``; the total, and the part of it
 that is the cache's pages, are compared with 1x and N x the data's size.
 
+``--loader gpu`` runs the grid twice over the same entries: each experiment reads its
+batches through ``shmcache.torch.GPULoader`` (gathered on its GPU over the registered
+pages, no worker process), then through the DataLoader as above, and compares the epoch
+times (issue 20's target: GPULoader epoch <= 0.5x the DataLoader's). Without a GPU it
+says "no GPU" and runs both on ``device="cpu"`` (the same code; the ratio then measures the
+CPU gather, not the GPU target), so the comparison runs anywhere.
+
 The dataset goes in through the daemon (``shmcache.client.Client.put_file``) when one
 answers for ``--root`` (default: ``$SHMCACHE_ROOT`` or the default root; the entries are
 evicted at the end); otherwise into a temporary root under /dev/shm, in-process,
 removed at the end. Usage::
 
     python scripts/grid_search.py [--quick] [--experiments N] [--rows R] [--dim D]
-                                  [--epochs E] [--workers W] [--root R]
+                                  [--epochs E] [--workers W] [--root R] [--loader gpu]
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class Experiment:
     batch_size: int
     workers: int
     device: str
+    loader: str = "dataloader"
+    """"dataloader" (``workers`` worker processes) or "gpu" (``GPULoader``, none)."""
 
 
 # ---------------------------------------------------------------------- one experiment (child)
@@ -74,7 +83,7 @@ def run_experiment(exp: Experiment) -> int:
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from shmcache.torch import CachedDataset, as_tensor, collate
+    from shmcache.torch import CachedDataset, GPULoader, as_tensor, collate
 
     torch.set_num_threads(1)
     torch.manual_seed(exp.index)
@@ -82,16 +91,23 @@ def run_experiment(exp: Experiment) -> int:
     started = time.perf_counter()
     device = torch.device(exp.device)
     dataset = CachedDataset(exp.features, exp.labels, root=exp.root)
-    loader = DataLoader(
-        dataset,
-        batch_size=exp.batch_size,
-        shuffle=True,
-        num_workers=exp.workers,
-        persistent_workers=exp.workers > 0,
-        collate_fn=collate,
-        generator=torch.Generator().manual_seed(exp.index),
-        pin_memory=device.type == "cuda",
-    )
+    loader: Any
+    if exp.loader == "gpu":
+        loader = GPULoader(
+            dataset, exp.batch_size, shuffle=True, generator=torch.Generator().manual_seed(exp.index),
+            device=device,
+        )
+    else:
+        loader = DataLoader(
+            dataset,
+            batch_size=exp.batch_size,
+            shuffle=True,
+            num_workers=exp.workers,
+            persistent_workers=exp.workers > 0,
+            collate_fn=collate,
+            generator=torch.Generator().manual_seed(exp.index),
+            pin_memory=device.type == "cuda",
+        )
     features = as_tensor(exp.features, root=exp.root)
     model = nn.Sequential(nn.Linear(features.shape[1], exp.hidden), nn.ReLU(), nn.Linear(exp.hidden, CLASSES))
     model.to(device)
@@ -99,6 +115,7 @@ def run_experiment(exp: Experiment) -> int:
     loss_fn = nn.CrossEntropyLoss()
     losses: list[float] = []
     steps = 0
+    training = time.perf_counter()
     for _ in range(exp.epochs):
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -108,19 +125,23 @@ def run_experiment(exp: Experiment) -> int:
             optimizer.step()
             losses.append(loss.item())
             steps += 1
+    epoch_s = (time.perf_counter() - training) / max(1, exp.epochs)
     with torch.no_grad():
         held_out = slice(0, min(8192, len(dataset)))
         labels = as_tensor(exp.labels, root=exp.root)[held_out].to(device)
         predicted = model(features[held_out].to(device)).argmax(1)
         accuracy = float((predicted == labels).float().mean())
     result = {
-        "index": exp.index, "lr": exp.lr, "hidden": exp.hidden, "device": exp.device,
+        "index": exp.index, "lr": exp.lr, "hidden": exp.hidden, "device": exp.device, "loader": exp.loader,
+        "epoch_seconds": epoch_s,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         "steps": steps, "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:]),
         "accuracy": accuracy, "seconds": time.perf_counter() - started, "pid": os.getpid(),
     }
     print("TRAINED " + json.dumps(result), flush=True)
     sys.stdin.readline()  # the parent measures memory now, then says go
+    if isinstance(loader, GPULoader):
+        loader.close()  # drops its pins
     del loader  # stops the persistent workers
     return 0
 
@@ -197,37 +218,20 @@ def measure(pids: Sequence[int], root: Path) -> Snapshot:
     return snap
 
 
-def run_grid(args: argparse.Namespace) -> int:
-    started = time.perf_counter()
-    gpus = visible_gpus()
-    n = args.experiments or (len(gpus) if gpus else 4)
-    rows = args.rows or (131_072 if args.quick else 1_048_576)
-    features, labels = make_dataset(rows, args.dim)
-    data_bytes = features.nbytes + labels.nbytes
+@dataclass
+class GridRun:
+    """One grid: each experiment's result, and memory with all of them alive."""
 
-    daemon_root = Path(args.root) if args.root else shmcache.default_root()
-    prefix = f"grid-search-{os.getpid()}"
-    keys = {f"{prefix}/features": features, f"{prefix}/labels": labels}
-    temporary = contextlib.ExitStack()  # the temporary root, if there is one
-    load_started = time.perf_counter()
-    daemon = daemon_client(daemon_root)
-    if daemon is not None:
-        root = daemon_root
-        how = f"through the daemon on {daemon.socket_path}"
-        load_through_daemon(daemon, keys)
-    else:
-        root = temporary.enter_context(scratch_dir("shmcache-grid-"))
-        how = f"in-process into temporary root {root} (no daemon on {Client(daemon_root).socket_path})"
-        for key, array in keys.items():
-            shmcache.put_array(key, array, root=root)
-    load_s = time.perf_counter() - load_started
-    del features, labels, keys  # from here on, the only copy is the cache's
+    results: dict[int, dict[str, Any]]
+    snapshot: Snapshot
+    peak: Snapshot
+    codes: list[int]
 
-    print(f"# grid_search{' (quick)' if args.quick else ''}: {n} experiments, "
-          f"{len(gpus) or 'no'} visible GPUs, {args.workers} DataLoader workers each, {os.cpu_count()} CPUs")
-    print(f"dataset: {rows:,} x {args.dim} float32 + labels = {data_bytes / MiB:,.1f} MiB, "
-          f"loaded once {how} in {load_s:.2f} s")
 
+def run_once(
+    args: argparse.Namespace, n: int, root: Path, prefix: str, gpus: list[str], loader: str
+) -> GridRun | None:
+    """Run the N experiments with ``loader`` at once; None if one of them failed."""
     children: list[subprocess.Popen[str]] = []
     results: dict[int, dict[str, Any]] = {}
     trained = threading.Event()
@@ -238,7 +242,7 @@ def run_grid(args: argparse.Namespace) -> int:
                 index=i, root=str(root), features=f"{prefix}/features", labels=f"{prefix}/labels",
                 lr=LEARNING_RATES[i % len(LEARNING_RATES)], hidden=HIDDEN[(i // len(LEARNING_RATES)) % 2],
                 epochs=args.epochs, batch_size=args.batch_size, workers=args.workers,
-                device="cuda" if gpus else "cpu",
+                device="cuda" if gpus else "cpu", loader=loader,
             )
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)] if gpus else "")
             children.append(subprocess.Popen(
@@ -268,7 +272,7 @@ def run_grid(args: argparse.Namespace) -> int:
         if len(results) != n:
             failed = [c.pid for c in children if c.poll() not in (None, 0)]
             print(f"experiment processes {failed} failed", file=sys.stderr)
-            return 1
+            return None
         snapshot = measure(pids, root)  # all trained, every worker still alive
         for child in children:
             assert child.stdin is not None
@@ -280,15 +284,12 @@ def run_grid(args: argparse.Namespace) -> int:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        temporary.close()
-        if daemon is not None:
-            for key in (f"{prefix}/features", f"{prefix}/labels"):
-                try:
-                    daemon.evict(key)
-                except ShmCacheError as exc:
-                    print(f"could not evict {key}: {exc}", file=sys.stderr)
-            daemon.close()
+    return GridRun(results, snapshot, peak, codes)
 
+
+def report(run: GridRun, n: int, data_bytes: int, loader: str, workers_each: int) -> None:
+    """The runs' table and the memory table of one grid."""
+    results, snapshot, peak = run.results, run.snapshot, run.peak
     runs: list[list[object]] = []
     for i in sorted(results):
         r = results[i]
@@ -297,10 +298,12 @@ def run_grid(args: argparse.Namespace) -> int:
             device += f" (CUDA_VISIBLE_DEVICES={r['cuda_visible_devices']})"
         runs.append([i, f"{r['lr']:g}", r["hidden"], device, r["steps"],
                      f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}", f"{r['accuracy']:.3f}",
-                     f"{r['seconds']:.1f} s"])
-    print()
+                     f"{r['epoch_seconds']:.2f} s", f"{r['seconds']:.1f} s"])
+    what = "GPULoader (no worker process)" if loader == "gpu" else f"DataLoader ({workers_each} workers each)"
+    print(f"\n## {what}\n")
     print(markdown_table(
-        ["run", "lr", "hidden", "device", "steps", "loss first -> last", "accuracy", "time"], runs, "rrrlrlrr"
+        ["run", "lr", "hidden", "device", "steps", "loss first -> last", "accuracy", "epoch", "time"], runs,
+        "rrrlrlrrr",
     ))
     workers = snapshot.processes - n
     baseline = snapshot.pss - snapshot.cache_pss + n * data_bytes
@@ -325,6 +328,71 @@ def run_grid(args: argparse.Namespace) -> int:
           f"interpreter, torch and batches: {overhead / MiB:,.1f} MiB per process on average")
     print(f"total PSS {snapshot.pss / MiB:,.1f} MiB vs {baseline / MiB:,.1f} MiB with a copy per experiment: "
           f"{snapshot.pss / baseline:.2f}x")
+
+
+def median_epoch(run: GridRun) -> float:
+    times = sorted(r["epoch_seconds"] for r in run.results.values())
+    return times[len(times) // 2]
+
+
+def run_grid(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    gpus = visible_gpus()
+    n = args.experiments or (len(gpus) if gpus else 4)
+    rows = args.rows or (131_072 if args.quick else 1_048_576)
+    features, labels = make_dataset(rows, args.dim)
+    data_bytes = features.nbytes + labels.nbytes
+
+    daemon_root = Path(args.root) if args.root else shmcache.default_root()
+    prefix = f"grid-search-{os.getpid()}"
+    keys = {f"{prefix}/features": features, f"{prefix}/labels": labels}
+    temporary = contextlib.ExitStack()  # the temporary root, if there is one
+    load_started = time.perf_counter()
+    daemon = daemon_client(daemon_root)
+    if daemon is not None:
+        root = daemon_root
+        how = f"through the daemon on {daemon.socket_path}"
+        load_through_daemon(daemon, keys)
+    else:
+        root = temporary.enter_context(scratch_dir("shmcache-grid-"))
+        how = f"in-process into temporary root {root} (no daemon on {Client(daemon_root).socket_path})"
+        for key, array in keys.items():
+            shmcache.put_array(key, array, root=root)
+    load_s = time.perf_counter() - load_started
+    del features, labels, keys  # from here on, the only copy is the cache's
+
+    loaders = ["gpu", "dataloader"] if args.loader == "gpu" else ["dataloader"]
+    print(f"# grid_search{' (quick)' if args.quick else ''}: {n} experiments, "
+          f"{len(gpus) or 'no'} visible GPUs, {args.workers} DataLoader workers each, {os.cpu_count()} CPUs")
+    if args.loader == "gpu" and not gpus:
+        print("no GPU: GPULoader and the DataLoader both run on device cpu "
+              "(the ratio below is not the GPU target)")
+    print(f"dataset: {rows:,} x {args.dim} float32 + labels = {data_bytes / MiB:,.1f} MiB, "
+          f"loaded once {how} in {load_s:.2f} s")
+
+    runs: dict[str, GridRun] = {}
+    try:
+        for loader in loaders:
+            run = run_once(args, n, root, prefix, gpus, loader)
+            if run is None:
+                return 1
+            runs[loader] = run
+            report(run, n, data_bytes, loader, args.workers)
+    finally:
+        temporary.close()
+        if daemon is not None:
+            for key in (f"{prefix}/features", f"{prefix}/labels"):
+                try:
+                    daemon.evict(key)
+                except ShmCacheError as exc:
+                    print(f"could not evict {key}: {exc}", file=sys.stderr)
+            daemon.close()
+    if "gpu" in runs:
+        gpu, cpu = median_epoch(runs["gpu"]), median_epoch(runs["dataloader"])
+        device = "cuda" if gpus else "cpu"
+        print(f"\nepoch (median of {n}): GPULoader {gpu:.2f} s vs DataLoader ({args.workers} workers) "
+              f"{cpu:.2f} s on {device}: {gpu / cpu:.2f}x (target <= 0.5x on a GPU)")
+    codes = [code for run in runs.values() for code in run.codes]
     print(f"done in {time.perf_counter() - started:.1f} s; exit codes {codes}")
     return 0 if all(code == 0 for code in codes) else 1
 
@@ -340,6 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="DataLoader workers per experiment")
     parser.add_argument(
         "--root", help=f"cache root whose daemon loads the data (default ${ENV_ROOT}, else the default root)"
+    )
+    parser.add_argument(
+        "--loader", choices=("dataloader", "gpu"), default="dataloader",
+        help="gpu: a GPULoader grid, then the DataLoader's, and their epoch times compared",
     )
     parser.add_argument("--run-experiment", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -7,12 +7,17 @@ mapping copies every page into the process, even with the read-only flag (measur
 BENCHMARKS.md "probe_gpu_mappings"). Flag 8 (``cudaHostRegisterReadOnly``) is the one
 that works on such a mapping; flag 0 fails. Registrations are counted per mapping per
 process and undone on the last release and at exit. A pinned entry is a live shared
-mapping, so the budget (which never evicts a mapped entry) keeps it, and ``ls``/``top``
-show the process among its mappers.
+mapping, so the budget (which never evicts a mapped entry) keeps it; each process also
+records what it holds in ``<root>/pins/<pid>`` (``_disk.pin_records``), which ``ls``,
+``top`` and ``doctor`` read.
 
-Where read-only registration is not supported (a B300 answered error 801), ``pin``
-still holds the mapping but registers nothing, and the loaders gather on the CPU into a
-pinned staging buffer; this is logged once per process.
+Where read-only registration is not supported (a B300 answered error 801), or where
+registering an entry fails for any other reason (``cudaErrorMemoryAllocation`` under a
+locked-memory limit, ``cudaErrorNotSupported``, ``cudaErrorHostMemoryAlreadyRegistered``...),
+``pin`` still holds the mapping but registers nothing, and the loaders gather on the CPU
+into a pinned staging buffer; this is logged once per process with the CUDA error's name,
+and recorded in the root's ``pins/<pid>`` (``_disk.pin_records``) for ``ls``, ``top`` and
+``doctor``.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ import torch
 from ._api import get_store
 from ._disk.attach import SHARED, MappedFile, attach_array, mapped_base
 from ._disk.layout import ARRAY_FILE
+from ._disk.pin_records import PinnedEntry, PinRecord
 from .errors import GPUUnavailableError, KeyNotFoundError, UnsupportedDataError
 
 __all__ = [
     "Pinned",
     "cuda_device",
     "cuda_view",
+    "cuda_views",
+    "error_name",
     "hold",
     "pin",
     "read_only_registration_supported",
@@ -50,6 +58,17 @@ logger = logging.getLogger("shmcache.torch")
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED = 73  # cudaDevAttrHostRegisterReadOnlySupported
 STAGING_CHUNK = 64 << 20  # bytes per pinned staging copy in to_cuda's fallback
+UNSUPPORTED = "cudaDevAttrHostRegisterReadOnlySupported=0"  # why nothing was registered
+CUDA_ERRORS = {
+    1: "cudaErrorInvalidValue",
+    2: "cudaErrorMemoryAllocation",  # what a locked-memory limit (ulimit -l) answers
+    3: "cudaErrorInitializationError",
+    100: "cudaErrorNoDevice",
+    217: "cudaErrorUnsupportedLimit",
+    712: "cudaErrorHostMemoryAlreadyRegistered",
+    801: "cudaErrorNotSupported",
+    999: "cudaErrorUnknown",
+}
 
 Root = str | os.PathLike[str] | None
 
@@ -99,13 +118,18 @@ def _code(rc: Any) -> int:
     return int(getattr(rc, "value", rc))
 
 
+def error_name(rc: int) -> str:
+    """The name of a cudaError_t (torch's runtime binding has no cudaGetErrorName)."""
+    return CUDA_ERRORS.get(rc, f"cudaError {rc}")
+
+
 def _clear_last_error(device: torch.device) -> None:
     """Consume the error a failed registration leaves behind, so that torch's next launch
     check does not report it as its own (a launch check reads and clears it)."""
     try:
         torch.zeros(1, device=device).add_(1)
         torch.cuda.synchronize(device)
-    except RuntimeError:
+    except (RuntimeError, AssertionError):
         pass
 
 
@@ -163,24 +187,81 @@ def read_only_registration_supported(device: Any = None) -> bool:
 class _Registration:
     """One entry file's shared mapping in this process, and whether CUDA has it registered."""
 
-    def __init__(self, array: np.ndarray, device: torch.device, registered: bool) -> None:
+    def __init__(self, key: str, array: np.ndarray, device: torch.device, error: str | None) -> None:
+        self.key = key
         self.array = array  # the whole entry, over a MAP_SHARED PROT_READ mapping of its own
         self.pointer = int(array.__array_interface__["data"][0])
         self.device = device
-        self.registered = registered
+        self.registered = error is None
+        self.error = error or ""  # why not registered ("" where it is, or was not asked)
         self.count = 0
 
 
 _REGISTRY: dict[tuple[str, str, str], _Registration] = {}
 _REGISTRY_PID = os.getpid()
+_RECORDS: dict[str, PinRecord] = {}  # root -> this process's pins/<pid> there
+_FELL_BACK: list[str] = []  # the error names already logged (the first one is logged)
 
 
 def _registry() -> dict[tuple[str, str, str], _Registration]:
     global _REGISTRY_PID
     if os.getpid() != _REGISTRY_PID:  # a forked child inherits no CUDA registration
         _REGISTRY.clear()
+        _RECORDS.clear()  # nor its parent's records (pin_records closed their descriptors)
         _REGISTRY_PID = os.getpid()
     return _REGISTRY
+
+
+def _record(root: str) -> None:
+    """Rewrite this process's record of what it holds in ``root`` (best effort: a root
+    this process may not write to, e.g. another user's, only goes unrecorded)."""
+    entries = [
+        PinnedEntry(ident[1], held.key, held.registered, held.error)
+        for ident, held in _REGISTRY.items()
+        if ident[0] == root
+    ]
+    record = _RECORDS.get(root)
+    if record is None:
+        if not entries:
+            return
+        record = _RECORDS[root] = PinRecord(root)
+    try:
+        record.write(entries)
+    except OSError as exc:
+        logger.debug("cannot record the pins of %s in %s: %s", os.getpid(), root, exc)
+
+
+def _host_register(pointer: int, nbytes: int, device: torch.device) -> int:
+    """The CUDA call of a registration: its cudaError_t (0: registered). A failure's
+    sticky error is consumed here. Tests of the fallback decision replace this seam."""
+    with torch.cuda.device(device):
+        rc = _code(_cudart().cudaHostRegister(pointer, nbytes, HOST_REGISTER_READ_ONLY))
+    if rc != 0:
+        _clear_last_error(device)
+    return rc
+
+
+def _register(key: str, whole: np.ndarray, device: torch.device) -> str | None:
+    """Register ``whole`` read-only; None if done, else the CUDA error's name. Any failure
+    means the pinned-staging path for this entry (logged once per process), never an
+    error: staging is slower but gives the same batches."""
+    rc = _host_register(int(whole.__array_interface__["data"][0]), whole.nbytes, device)
+    if rc == 0:
+        return None
+    name = error_name(rc)
+    first = not _FELL_BACK
+    if name not in _FELL_BACK:
+        _FELL_BACK.append(name)
+    (logger.warning if first else logger.info)(
+        "cudaHostRegister of entry %r (%d bytes, read-only) failed with %s: shmcache.torch gathers "
+        "its batches on the CPU into a pinned staging buffer instead (slower; cuda_view is unavailable "
+        "for it). See `shmcache doctor` (locked-memory limit `ulimit -l`, driver).%s",
+        key,
+        whole.nbytes,
+        name,
+        "" if first else " (logged at INFO after the first)",
+    )
+    return name
 
 
 def _resolve(array_or_key: np.ndarray | str, root: Root) -> tuple[str, str, str, str, np.ndarray | None]:
@@ -214,20 +295,14 @@ def _acquire(ident: tuple[str, str, str], key: str, device: torch.device, regist
                 raise KeyNotFoundError(
                     f"entry {key!r} (version {ident[1]}) was replaced or evicted; open the key again"
                 ) from None
-            registered = False
-            if whole.nbytes and register:
-                pointer = int(whole.__array_interface__["data"][0])
-                with torch.cuda.device(device):
-                    cudart = _cudart()
-                    rc = _code(cudart.cudaHostRegister(pointer, whole.nbytes, HOST_REGISTER_READ_ONLY))
-                if rc != 0:
-                    _clear_last_error(device)
-                    raise GPUUnavailableError(
-                        f"cudaHostRegister of entry {key!r} ({whole.nbytes} bytes) failed with CUDA error "
-                        f"{rc}; see `shmcache doctor` (locked-memory limit, driver)"
-                    )
-                registered = True
-            held = registry[ident] = _Registration(whole, device, registered)
+            if not register:
+                error: str | None = "" if device.type == "cpu" else UNSUPPORTED
+            elif whole.nbytes:
+                error = _register(key, whole, device)
+            else:
+                error = None  # nothing to register
+            held = registry[ident] = _Registration(key, whole, device, error)
+            _record(ident[0])
         elif held.registered and held.device != device:
             raise ValueError(
                 f"entry {key!r} is registered for {held.device} in this process; use that device "
@@ -247,10 +322,11 @@ def _release(ident: tuple[str, str, str]) -> None:
         if held.count <= 0:
             del registry[ident]
             _unregister(held)
+            _record(ident[0])
 
 
 def _unregister(held: _Registration) -> None:
-    if held.registered:
+    if held.registered and held.array.nbytes:  # an empty entry was never registered
         held.registered = False
         with torch.cuda.device(held.device):
             torch.cuda.synchronize(held.device)  # no kernel may still read the pages
@@ -268,6 +344,9 @@ def _unregister_all() -> None:
             except Exception:
                 pass
         _REGISTRY.clear()
+        for record in _RECORDS.values():
+            record.close()
+        _RECORDS.clear()
 
 
 class Pinned:
@@ -280,6 +359,8 @@ class Pinned:
         self.version = ident[1]
         self.device = held.device
         self.registered = held.registered
+        self.error = held.error
+        """Why the entry is not registered: a CUDA error's name, UNSUPPORTED, or ""."""
         self.array = view  # read-only, over the registered shared mapping
         self._finalizer = weakref.finalize(self, _release, ident)
 
@@ -355,11 +436,39 @@ def cuda_view(array_or_key: np.ndarray | str, device: Any = None, *, root: Root 
     pinned = pin(array_or_key, root=root, device=resolved)
     if not pinned.registered:
         pinned.release()
-        raise GPUUnavailableError(
-            f"cuda_view needs read-only host registration, which {resolved} does not support "
-            "(cudaDevAttrHostRegisterReadOnlySupported is 0); use to_cuda (a copy in GPU memory) "
-            "or GPULoader (gathers through a pinned staging buffer)"
+        why = (
+            f"which {resolved} does not support (cudaDevAttrHostRegisterReadOnlySupported is 0)"
+            if pinned.error == UNSUPPORTED
+            else f"which failed for entry {pinned.key!r} with {pinned.error} (see `shmcache doctor`)"
         )
+        raise GPUUnavailableError(
+            f"cuda_view needs read-only host registration, {why}; use to_cuda (a copy in GPU "
+            "memory) or GPULoader (gathers through a pinned staging buffer)"
+        )
+    return _alias(pinned, resolved)
+
+
+def cuda_views(keys: list[str], device: Any = None, *, root: Root = None) -> list[torch.Tensor] | None:
+    """A :func:`cuda_view` of each key, or None (nothing held) if any of them could not
+    be registered: the caller then gathers through a pinned staging buffer."""
+    resolved = cuda_device(device, "cuda_views")
+    pins: list[Pinned] = []
+    try:
+        for key in keys:
+            pins.append(pin(key, root=root, device=resolved))
+    except BaseException:
+        for held in pins:
+            held.release()
+        raise
+    if not all(held.registered for held in pins):
+        for held in pins:
+            held.release()
+        return None
+    return [_alias(held, resolved) for held in pins]
+
+
+def _alias(pinned: Pinned, resolved: torch.device) -> torch.Tensor:
+    """A CUDA tensor over a registered pin's pages, which keeps the pin while it lives."""
     if pinned.array.size == 0:
         pinned.release()
         return torch.empty(pinned.array.shape, dtype=_torch_dtype(pinned.array.dtype), device=resolved)

@@ -41,6 +41,7 @@ from ._cuda import (
     Pinned,
     cuda_device,
     cuda_view,
+    cuda_views,
     pin,
     read_only_registration_supported,
     recorded_event,
@@ -203,8 +204,9 @@ class GPULoader:
 
     On CUDA the columns are :func:`cuda_view` s of the cache's registered pages, so a
     batch crosses PCIe once, already gathered; where read-only registration is not
-    supported, each batch is gathered on the CPU into a pinned staging buffer and copied
-    asynchronously (logged once). ``device="cpu"`` runs the same code on the CPU.
+    supported, or fails for a column (e.g. under a locked-memory limit), each batch is
+    gathered on the CPU into a pinned staging buffer and copied asynchronously (logged once).
+    ``device="cpu"`` runs the same code on the CPU.
     Sampling follows ``DataLoader``: ``shuffle`` draws a fresh permutation each epoch
     (``torch.randperm`` with ``generator``, else torch's global RNG); ``sampler`` (e.g. a
     ``DistributedSampler``: call ``loader.set_epoch(e)``) replaces it. Batches have the
@@ -277,12 +279,12 @@ class GPULoader:
         if self._columns is None:
             if self.device.type == "cpu":
                 self._columns = self.dataset._columns()
-            elif read_only_registration_supported(self.device):
-                root = self.dataset._root
-                self._columns = [cuda_view(k, self.device, root=root) for k in self.dataset._keys]
-            else:
-                self._staged = True
-                self._columns = self.dataset._columns()
+            else:  # registered views; where any column cannot be registered: staging
+                views = None
+                if read_only_registration_supported(self.device):
+                    views = cuda_views(self.dataset._keys, self.device, root=self.dataset._root)
+                self._staged = views is None
+                self._columns = self.dataset._columns() if views is None else views
         return self._columns
 
     def _order(self) -> torch.Tensor:

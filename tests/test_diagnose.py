@@ -228,7 +228,10 @@ def test_watch_flags_workers_that_grow_a_python_list(watched: dict[str, Watched]
     [csv_path] = done.out.glob("*.csv")
     with open(csv_path) as fp:
         rows = list(csv.DictReader(fp))
-    assert set(rows[0]) == {"time_s", "pid", "ppid", "cmd", "rss", "pss", "uss", "own", "cache_pss"}
+    assert set(rows[0]) == {"time_s", "pid", "ppid", "cmd", "rss", "pss", "uss", "own", "cache_pss", "gpu"}
+    if not Path("/proc/driver/nvidia/version").exists() and shutil.which("nvidia-smi") is None:
+        assert all(r["gpu"] == "" for r in rows)  # no NVML here: empty, and said in one line
+        assert "shmcache watch: no GPU (no NVIDIA driver)\n" in done.stderr
     for pid in done.workers:
         uss = [int(r["uss"]) for r in rows if int(r["pid"]) == pid]
         assert len(uss) >= 8 and max(uss) - min(uss) > 2 * GROWTH_MIN_BYTES

@@ -186,3 +186,42 @@ def test_processes_pinning_one_entry_copy_no_page(root: Path, rows: np.ndarray) 
             child.communicate("", timeout=120)
     assert len(grown) == 3 and all(kib < 8 * 1024 for kib in grown), grown  # a copy: +65,536 KiB each
     assert all(child.returncode == 0 for child in children)
+
+
+def test_gpu_loader_stages_when_one_columns_registration_fails(
+    store: shmcache.Store, rows: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration refused (here: the labels' answered cudaErrorMemoryAllocation, what a
+    locked-memory limit gives) sends the whole loader through pinned staging, same batches."""
+    store.put_array("labels", np.arange(len(rows)))
+    real = _cuda._host_register
+    labels = store.open_array("labels").nbytes
+
+    def refuse_labels(pointer: int, nbytes: int, device: torch.device) -> int:
+        return 2 if nbytes == labels else real(pointer, nbytes, device)
+
+    monkeypatch.setattr(_cuda, "_host_register", refuse_labels)
+    dataset = st.CachedDataset({"x": "rows", "y": "labels"})
+    loader = st.GPULoader(dataset, 4096)
+    batches = list(loader)
+    assert loader._staged and len(batches) == 16 and batches[3]["x"].is_cuda
+    assert torch.equal(batches[3]["x"].cpu(), torch.from_numpy(rows[3 * 4096 : 4 * 4096]))
+    assert torch.equal(batches[-1]["y"].cpu(), torch.arange(15 * 4096, 16 * 4096))
+    assert _cuda._REGISTRY == {}  # the registered column was released, not leaked
+    with pytest.raises(shmcache.GPUUnavailableError, match="cudaErrorMemoryAllocation"):
+        st.cuda_view("labels")
+    loader.close()
+
+
+def test_nvml_sees_this_process_gpu_memory_when_installed() -> None:
+    pytest.importorskip("pynvml", reason="the gpu extra (nvidia-ml-py) is not installed")
+    from shmcache._diagnose.nvml import GpuMemory
+
+    block = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    gpus = GpuMemory()
+    try:
+        assert gpus.available, gpus.missing
+        assert gpus.by_pid().get(os.getpid(), 0) >= 256 * MiB
+    finally:
+        gpus.close()
+        del block

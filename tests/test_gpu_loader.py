@@ -1,11 +1,17 @@
 """GPU-direct without a GPU: GPULoader's sampling, batching, epochs and errors on
 ``device="cpu"`` (the same code as on CUDA), the one typed error every GPU function
 raises without CUDA, and a pin's bookkeeping (a live shared mapping of the entry's
-version, which is what keeps the budget from evicting it)."""
+version, which is what keeps the budget from evicting it), and ``grid_search.py --loader
+gpu`` without a GPU."""
 
 from __future__ import annotations
 
 import gc
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,3 +180,20 @@ def test_a_key_and_an_array_of_it_share_one_hold_per_process(store: shmcache.Sto
     by_key.release()
     by_array.release()
     assert _cuda._REGISTRY == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_grid_search_loader_gpu_without_a_gpu_says_so_and_compares_on_cpu(root: Path) -> None:
+    script = Path(__file__).parent.parent / "scripts" / "grid_search.py"
+    args = ["--loader", "gpu", "-n", "1", "--rows", "4096", "--dim", "16", "--workers", "0"]
+    args += ["--root", str(root)]  # no daemon there: a temporary root
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no GPU: GPULoader and the DataLoader both run on device cpu" in done.stdout
+    assert "## GPULoader (no worker process)" in done.stdout
+    assert "## DataLoader (0 workers each)" in done.stdout
+    compared = r"epoch \(median of 1\): GPULoader [\d.]+ s vs DataLoader \(0 workers\) [\d.]+ s on cpu"
+    assert re.search(compared, done.stdout), done.stdout

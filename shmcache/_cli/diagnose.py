@@ -83,22 +83,27 @@ def top(
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
 ) -> None:
-    """Processes that map cache entries: pid, entries, RSS, PSS, USS, cache PSS, command.
+    """Processes that map cache entries: pid, entries, CUDA pins, RSS, PSS, USS, cache PSS,
+    GPU memory (NVML, the gpu extra), command.
 
     Sorted by PSS. PSS divides each shared page among the processes that map it, so
     summing PSS counts the cache once however many processes read it; CACHE is the part
     of PSS that is the cache's pages. Refreshes until Ctrl+C unless --once.
     """
+    from .._diagnose.nvml import GpuMemory
     from .._diagnose.top import mapping_processes
 
     store = Store(root)
+    gpus = GpuMemory()
 
     def snapshot() -> tuple[list[str], list[tuple[str, ...]], str]:
-        rows, held = mapping_processes(store)
-        header = ["PID", "ENTRIES", "RSS", "PSS", "USS", "CACHE", "COMMAND"]
+        rows, held = mapping_processes(store, gpus.by_pid() if gpus.available else None)
+        header = ["PID", "ENTRIES", "CUDA PINS", "RSS", "PSS", "USS", "CACHE", *(["GPU"] * gpus.available),
+                  "COMMAND"]
         table: list[tuple[str, ...]] = [
-            (str(r.pid), _entries_cell(r.entries), human_bytes(r.memory.rss), human_bytes(r.memory.pss),
-             human_bytes(r.memory.uss), human_bytes(r.memory.cache_pss), r.command)
+            (str(r.pid), _entries_cell(r.entries), _entries_cell(r.cuda_pins) if r.cuda_pins else "",
+             human_bytes(r.memory.rss), human_bytes(r.memory.pss), human_bytes(r.memory.uss),
+             human_bytes(r.memory.cache_pss), *([human_bytes(r.gpu or 0)] * gpus.available), r.command)
             for r in rows
         ]
         total = sum(r.memory.pss for r in rows)
@@ -109,6 +114,10 @@ def top(
         )
         if held:
             footer += f"; evicted entries still held: {human_bytes(held)}"
+        if gpus.available:
+            footer += f"; GPU memory of these: {human_bytes(sum(r.gpu or 0 for r in rows))}"
+        else:
+            footer += f"\n{gpus.missing}"
         return header, table, footer
 
     try:
@@ -155,8 +164,9 @@ def watch(
 ) -> None:
     """Run COMMAND and sample the memory of its whole process tree (DataLoader workers too).
 
-    Writes a CSV (time_s, pid, ppid, cmd, rss, pss, uss, own, cache_pss; bytes) while it runs and a
-    PNG of USS/PSS per process at the end (needs the plot extra), then prints a verdict per
+    Writes a CSV (time_s, pid, ppid, cmd, rss, pss, uss, own, cache_pss, gpu; bytes; gpu from NVML
+    with the gpu extra, else empty) while it runs and a PNG of USS/PSS (and GPU memory) per process
+    at the end (needs the plot extra), then prints a verdict per
     process: flat, or growing at N MiB/min (judged on `own`, private anonymous memory, after a
     3 s warm-up: growing means >= 2 MiB/min and >= 8 MiB in total). Each process is sampled
     every 0.2 s in its first 3 s, so a short-lived forked worker is judged on its whole life:
@@ -217,6 +227,8 @@ def watch(
         say(f"{own_heap} growing on {'its' if own_heap == 1 else 'their'} own heap, with no forked worker "
             f"copying from {'it' if own_heap == 1 else 'them'}: a leak in the program, not copy-on-write. "
             f"{_TRACEMALLOC_HINT}")
+    if not recorder.gpu.available:
+        say(recorder.gpu.missing)
     say(f"csv: {csv_path}")
     if recorder.plot(png_path, " ".join(command)):
         say(f"plot: {png_path}")

@@ -297,6 +297,26 @@ def _mapped_by(root: Path) -> dict[str, list[int]]:
     return {version: sorted(pids) for version, pids in scan.pids_by_version.items()}
 
 
+def _cuda_pins(root: Path) -> dict[str, list[dict[str, Any]]]:
+    """Version -> the live processes that pinned it with CUDA (``shmcache.torch.pin``)."""
+    from .._disk.pin_records import live_pins
+
+    found: dict[str, list[dict[str, Any]]] = {}
+    for pid, pins in sorted(live_pins(root).items()):
+        for pin in pins:
+            held = {"pid": pid, "registered": pin.registered, "error": pin.error}
+            found.setdefault(pin.version, []).append(held)
+    return found
+
+
+def _pinned_cell(budget_pinned: bool, cuda: list[dict[str, Any]]) -> str:
+    """``yes`` (the budget never evicts it) and/or ``cuda <pids>`` (pinned by CUDA)."""
+    cells = ["yes"] if budget_pinned else []
+    if cuda:
+        cells.append("cuda " + _show_pids([p["pid"] for p in cuda]))
+    return ", ".join(cells)
+
+
 def _show_pids(pids: Sequence[int]) -> str:
     if len(pids) > 3:
         return f"{len(pids)} pids"
@@ -318,18 +338,23 @@ def list_command(
     as_json: JsonOption = False,
     local: LocalOption = False,
 ) -> None:
-    """List entries: key, kind, dtype, shape, size, pinned, mapped by (PIDs), age."""
+    """List entries: key, kind, dtype, shape, size, pinned, mapped by (PIDs), age.
+
+    PINNED says ``yes`` for an entry pinned in the cache (the budget never evicts it) and
+    ``cuda PIDS`` for processes that pinned it with CUDA (``shmcache.torch.pin``)."""
     with open_backend(root, local) as control, failures_exit_1():
         entries = control.list(prefix)
     mapped = _mapped_by(resolve_root(root))
+    cuda = _cuda_pins(resolve_root(root))
     if as_json:
-        typer.echo(json.dumps([{**asdict(e), "mapped_by": mapped.get(e.version, [])} for e in entries],
-                              indent=1))
+        typer.echo(json.dumps([{**asdict(e), "mapped_by": mapped.get(e.version, []),
+                                "cuda_pinned_by": cuda.get(e.version, [])} for e in entries], indent=1))
         return
     now = time.time()
     rows = [
         (e.key, e.kind, e.dtype or "", "x".join(map(str, e.shape or ())) or "()", human_bytes(e.size),
-         "yes" if e.pinned else "", _show_pids(mapped.get(e.version, [])), _age(now - e.created))
+         _pinned_cell(e.pinned, cuda.get(e.version, [])), _show_pids(mapped.get(e.version, [])),
+         _age(now - e.created))
         for e in entries
     ]
     print_table(("KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "PINNED", "MAPPED BY", "AGE"), rows)

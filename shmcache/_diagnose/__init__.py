@@ -6,6 +6,7 @@ and whether it grows.
 - ``doctor``: the environment checks
 - ``top``: processes that map cache entries
 - ``watch``: the CSV/plot recorder of a process tree
+- ``gpu``: doctor's GPU check; ``nvml``: GPU memory per process (the ``gpu`` extra)
 
 Only the CLI (and benchmark scripts) import these modules; ``import shmcache`` never does.
 They import the core only, and psutil/matplotlib/httpx lazily where needed.

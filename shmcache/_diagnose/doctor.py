@@ -443,6 +443,6 @@ def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
         _check_open_files(len(entries)),
         _check_overcommit(),
         _check_held(store),
-        Check("gpu", *gpu_report()),  # type: ignore[arg-type]
+        Check("gpu", *gpu_report(store.root)),  # type: ignore[arg-type]
     ]
     return checks

@@ -1,5 +1,6 @@
 """``shmcache watch``'s recorder: samples a process tree into a CSV, keeps the series for
-the growth verdict, and plots USS/PSS per process (matplotlib, when installed).
+the growth verdict, and plots USS/PSS per process (matplotlib, when installed), and GPU
+memory per process where NVML is (``nvml``; the ``gpu`` column is empty without it).
 
 Each process is sampled every FAST_INTERVAL_S during its warm-up, then at the configured
 interval: a DataLoader worker of a short epoch may live two seconds, and those samples are
@@ -15,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from .growth import WARMUP_S, Verdict, judge
+from .nvml import GpuMemory
 from .procfs import Memory, command_line, parent_pid, process_tree, read_memory
 
 __all__ = ["CSV_HEADER", "FAST_INTERVAL_S", "Series", "WatchRecorder"]
 
 MiB = 1 << 20
-CSV_HEADER = ("time_s", "pid", "ppid", "cmd", "rss", "pss", "uss", "own", "cache_pss")
+CSV_HEADER = ("time_s", "pid", "ppid", "cmd", "rss", "pss", "uss", "own", "cache_pss", "gpu")
 FAST_INTERVAL_S = 0.2
 """How often a process is sampled in its first WARMUP_S seconds, and how often the tree is
 walked for new workers. One smaps read of a process with a few hundred MiB costs ~10-20 ms,
@@ -37,6 +39,8 @@ class Series:
     command: str
     times: list[float] = field(default_factory=list)
     memories: list[Memory] = field(default_factory=list)
+    gpus: list[int | None] = field(default_factory=list)
+    """GPU memory at each sample (NVML; None without it)."""
 
 
 class WatchRecorder:
@@ -54,6 +58,7 @@ class WatchRecorder:
         """How often :meth:`sample` should be called."""
         self.series: dict[int, Series] = {}
         self.root_pid = -1
+        self.gpu = GpuMemory()
         self._file = open(csv_path, "w", newline="")  # noqa: SIM115 - closed in close()
         self._writer = csv.writer(self._file)
         self._writer.writerow(CSV_HEADER)
@@ -64,6 +69,7 @@ class WatchRecorder:
         seen = 0
         self.root_pid = root_pid
         elapsed = now - self.started
+        on_gpu = self.gpu.by_pid() if self.gpu.available else None  # one NVML read per round
         for pid in process_tree(root_pid):
             series = self.series.get(pid)
             if series is not None and not self._due(series, elapsed):
@@ -76,9 +82,11 @@ class WatchRecorder:
             elapsed = time.monotonic() - self.started  # a round of reads takes a while: stamp each
             series.times.append(elapsed)
             series.memories.append(memory)
+            used = None if on_gpu is None else on_gpu.get(pid, 0)
+            series.gpus.append(used)
             self._writer.writerow(
                 (f"{elapsed:.3f}", pid, series.ppid, series.command, memory.rss, memory.pss, memory.uss,
-                 memory.own, memory.cache_pss)
+                 memory.own, memory.cache_pss, "" if used is None else used)
             )
             seen += 1
         self._file.flush()
@@ -92,6 +100,7 @@ class WatchRecorder:
 
     def close(self) -> None:
         self._file.close()
+        self.gpu.close()
 
     def verdicts(self) -> list[tuple[Series, Verdict]]:
         """Each process's series with its verdict; a child with its parent's command line
@@ -111,7 +120,8 @@ class WatchRecorder:
         ]
 
     def plot(self, png_path: Path, title: str) -> bool:
-        """USS and PSS per process over time; False (nothing written) without matplotlib."""
+        """USS and PSS (and GPU memory, with NVML) per process over time; False (nothing
+        written) without matplotlib."""
         try:
             import matplotlib
 
@@ -119,14 +129,22 @@ class WatchRecorder:
             import matplotlib.pyplot as plt
         except ImportError:
             return False
-        fig, (ax_uss, ax_pss) = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+        gpu = any(g is not None for s in self.series.values() for g in s.gpus)
+        fig, axes = plt.subplots(1, 3 if gpu else 2, figsize=(19 if gpu else 13, 5), sharex=True)
+        ax_uss, ax_pss = axes[0], axes[1]
+        panels = [(ax_uss, "USS (private)"), (ax_pss, "PSS (proportional share)")]
+        if gpu:
+            panels.append((axes[2], "GPU memory (NVML)"))
         shown = sorted(self.series.values(), key=lambda s: -max((m.pss for m in s.memories), default=0))
         for n, s in enumerate(shown):
             label = f"{s.pid} main" if s.pid == self.root_pid else f"{s.pid} child of {s.ppid}"
             kwargs: dict[str, Any] = {"label": label if n < _LEGEND_MAX else None, "linewidth": 1.2}
             line = ax_uss.plot(s.times, [m.uss / MiB for m in s.memories], **kwargs)[0]
             ax_pss.plot(s.times, [m.pss / MiB for m in s.memories], color=line.get_color(), **kwargs)
-        for ax, what in ((ax_uss, "USS (private)"), (ax_pss, "PSS (proportional share)")):
+            if gpu:
+                used = [(g or 0) / MiB for g in s.gpus]
+                axes[2].plot(s.times, used, color=line.get_color(), **kwargs)
+        for ax, what in panels:
             ax.set_title(f"{what} per process")
             ax.set_xlabel("seconds since start")
             ax.set_ylabel("MiB")

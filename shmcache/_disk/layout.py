@@ -18,6 +18,7 @@ encoding of a cache root. Change the format here and nowhere else.
     <root>/daemon.sock           the daemon's control socket (mode 0600)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
     <root>/budget.json           the root's byte budget, honoured by every writer (absent: none)
+    <root>/pins/<pid>            what a live process pinned with CUDA (``pin_records``; flocked)
 
 A directory put replaces the whole subtree of its keys' common prefix at once
 (``entry_tree``): a reader's path walk lands in the old subtree or the new one, never in a
