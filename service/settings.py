@@ -34,7 +34,7 @@ from pydantic_settings import (
 )
 
 from shmcache._disk.layout import ENV_PREFIX, SOCKET_NAME, Layout, default_root
-from shmcache._disk.urls import is_url, local_path_of, redact_url
+from shmcache._sources.urls import is_url, local_path_of, redact_url
 from shmcache._units import size_in_bytes
 
 if sys.version_info >= (3, 11):

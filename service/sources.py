@@ -18,11 +18,11 @@ from typing import ParamSpec, TypeVar
 
 from shmcache import Store
 from shmcache._disk.meta import read_meta
-from shmcache._disk.urls import is_url, local_path_of, redact_url, url_allowed
 from shmcache._error_table import HTTP, fix
-from shmcache._store.blobs import directory_fingerprint
-from shmcache._store.remote import remote_identities
-from shmcache._store.sources import PLANNERS
+from shmcache._sources.blobs import directory_fingerprint
+from shmcache._sources.files import PLANNERS
+from shmcache._sources.remote import remote_identities
+from shmcache._sources.urls import is_url, local_path_of, redact_url, url_allowed
 from shmcache._units import human_bytes
 from shmcache.errors import (
     CacheFullError,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._sources.planned import PlannedEntry
 from .._units import human_bytes
 
 __all__ = ["EntryInfo", "PlannedEntry", "StoreStats", "entry_info"]
@@ -70,19 +71,6 @@ class StoreStats:
             "--max-bytes), or enlarge the tmpfs "
             "(mount -o remount,size=...; Docker: --shm-size)"
         )
-
-
-@dataclass(frozen=True)
-class PlannedEntry:
-    """One entry ``put_file`` would publish (see ``Store.plan_file``)."""
-
-    key: str
-    source: str
-    """The file, or ``archive.npz[member.npy]``."""
-    file: str
-    """The file on disk the bytes come from."""
-    size: int
-    """Bytes the entry's data file will take."""
 
 
 def entry_info(meta: dict[str, Any], last_used: float) -> EntryInfo:

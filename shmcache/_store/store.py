@@ -1,5 +1,5 @@
 """The store: one cache root's public operations, as a thin facade over the modules that
-do the work (``reading``, ``writing``, ``sources``, ``space``, ``catalog``,
+do the work (``reading``, ``writing``, ``_sources``, ``space``, ``catalog``,
 ``maintenance``). The on-disk format is ``_disk/layout``'s.
 
 Publishing renames a finished version into ``objects/`` and then swaps the entry's
@@ -46,8 +46,11 @@ from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root
 from .._disk.meta import read_entry_meta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
-from .._disk.urls import is_url, local_path_of, redact_url
 from .._disk.writer import VersionWriter
+from .._sources.blobs import BlobSource, plan_blobs, put_kind
+from .._sources.files import copy_planned, plan_sources
+from .._sources.tables import is_table_file, plan_table_file, read_table_source
+from .._sources.urls import is_url, local_path_of, redact_url
 from ..errors import (
     InvalidRequestError,
     KeyExistsError,
@@ -55,19 +58,15 @@ from ..errors import (
     LockTimeoutError,
     UnsupportedDataError,
 )
-from .blobs import BlobSource, pack_blobs, plan_blobs, put_kind
 from .budget import checked_budget, write_budget
 from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
 from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
-from .planned import write_container
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
-from .sources import copy_planned, plan_sources
 from .space import budget_in_force, reserve
-from .tables import is_table_file, plan_table_file, read_table_source
-from .writing import ITEM_TYPES, publish, version_meta
+from .writing import ITEM_TYPES, pack_blobs, publish, version_meta, write_container
 
 __all__ = ["Store"]
 
@@ -268,7 +267,7 @@ class Store:
     ) -> EntryInfo:
         """Publish many files (a directory, an iterable of paths, or one file) or byte strings
         (a mapping name -> bytes-like) as one entry; ``open_blobs(key)[i or name]`` gives
-        them back. Names: see :mod:`shmcache._store.blobs`.
+        them back. Names: see :mod:`shmcache._sources.blobs`.
 
         Every file is checked before any byte is copied, then copied by the kernel from a
         few threads; a file that changes meanwhile raises :class:`CorruptSourceError` and
@@ -381,13 +380,13 @@ class Store:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``), a
         ``.safetensors``, torch ``.pt``/``.pth`` state dict or ``.h5``/``.hdf5`` (as
         ``key/<tensor or dataset name>``), or a directory of them (as ``key/<relative path
-        without suffix>``; see ``sources.PLANNERS``); a ``.parquet``, ``.feather``/``.arrow``,
+        without suffix>``; see ``_sources/files.PLANNERS``); a ``.parquet``, ``.feather``/``.arrow``,
         ``.csv`` or ``.jsonl`` file as one table entry.
 
         ``path`` may be an fsspec URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
         ``http(s)://``; ``file://`` is a local path): ``.npy`` objects, or a prefix of them,
         streamed into the cache in parallel ranged reads of ``part_size`` bytes (default:
-        8 to 64 MiB, 16 parts per object where they fit; see :mod:`shmcache._store.remote`);
+        8 to 64 MiB, 16 parts per object where they fit; see :mod:`shmcache._sources.remote`);
         ``storage_options`` go to the filesystem and are never recorded or shown.
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
@@ -473,7 +472,7 @@ class Store:
         part_size: int | None,
     ) -> list[str]:
         """``put_file`` of a URL: every object planned and validated, then streamed in."""
-        from .remote import fetch_remote, plan_remote  # here: threads and hashing only for URLs
+        from .._sources.remote import fetch_remote, plan_remote  # here: threads and hashing only for URLs
 
         plan = plan_remote(key, url, storage_options, read_headers=False)  # validated as fetched
         keys = [item.key for item in plan.items]
@@ -518,7 +517,7 @@ class Store:
         if is_url(path):
             local = local_path_of(str(path))
             if local is None:
-                from .remote import plan_remote
+                from .._sources.remote import plan_remote
 
                 plan = plan_remote(key, str(path), storage_options)
                 return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]

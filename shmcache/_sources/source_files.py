@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._disk.fs import out_of_descriptors, too_many_open_files
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError
-from .fs import out_of_descriptors, too_many_open_files
 
 __all__ = ["SourceFile", "check_unchanged", "open_checked", "openat2_available", "reopen"]
 

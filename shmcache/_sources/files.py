@@ -24,10 +24,10 @@ from .._disk.npy import (
     parse_header_bytes,
     read_source_header_fd,
 )
-from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
 from . import array_files
 from .planned import Planned
+from .source_files import SourceFile, check_unchanged, open_checked, reopen
 
 __all__ = ["PLANNERS", "Planned", "Planner", "copy_planned", "is_array_file", "plan_sources"]
 
