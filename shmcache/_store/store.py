@@ -47,10 +47,11 @@ from .._disk.meta import read_entry_meta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._disk.writer import VersionWriter
-from .._sources.blobs import BlobSource, plan_blobs, put_kind
+from .._sources.blobs import BlobSource, plan_blobs
+from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources
-from .._sources.tables import is_table_file, plan_table_file, read_table_source
-from .._sources.urls import is_url, local_path_of, redact_url
+from .._sources.tables import is_table_file, read_table_source
+from .._sources.urls import redact_url
 from ..errors import (
     InvalidRequestError,
     KeyExistsError,
@@ -405,13 +406,11 @@ class Store:
         A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
-        if is_url(path):
-            local = local_path_of(str(path))
-            if local is None:
-                return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
-            path = local
-        kind = put_kind(Path(path), as_)
-        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):  # one table entry
+        source = classify_source(path, as_)
+        path = source.location
+        if source.kind == "remote":
+            return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
+        if source.kind == "table":
             files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
             size = int(meta["source_fingerprint"]["size"])
             if progress is not None:
@@ -420,7 +419,7 @@ class Store:
             if progress is not None:
                 progress(size, size)
             return [key]
-        if kind == "blobs":
+        if source.kind == "blobs":
             info = self.put_blobs(
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
             )
@@ -514,25 +513,9 @@ class Store:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
-        if is_url(path):
-            local = local_path_of(str(path))
-            if local is None:
-                from .._sources.remote import plan_remote
-
-                plan = plan_remote(key, str(path), storage_options)
-                return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
-            path = local
-        kind = put_kind(Path(path), as_)
-        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):
-            return [plan_table_file(key, Path(path), builtins.list(allowed_dirs))]
-        if kind == "blobs":
-            with plan_blobs(path, f"blobs for key {key!r}", builtins.list(allowed_dirs)) as blobs:
-                pass
-            return [PlannedEntry(key, str(path), str(path), blobs.size)]
-        return [
-            PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
-            for p in plan_sources(key, Path(path), builtins.list(allowed_dirs))
-        ]
+        return plan_source(
+            key, path, allowed=builtins.list(allowed_dirs), as_=as_, storage_options=storage_options
+        )
 
     @descriptors_typed
     def prepare(self) -> None:
