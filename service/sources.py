@@ -185,5 +185,5 @@ def is_up_to_date(store: Store, key: str, source: Path | str) -> bool:
 
 def _identity(store: Store, version: str) -> str | None:
     """The remote identity (ETag) a version recorded of its object."""
-    identity = read_meta(store.layout, version).get("source_identity")
-    return identity if isinstance(identity, str) else None
+    meta = read_meta(store.layout, version)
+    return None if meta is None else meta.source_identity

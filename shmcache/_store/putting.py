@@ -21,7 +21,7 @@ from .._disk.fs import descriptors_typed, remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, Layout, prepare_root
-from .._disk.meta import read_meta
+from .._disk.meta import EntryMeta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, plan_blobs
@@ -139,7 +139,7 @@ class Putting:
             versions = [(key, meta["version"])]
             publish(self.layout, writer, versions, overwrite=overwrite, lock_timeout=self.lock_timeout)
         logger.info("put %s (blobs, %d files, %d bytes)", key, len(plan.names), plan.size)
-        return entry_info(meta, meta["created"])
+        return _entry_info(meta)
 
     @descriptors_typed
     def put_table(
@@ -187,7 +187,7 @@ class Putting:
                 self.layout, writer, [(key, version)], overwrite=overwrite, lock_timeout=self.lock_timeout
             )
         logger.info("put %s (%s, %d bytes, version %s)", key, kind, nbytes, version)
-        return entry_info(meta, meta["created"])
+        return _entry_info(meta)
 
     @descriptors_typed
     def put_file(
@@ -406,7 +406,8 @@ class Putting:
                     return None
                 os.unlink(found[0])
             bump_generations(self.layout, [key])
-            if read_meta(self.layout, version).get("key", key) != key:
+            meta = read_meta(self.layout, version)
+            if meta is not None and meta.key not in (None, key):
                 return 0  # a damaged link to another entry's data: that data stays
             freed = remove_tree(self.layout.version_dir(version))
             release_version(self.root, key, version)  # this process lets go at once
@@ -427,6 +428,12 @@ def _progress_counter(progress: Callable[[int, int], None] | None, total: int) -
             progress(done, total)
 
     return advance
+
+
+def _entry_info(meta: dict[str, Any]) -> EntryInfo:
+    """The record of the version just written with ``meta`` (last used: now, its creation)."""
+    written = EntryMeta.from_json(meta)
+    return entry_info(written, written.created)
 
 
 def _as_storable_array(value: Any, what: str) -> np.ndarray:

@@ -192,7 +192,8 @@ class Store(Putting):
         digest = content_digest(kind, files)
         with self._key_lock(key, self.lock_timeout):
             version = self.layout.entry_version(key)
-            if version is not None and read_meta(self.layout, version).get("content_hash") == digest:
+            current = None if version is None else read_meta(self.layout, version)
+            if current is not None and current.content_hash == digest:
                 return self.open(key)
             if version is not None and not overwrite:
                 raise KeyExistsError(
@@ -262,7 +263,8 @@ class Store(Putting):
         if wanted is None:
             return array
         version = self.layout.entry_version(key)
-        if version is None or read_meta(self.layout, version).get("cache_version") != wanted:
+        meta = None if version is None else read_meta(self.layout, version)
+        if meta is None or meta.cache_version != wanted:
             return None
         return array
 
