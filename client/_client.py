@@ -22,7 +22,7 @@ import httpx
 
 from shmcache import EntryInfo, default_root, validate_key
 from shmcache._disk.layout import ENV_ROOT, ENV_SOCKET, ENV_TOKEN, Layout
-from shmcache._disk.urls import is_url
+from shmcache._sources.urls import is_url
 from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
 from ._errors import JobCancelledError, error_from_body

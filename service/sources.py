@@ -18,11 +18,9 @@ from typing import ParamSpec, TypeVar
 
 from shmcache import Store
 from shmcache._disk.meta import read_meta
-from shmcache._disk.urls import is_url, local_path_of, redact_url, url_allowed
 from shmcache._error_table import HTTP, fix
-from shmcache._store.blobs import directory_fingerprint
-from shmcache._store.remote import remote_identities
-from shmcache._store.sources import PLANNERS
+from shmcache._sources.dispatch import Loaded, is_current
+from shmcache._sources.urls import is_url, local_path_of, redact_url, url_allowed
 from shmcache._units import human_bytes
 from shmcache.errors import (
     CacheFullError,
@@ -177,39 +175,15 @@ def is_up_to_date(store: Store, key: str, source: Path | str) -> bool:
     """Whether the entries under ``key`` were loaded from ``source`` as it is now
     (same files, sizes and modification times; for a URL, the same objects, sizes and
     ETags): a config preload can then be skipped."""
-    entries = [e for e in store.list(key) if e.source is not None]
-    if not entries:
-        return False
-    if isinstance(source, str):
-        now = remote_identities(source)
-        loaded = {
-            e.source: (
-                (e.source_fingerprint or {}).get("size"),
-                read_meta(store.layout, e.version).get("source_identity"),
-            )
-            for e in entries
-        }
-        return loaded == now
-    if len(entries) == 1 and entries[0].kind == "blobs":  # a packed directory: one fingerprint
-        entry = entries[0]
-        return entry.source == str(source) and entry.source_fingerprint == directory_fingerprint(source)
-    if source.is_dir():
-        files = {str(p) for p in source.rglob("*") if p.suffix.lower() in PLANNERS and p.is_file()}
-    else:
-        files = {str(source)}
-    seen = set()
-    for entry in entries:
-        assert entry.source is not None
-        file = entry.source  # a member of a multi-array file: "<file>[<member>]"
-        if file not in files and file.endswith("]"):
-            file = file.rpartition("[")[0]
-        if file not in files:
-            return False
-        try:
-            st = os.stat(file)
-        except OSError:
-            return False
-        if entry.source_fingerprint != {"size": st.st_size, "mtime_ns": st.st_mtime_ns}:
-            return False
-        seen.add(file)
-    return seen == files
+    loaded = [
+        Loaded(e.source, e.kind, e.source_fingerprint, functools.partial(_identity, store, e.version))
+        for e in store.list(key)
+        if e.source is not None
+    ]
+    return is_current(source, loaded)
+
+
+def _identity(store: Store, version: str) -> str | None:
+    """The remote identity (ETag) a version recorded of its object."""
+    meta = read_meta(store.layout, version)
+    return None if meta is None else meta.source_identity

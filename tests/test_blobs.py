@@ -23,7 +23,7 @@ from shmcache import (
     UnsupportedDataError,
 )
 from shmcache._disk.attach import MappedFile, mapped_base
-from shmcache._store import blobs as blobs_module
+from shmcache._sources import blobs as blobs_module
 from tests.container_datasets import BlobsDataset
 
 FILES = {

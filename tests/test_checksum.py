@@ -25,7 +25,9 @@ def test_crc32_is_zlibs_and_chains() -> None:
 
 def _recorded_matches_file(store: Store, root: Path, key: str) -> bool:
     version = store.info(key).version
-    recorded = parse_checksums(read_meta(store.layout, version)["checksum"])["data"]
+    meta = read_meta(store.layout, version)
+    assert meta is not None and meta.checksum is not None
+    recorded = parse_checksums(meta.checksum)["data"]
     return recorded == zlib.crc32((root / "objects" / version / "data.npy").read_bytes())
 
 

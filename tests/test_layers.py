@@ -22,6 +22,7 @@ LAYERS: list[list[str]] = [
     ["shmcache.errors", "shmcache._units", "shmcache._error_table"],
     ["shmcache._disk"],
     ["shmcache._containers"],
+    ["shmcache._sources"],
     ["shmcache._store"],
     ["shmcache._control", "shmcache._api"],
     ["shmcache", "shmcache.torch", "shmcache._cuda", "shmcache.compat"],

@@ -29,7 +29,7 @@ from service_helpers import clean_env, load, scratch_dir, unique, wait_job
 
 import shmcache
 from shmcache._disk.layout import Layout
-from shmcache._disk.urls import redact_url, url_allowed
+from shmcache._sources.urls import redact_url, url_allowed
 from shmcache.errors import (
     CorruptSourceError,
     InvalidSourceError,

@@ -31,7 +31,7 @@ from shmcache import (
     Store,
     UnsupportedDataError,
 )
-from shmcache._disk import source_files
+from shmcache._sources import source_files
 
 MiB = 1 << 20
 BIG = 160 * MiB  # more than one kernel copy chunk: a callback runs between chunks
@@ -583,7 +583,7 @@ def test_daemon_answers_a_deeply_nested_safetensors_header_with_a_4xx(daemon: Da
 def test_safetensors_with_too_many_tensors_is_refused(
     store: Store, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shmcache._disk import safetensors
+    from shmcache._sources import safetensors
 
     monkeypatch.setattr(safetensors, "MAX_TENSORS", 1000)  # the real cap (2^20) takes 10 s to parse
     header = "{" + ",".join(f'"{i:x}":{{}}' for i in range(1001)) + "}"  # each one an entry

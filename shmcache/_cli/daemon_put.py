@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from .._disk.urls import is_url
+from .._sources.urls import is_url
 from ..errors import JobCancelledError, ShmCacheError
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, warn_or_raise
 

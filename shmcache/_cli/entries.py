@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from .._disk.keys import validate_key
-from .._disk.urls import is_url
 from .._error_table import CLI, fix
+from .._sources.files import PLANNERS
+from .._sources.urls import is_url
 from .._store import Store, StoreStats
 from .._store.maintenance import linked_keys
-from .._store.sources import PLANNERS
 from .._units import human_bytes
 from ..errors import (
     CorruptEntryError,

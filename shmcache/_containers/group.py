@@ -66,10 +66,10 @@ class SharedGroup(Mapping[str, Any]):
         root = str(self._store.layout.root)
         meta = read_meta(self._store.layout, version)
         try:
-            if meta and meta.get("kind", "array") == "array":
+            if meta is not None and meta.kind == "array":
                 return attach_array(root, version, ARRAY_FILE, key)
-            if meta:
-                return open_version(root, key, version, str(meta["kind"]), meta)
+            if meta is not None:
+                return open_version(root, key, version, meta.kind, meta)
         except (FileNotFoundError, KeyNotFoundError):
             pass
         raise KeyNotFoundError(

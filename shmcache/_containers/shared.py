@@ -19,7 +19,7 @@ import numpy as np
 
 from .._disk.attach import MappedFile, attach_array, mapped_base
 from .._disk.layout import Layout
-from .._disk.meta import read_meta
+from .._disk.meta import EntryMeta, read_meta
 from ..errors import KeyNotFoundError, UnsupportedDataError
 from .encode import fast_json, utf8
 
@@ -46,7 +46,7 @@ class EntryRef(NamedTuple):
     kind: str
 
 
-def open_version(root: str, key: str, version: str, kind: str, meta: Mapping[str, Any] | None = None) -> Any:
+def open_version(root: str, key: str, version: str, kind: str, meta: EntryMeta | None = None) -> Any:
     """Attach one published version of a container entry (also what unpickling calls).
 
     ``meta`` is the version's ``meta.json`` when the caller has read it already.
@@ -54,17 +54,17 @@ def open_version(root: str, key: str, version: str, kind: str, meta: Mapping[str
     layout = Layout(Path(root))
     if meta is None:
         meta = read_meta(layout, version)
-    if not meta:
+    if meta is None:
         raise KeyNotFoundError(
             f"entry {key!r} (version {version}) in {root} was replaced or evicted; open the key again"
         )
-    if meta.get("kind", "array") != kind:
-        raise wrong_kind(key, str(meta.get("kind", "unknown")), kind)
+    if meta.kind != kind:
+        raise wrong_kind(key, meta.kind, kind)
     try:
-        files = {name: attach_array(root, version, f"{name}.npy", key) for name in meta["files"]}
+        files = {name: attach_array(root, version, f"{name}.npy", key) for name in meta.files or ()}
     except FileNotFoundError:
         raise KeyNotFoundError(f"entry {key!r} (version {version}) was evicted while being opened") from None
-    return container_for(EntryRef(root, key, version, kind), files, meta)
+    return container_for(EntryRef(root, key, version, kind), files, meta.raw)
 
 
 def wrong_kind(key: str, kind: str, wanted: str) -> UnsupportedDataError:

@@ -4,24 +4,124 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import CorruptEntryError
 from .layout import META_FILE, Layout
 
-__all__ = ["META_FORMAT", "damaged", "read_entry_meta", "read_meta"]
+__all__ = ["META_FORMAT", "EntryMeta", "damaged", "read_entry_meta", "read_meta"]
 
 META_FORMAT = 1
 
 
-def read_meta(layout: Layout, version: str) -> dict[str, Any]:
-    """The metadata of a published version, or ``{}`` if it is gone (or unreadable)."""
+@dataclass(frozen=True)
+class EntryMeta:
+    """One version's ``meta.json``, typed: every key the package reads, with the default an
+    older entry that lacks it is read with. ``raw`` is the object as read, every key kept
+    (a container's own keys, such as a table's ``columns``, and keys this version does not
+    know: older and newer roots stay readable); :meth:`to_json` gives it back."""
+
+    key: str | None = None
+    """None in entries written before the key was recorded: taken as the link's key."""
+    version: str | None = None
+    kind: str = "array"
+    files: tuple[str, ...] | None = None
+    """The ``.npy`` files (names without suffix); None: an array's ``data`` alone."""
+    nbytes: int = 0
+    size: int = 0
+    created: float = 0.0
+    pinned: bool = False
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    fortran_order: bool | None = None
+    length: int | None = None
+    source: str | None = None
+    source_fingerprint: dict[str, int] | None = None
+    source_identity: str | None = None
+    checksum: str | None = None
+    cache_version: str | None = None
+    content_hash: str | None = None
+    owner_uid: int | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> EntryMeta:
+        """The record of a ``meta.json`` object; ``ValueError`` naming the first key whose
+        value has the wrong type."""
+        values: dict[str, Any] = {}
+        for name, check in _CHECKS.items():
+            value = raw.get(name)
+            if value is None:
+                continue  # absent (or null): the field's default
+            if not check(value):
+                raise ValueError(f"records {name} = {value!r:.80}, not {_WANTED[name]}")
+            values[name] = tuple(value) if name in ("files", "shape") else value
+        return cls(**values, raw=raw)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object this record was read from, every key kept."""
+        return dict(self.raw)
+
+    def records(self, name: str) -> bool:
+        """Whether ``meta.json`` records ``name`` at all (older entries lack some keys)."""
+        return name in self.raw
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _all(kind: Any, value: Any) -> bool:
+    return isinstance(value, list) and all(kind(item) for item in value)
+
+
+def _str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+_CHECKS: dict[str, Any] = {
+    "key": _str,
+    "version": _str,
+    "kind": _str,
+    "files": lambda v: _all(_str, v),
+    "nbytes": _int,
+    "size": _int,
+    "created": lambda v: _int(v) or isinstance(v, float),
+    "pinned": lambda v: isinstance(v, bool),
+    "dtype": _str,
+    "shape": lambda v: _all(_int, v),
+    "fortran_order": lambda v: isinstance(v, bool),
+    "length": _int,
+    "source": _str,
+    "source_fingerprint": lambda v: isinstance(v, dict) and all(_int(n) for n in v.values()),
+    "source_identity": _str,
+    "checksum": _str,
+    "cache_version": _str,
+    "content_hash": _str,
+    "owner_uid": _int,
+}
+_WANTED = {
+    "files": "a list of names",
+    "shape": "a list of integers",
+    "source_fingerprint": "an object of integers",
+    "created": "a number",
+    "pinned": "true or false",
+    "fortran_order": "true or false",
+} | {name: "an integer" for name in ("nbytes", "size", "length", "owner_uid")}
+_WANTED = {name: _WANTED.get(name, "text") for name in _CHECKS}
+assert set(_CHECKS) == {f.name for f in fields(EntryMeta)} - {"raw"}
+
+
+def read_meta(layout: Layout, version: str) -> EntryMeta | None:
+    """The metadata of a published version, or None if it is gone (or unreadable)."""
     try:
         with open(layout.object_file(version, META_FILE), "rb") as fp:
             meta = json.load(fp)
+        return EntryMeta.from_json(meta) if isinstance(meta, dict) else None
     except (FileNotFoundError, NotADirectoryError, ValueError):  # JSON and UTF-8 errors are ValueErrors
-        return {}
-    return meta if isinstance(meta, dict) else {}
+        return None
 
 
 def damaged(key: str, what: str) -> CorruptEntryError:
@@ -32,7 +132,7 @@ def damaged(key: str, what: str) -> CorruptEntryError:
     )
 
 
-def read_entry_meta(layout: Layout, key: str, version: str) -> dict[str, Any] | None:
+def read_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta | None:
     """The metadata of ``version``, which ``key``'s entry link pointed at; None if the
     link moved meanwhile (replaced or evicted: resolve again). Raises :func:`damaged` if the
     link still points there and the version or its ``meta.json`` is missing, not a JSON object, or records
@@ -59,7 +159,10 @@ def read_entry_meta(layout: Layout, key: str, version: str) -> dict[str, Any] | 
         raise damaged(key, f"its {META_FILE} is not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise damaged(key, f"its {META_FILE} holds a {type(meta).__name__}, not an object")
-    recorded = meta.get("key", key)
-    if recorded != key:
-        raise damaged(key, f"its link points at the data of entry {recorded!r}")
-    return meta
+    try:
+        entry = EntryMeta.from_json(meta)
+    except ValueError as exc:
+        raise damaged(key, f"its {META_FILE} {exc}") from None
+    if entry.key is not None and entry.key != key:
+        raise damaged(key, f"its link points at the data of entry {entry.key!r}")
+    return entry

@@ -27,14 +27,14 @@ published version never changes, so ``meta.json`` is read once per new version).
 def info_of(layout: Layout, version: str) -> EntryInfo | None:
     """The record of a published version (None if it is gone)."""
     meta = read_meta(layout, version)
-    if not meta:
+    if meta is None:
         return None
-    first = (meta.get("files") or ["data"])[0]
+    first = (meta.files or ("data",))[0]
     try:  # attaching touches the first file: its atime is the last use
         last_used = os.stat(layout.object_file(version, f"{first}.npy")).st_atime
     except FileNotFoundError:
-        last_used = meta.get("created", 0.0)
-    return entry_info(meta, max(last_used, meta.get("created", 0.0)))
+        last_used = meta.created
+    return entry_info(meta, max(last_used, meta.created))
 
 
 def _entry_links(layout: Layout) -> dict[str, str]:
@@ -96,9 +96,9 @@ def _scan_sizes(
             continue
         if seen is None or seen[0] != version:
             meta = read_meta(layout, version)
-            if not meta or meta.get("key") != key:
+            if meta is None or meta.key != key:
                 continue
-            seen = (version, int(meta.get("size", 0)))
+            seen = (version, meta.size)
         sizes[key] = seen
     return sizes
 

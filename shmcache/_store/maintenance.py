@@ -16,7 +16,7 @@ from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
 from .._disk.generations import bump_all_generations
 from .._disk.layout import META_FILE, Layout
-from .._disk.meta import damaged, read_entry_meta
+from .._disk.meta import EntryMeta, damaged, read_entry_meta
 from .._disk.npy import NpyHeader, header_length, parse_header_bytes
 from .._disk.shapes import checked_shape
 from .._disk.writer import STAGING_SUFFIX, writer_of
@@ -109,16 +109,16 @@ def verify_entry(layout: Layout, key: str) -> bool:
     refuse_half_published(layout, key, version)
     headers = _check_files(layout, key, version, meta)
     _check_meta(key, version, meta, headers)
-    checked = _check_checksums(layout, key, version, meta.get("checksum"), sorted(headers))
+    checked = _check_checksums(layout, key, version, meta.checksum, sorted(headers))
     _open_as_a_reader(reader, key)
     return checked
 
 
-def _check_files(layout: Layout, key: str, version: str, meta: dict[str, Any]) -> dict[str, NpyHeader]:
+def _check_files(layout: Layout, key: str, version: str, meta: EntryMeta) -> dict[str, NpyHeader]:
     """The header of every file ``meta`` lists, each checked against the file's size; the
     files listed are exactly the ``.npy`` files there."""
-    files = meta.get("files", ["data"] if meta.get("kind", "array") == "array" else None)
-    if not isinstance(files, list) or not files or not all(isinstance(n, str) for n in files):
+    files = meta.files if meta.files is not None else ("data",) if meta.kind == "array" else None
+    if not files:
         raise damaged(key, f"its {META_FILE} lists no files ({files!r:.80})")
     try:
         present = {n[: -len(".npy")] for n in os.listdir(layout.version_dir(version)) if n.endswith(".npy")}
@@ -167,21 +167,22 @@ def _file_header(layout: Layout, key: str, version: str, name: str) -> NpyHeader
     return header
 
 
-def _check_meta(key: str, version: str, meta: dict[str, Any], headers: dict[str, NpyHeader]) -> None:
+def _check_meta(key: str, version: str, meta: EntryMeta, headers: dict[str, NpyHeader]) -> None:
     """What ``meta.json`` says of the data is what the files' headers and sizes say."""
-    recorded = meta.get("version", version)
+    recorded = meta.version if meta.version is not None else version
     if recorded != version:
         raise damaged(key, f"its {META_FILE} describes version {recorded!r:.80}, not {version}")
     said: dict[str, Any] = {
         "nbytes": sum(h.nbytes for h in headers.values()),
         "size": sum(h.file_size for h in headers.values()),
     }
-    if meta.get("kind", "array") == "array" and "data" in headers:
+    if meta.kind == "array" and "data" in headers:
         data = headers["data"]
-        said |= {"dtype": str(data.dtype), "shape": list(data.shape), "fortran_order": data.fortran_order}
+        said |= {"dtype": str(data.dtype), "shape": data.shape, "fortran_order": data.fortran_order}
     for field, actual in said.items():
-        if field in meta and meta[field] != actual:
-            raise damaged(key, f"its {META_FILE} says {field} {meta[field]!r:.80}, its data {actual!r:.80}")
+        value = getattr(meta, field)
+        if meta.records(field) and value != actual:  # what older entries did not record is not compared
+            raise damaged(key, f"its {META_FILE} says {field} {value!r:.80}, its data {actual!r:.80}")
 
 
 def _check_checksums(layout: Layout, key: str, version: str, checksum: Any, files: list[str]) -> bool:

@@ -115,9 +115,9 @@ class Reader:
 
     def _explain_missing_array(self, key: str, version: str) -> None:
         """Raise if ``version`` has no array file for a reason other than a race."""
-        kind = read_meta(self.layout, version).get("kind")
-        if kind is not None and kind != "array":
-            raise wrong_kind(key, str(kind), "array")
+        meta = read_meta(self.layout, version)
+        if meta is not None and meta.kind != "array":
+            raise wrong_kind(key, meta.kind, "array")
         if self.layout.entry_version(key) == version:
             where = self.layout.version_dir(version)
             vanished = "" if where.is_dir() else " (`shmcache cleanup` removes entries whose data vanished)"
@@ -167,7 +167,7 @@ class Reader:
             meta = read_entry_meta(self.layout, key, version)
             if meta is None:
                 continue  # replaced or evicted meanwhile: resolve again
-            found = meta.get("kind", "array")
+            found = meta.kind
             if kind is not None and found != kind:
                 raise wrong_kind(key, found, kind)
             cache = self._arrays if found == "array" else self._handles

@@ -7,8 +7,9 @@ They are plain dataclasses so that the HTTP client can return the very same type
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from .._disk.meta import EntryMeta
+from .._sources.planned import PlannedEntry
 from .._units import human_bytes
 
 __all__ = ["EntryInfo", "PlannedEntry", "StoreStats", "entry_info"]
@@ -72,34 +73,22 @@ class StoreStats:
         )
 
 
-@dataclass(frozen=True)
-class PlannedEntry:
-    """One entry ``put_file`` would publish (see ``Store.plan_file``)."""
-
-    key: str
-    source: str
-    """The file, or ``archive.npz[member.npy]``."""
-    file: str
-    """The file on disk the bytes come from."""
-    size: int
-    """Bytes the entry's data file will take."""
-
-
-def entry_info(meta: dict[str, Any], last_used: float) -> EntryInfo:
-    """The record of a version from its ``meta.json``."""
-    shape = meta.get("shape")
+def entry_info(meta: EntryMeta, last_used: float) -> EntryInfo:
+    """The record of a version from its ``meta.json`` (which must record its key and version)."""
+    if meta.key is None or meta.version is None:
+        raise KeyError("key" if meta.key is None else "version")
     return EntryInfo(
-        key=meta["key"],
-        kind=meta.get("kind", "array"),
-        dtype=meta.get("dtype"),
-        shape=tuple(shape) if shape is not None else None,
-        nbytes=int(meta.get("nbytes", 0)),
-        size=int(meta.get("size", 0)),
-        created=float(meta.get("created", 0.0)),
-        pinned=bool(meta.get("pinned", False)),
-        source=meta.get("source"),
-        version=meta["version"],
+        key=meta.key,
+        kind=meta.kind,
+        dtype=meta.dtype,
+        shape=meta.shape,
+        nbytes=meta.nbytes,
+        size=meta.size,
+        created=float(meta.created),
+        pinned=meta.pinned,
+        source=meta.source,
+        version=meta.version,
         last_used=last_used,
-        source_fingerprint=meta.get("source_fingerprint"),
-        checksum=meta.get("checksum"),
+        source_fingerprint=meta.source_fingerprint,
+        checksum=meta.checksum,
     )

@@ -4,8 +4,9 @@ the headers already in hand (never re-read), and published under each key's lock
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,13 @@ from .._disk.layout import Layout
 from .._disk.meta import META_FORMAT
 from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
+from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
+from .._sources.planned import Planned
+from .._sources.source_files import check_unchanged, reopen
 from ..errors import KeyExistsError
 from .locks import key_locks, publish_lock
 
-__all__ = ["ITEM_TYPES", "ensure_tree_format", "publish", "version_meta"]
+__all__ = ["ITEM_TYPES", "ensure_tree_format", "pack_blobs", "publish", "version_meta", "write_container"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +142,47 @@ def ensure_tree_format(layout: Layout) -> None:
         if moved:
             logger.info("moved %d entry links of %s to the tree format", moved, root)
     _TREE_ROOTS.add(root)
+
+
+def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Callable[[int], None]) -> None:
+    """Write ``item.container``'s files and ``meta.json`` into ``item.version``. Its arrays
+    were decoded from the checked file; the file must still be that file, unchanged."""
+    assert item.container is not None
+    src = reopen(item.file)
+    try:
+        check_unchanged(src, item.file)
+    finally:
+        os.close(src)
+    kind, crcs, headers = item.container.kind, {}, {}
+    for name, array in item.container.files.items():
+        crcs[name], headers[name] = writer.write_array(item.version, f"{name}.npy", array)
+        advance(headers[name].file_size)
+    meta = version_meta(item.key, kind, item.version, headers, crcs, pin) | dict(item.container.extra)
+    meta["shape"] = [meta.get("length", 0)]  # what `ls` shows, as for every container
+    meta.setdefault("dtype", ITEM_TYPES.get(kind))
+    meta["source"] = item.source
+    meta["source_fingerprint"] = item.fingerprint
+    writer.write_meta(item.version, meta)
+
+
+def pack_blobs(
+    writer: VersionWriter,
+    key: str,
+    plan: BlobSources,
+    pin: bool,
+    progress: Progress | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Write a new version holding ``plan`` (room reserved already); returns its meta."""
+    version = writer.new_version()
+    crcs, headers = {}, {}
+    for name, array in plan.arrays.items():
+        crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
+    crcs["bytes"], headers["bytes"] = write_bytes(writer, version, plan, progress, threads)
+    meta = version_meta(key, "blobs", version, headers, crcs, pin)
+    meta |= {"length": len(plan.names), "shape": [len(plan.names)], "dtype": ITEM_TYPES["blobs"]}
+    meta["source"] = plan.source
+    if plan.source is not None and plan.files is not None:
+        meta["source_fingerprint"] = tree_fingerprint(plan.files)
+    writer.write_meta(version, meta)
+    return meta

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .._disk.shapes import MAX_TENSORS, checked_shape
 from ..errors import CorruptSourceError, UnsupportedDataError
-from .shapes import MAX_TENSORS, checked_shape
 
 __all__ = ["MAX_HEADER_BYTES", "SafetensorsTensor", "read_safetensors_index"]
 

@@ -1,5 +1,5 @@
 """``put_file`` of a table file (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``):
-one table entry. The file is opened once through ``_disk/source_files`` (regular file,
+one table entry. The file is opened once through ``source_files`` (regular file,
 beneath the allowed directories without following links), read from that descriptor, and
 checked unchanged after the read, like every other source."""
 
@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from .._containers.table_arrow import TABLE_SUFFIXES, read_table_file, require_pyarrow
-from .._disk.source_files import SourceFile, check_unchanged, open_checked
 from ..errors import CorruptSourceError, SourceNotFoundError
-from .records import PlannedEntry
+from .planned import PlannedEntry
+from .source_files import SourceFile, check_unchanged, open_checked
 
 __all__ = ["is_table_file", "plan_table_file", "read_table_source"]
 

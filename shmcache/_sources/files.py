@@ -24,12 +24,20 @@ from .._disk.npy import (
     parse_header_bytes,
     read_source_header_fd,
 )
-from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
 from . import array_files
 from .planned import Planned
+from .source_files import SourceFile, check_unchanged, open_checked, reopen
 
-__all__ = ["PLANNERS", "Planned", "Planner", "copy_planned", "is_array_file", "plan_sources"]
+__all__ = [
+    "PLANNERS",
+    "Planned",
+    "Planner",
+    "array_files_under",
+    "copy_planned",
+    "is_array_file",
+    "plan_sources",
+]
 
 _SMALL = 4 << 20  # files up to this size are copied through a buffer in the calling thread
 
@@ -74,7 +82,7 @@ def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result, tops: tupl
         plan: list[Planned] = []
         for parts in _files_under(str(path)):
             name = parts[-1]
-            suffix = name[name.rfind(".") :] if name.rfind(".") > 0 else ""
+            suffix = _suffix(name)
             if suffix.lower() in PLANNERS:
                 file = path.joinpath(*parts)
                 relative = "/".join((*parts[:-1], name[: -len(suffix)]))
@@ -83,6 +91,18 @@ def _plan_sources_unchecked(key: str, path: Path, st: os.stat_result, tops: tupl
             raise InvalidSourceError(f"directory {path} holds no {_suffixes()} files")
         return plan
     return _plan_file(key, path, tops)
+
+
+def array_files_under(top: Path) -> list[Path]:
+    """The files under directory ``top`` that a ``put_file`` of it takes (their suffix has
+    a planner), in the order it takes them."""
+    found = _files_under(str(top))
+    return [top.joinpath(*parts) for parts in found if _suffix(parts[-1]).lower() in PLANNERS]
+
+
+def _suffix(name: str) -> str:
+    """``name``'s suffix as ``put_file`` reads it (a leading dot starts no suffix)."""
+    return name[name.rfind(".") :] if name.rfind(".") > 0 else ""
 
 
 def _files_under(top: str) -> list[tuple[str, ...]]:

@@ -28,9 +28,9 @@ from .._containers.encode import encode_strings
 from .._disk.fs import write_all
 from .._disk.npy import NpyHeader, build_header, check_storable_dtype
 from .._disk.shapes import checked_shape
-from .._disk.source_files import SourceFile
 from ..errors import CorruptSourceError, ShmCacheError, UnsupportedDataError
 from .planned import Container, Planned, container_header, member_key
+from .source_files import SourceFile
 
 __all__ = ["plan_hdf5"]
 

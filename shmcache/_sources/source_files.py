@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._disk.fs import out_of_descriptors, too_many_open_files
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError
-from .fs import out_of_descriptors, too_many_open_files
 
-__all__ = ["SourceFile", "check_unchanged", "open_checked", "openat2_available", "reopen"]
+__all__ = ["SourceFile", "check_unchanged", "open_checked", "openat2_available", "reopen", "stat_fingerprint"]
 
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _DIRECTORY = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -70,6 +70,11 @@ class SourceFile:
     def fingerprint(self) -> dict[str, int]:
         """What ``meta.json`` records to tell later whether the source changed."""
         return {"size": self.size, "mtime_ns": self.mtime_ns}
+
+
+def stat_fingerprint(st: os.stat_result) -> dict[str, int]:
+    """:attr:`SourceFile.fingerprint` of a file as it is now (``os.stat``), for a comparison."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def open_checked(path: str, allowed: Sequence[str] = ()) -> tuple[int, SourceFile]:

@@ -31,21 +31,20 @@ from .._containers.encode import encode_strings
 from .._disk.checksum import TrailingCrc
 from .._disk.fs import copy_range_at, out_of_descriptors, too_many_open_files, write_all
 from .._disk.npy import NpyHeader, build_header, parse_header_bytes
-from .._disk.source_files import SourceFile, check_unchanged, open_checked, reopen
 from .._disk.writer import VersionWriter
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotFoundError, UnsupportedDataError
-from .sources import is_array_file
-from .writing import ITEM_TYPES, version_meta
+from .files import is_array_file
+from .source_files import SourceFile, check_unchanged, open_checked, reopen
 
 __all__ = [
     "AS_KINDS",
     "COPY_THREADS",
     "BlobSources",
     "directory_fingerprint",
-    "pack_blobs",
     "plan_blobs",
     "put_kind",
     "tree_fingerprint",
+    "write_bytes",
 ]
 
 AS_KINDS = ("auto", "arrays", "blobs")
@@ -287,32 +286,15 @@ def _plan_buffers(mapping: Mapping[str, Any], what: str) -> BlobSources:
     return BlobSources(None, names, sizes, None, buffers, _names_arrays(names, sizes, what))
 
 
-def pack_blobs(
+def write_bytes(
     writer: VersionWriter,
-    key: str,
+    version: str,
     plan: BlobSources,
-    pin: bool,
-    progress: Progress | None = None,
+    progress: Progress | None,
     threads: int | None = None,
-) -> dict[str, Any]:
-    """Write a new version holding ``plan`` (room reserved already); returns its meta."""
-    version = writer.new_version()
-    crcs, headers = {}, {}
-    for name, array in plan.arrays.items():
-        crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
-    crcs["bytes"], headers["bytes"] = _write_bytes(writer, version, plan, progress, threads or COPY_THREADS)
-    meta = version_meta(key, "blobs", version, headers, crcs, pin)
-    meta |= {"length": len(plan.names), "shape": [len(plan.names)], "dtype": ITEM_TYPES["blobs"]}
-    meta["source"] = plan.source
-    if plan.source is not None and plan.files is not None:
-        meta["source_fingerprint"] = tree_fingerprint(plan.files)
-    writer.write_meta(version, meta)
-    return meta
-
-
-def _write_bytes(
-    writer: VersionWriter, version: str, plan: BlobSources, progress: Progress | None, threads: int
 ) -> tuple[int, NpyHeader]:
+    """Write ``bytes.npy`` of ``plan`` into ``version`` (``threads`` copying files, default
+    :data:`COPY_THREADS`); returns its CRC-32 and header."""
     total = sum(plan.sizes)
     target = writer.path(version, "bytes.npy")
     header = build_header(np.dtype(np.uint8), (total,), False)
@@ -335,7 +317,7 @@ def _write_bytes(
                         progress(done, total)
             else:
                 assert plan.files is not None
-                _FileCopy(plan, dst, len(header), target, crc, progress).run(threads)
+                _FileCopy(plan, dst, len(header), target, crc, progress).run(threads or COPY_THREADS)
             return crc.result(), parsed
         finally:
             crc.close()

@@ -3,12 +3,11 @@
 Three ways to fill an entry's ``data.npy``: copy a source's own ``.npy`` bytes (``.npy``,
 stored ``.npz`` members), write a header built here and then copy a raw byte range
 (``prefix``: safetensors, contiguous torch tensors), or run a decoder (``write``:
-compressed ``.npz`` members are inflated by ``sources``, HDF5 datasets, strided tensors).
+compressed ``.npz`` members are inflated by ``files``, HDF5 datasets, strided tensors).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +17,10 @@ import numpy as np
 
 from .._disk.keys import validate_key
 from .._disk.npy import NpyHeader, build_header
-from .._disk.source_files import SourceFile, check_unchanged, reopen
-from .._disk.writer import VersionWriter
 from ..errors import ShmCacheError
-from .writing import ITEM_TYPES, version_meta
+from .source_files import SourceFile
 
-__all__ = ["Container", "Planned", "Writer", "container_header", "member_key", "write_container"]
+__all__ = ["Container", "Planned", "PlannedEntry", "Writer", "container_header", "member_key"]
 
 Writer = Callable[[int, int, Path, Callable[[int], None]], int]
 """``write(src, dst, target, advance) -> crc32``: append the whole ``.npy`` (header
@@ -67,7 +64,7 @@ class Planned:
     write: Writer | None = None
     """Decodes the source into the entry (``copy_offset`` is unused then)."""
     container: Container | None = None
-    """Not an array: a container, written by :func:`write_container` (``header`` only sizes it)."""
+    """Not an array: a container, written by ``_store/writing.write_container`` (``header`` only sizes it)."""
 
     @property
     def fingerprint(self) -> dict[str, int]:
@@ -89,22 +86,14 @@ def member_key(key: str, name: str, path: Path, what: str) -> str:
         ) from None
 
 
-def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Callable[[int], None]) -> None:
-    """Write ``item.container``'s files and ``meta.json`` into ``item.version``. Its arrays
-    were decoded from the checked file; the file must still be that file, unchanged."""
-    assert item.container is not None
-    src = reopen(item.file)
-    try:
-        check_unchanged(src, item.file)
-    finally:
-        os.close(src)
-    kind, crcs, headers = item.container.kind, {}, {}
-    for name, array in item.container.files.items():
-        crcs[name], headers[name] = writer.write_array(item.version, f"{name}.npy", array)
-        advance(headers[name].file_size)
-    meta = version_meta(item.key, kind, item.version, headers, crcs, pin) | dict(item.container.extra)
-    meta["shape"] = [meta.get("length", 0)]  # what `ls` shows, as for every container
-    meta.setdefault("dtype", ITEM_TYPES.get(kind))
-    meta["source"] = item.source
-    meta["source_fingerprint"] = item.fingerprint
-    writer.write_meta(item.version, meta)
+@dataclass(frozen=True)
+class PlannedEntry:
+    """One entry ``put_file`` would publish (see ``Store.plan_file``)."""
+
+    key: str
+    source: str
+    """The file, or ``archive.npz[member.npy]``."""
+    file: str
+    """The file on disk the bytes come from."""
+    size: int
+    """Bytes the entry's data file will take."""

@@ -27,10 +27,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .._disk.fs import write_all
+from .._disk.npy import zip_data_offset
+from .._disk.shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
 from ..errors import CorruptSourceError, UnsupportedDataError
-from .fs import write_all
-from .npy import zip_data_offset
-from .shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
 
 __all__ = ["TorchTensor", "gather_writer", "read_torch_index"]
 

@@ -13,8 +13,8 @@ from typing import BinaryIO
 import numpy as np
 
 from .._disk.npy import NpyHeader, build_header
-from .._disk.source_files import SourceFile
 from .planned import Planned, member_key
+from .source_files import SourceFile
 
 __all__ = ["PLANNERS", "plan_hdf5", "plan_safetensors", "plan_torch"]
 
@@ -36,14 +36,14 @@ def _raw(
 
 
 def plan_safetensors(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
-    from .._disk.safetensors import read_safetensors_index  # lazy: import shmcache stays light
+    from .safetensors import read_safetensors_index  # lazy: import shmcache stays light
 
     tensors = read_safetensors_index(fp.fileno(), file.size, str(path))
     return [_raw(key, path, file, t.name, t.dtype, t.shape, t.offset) for t in tensors]
 
 
 def plan_torch(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
-    from .._disk.torch_zip import gather_writer, read_torch_index
+    from .torch_zip import gather_writer, read_torch_index
 
     plan = []
     for t in read_torch_index(fp, str(path)):
@@ -68,4 +68,4 @@ PLANNERS = {
     ".h5": plan_hdf5,
     ".hdf5": plan_hdf5,
 }
-"""Suffix -> planner for the formats of this module (merged into ``sources.PLANNERS``)."""
+"""Suffix -> planner for the formats of this module (merged into ``files.PLANNERS``)."""

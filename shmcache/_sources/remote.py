@@ -42,7 +42,6 @@ from .._disk.fs import full_is_cache_full
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE
 from .._disk.npy import NpyHeader, check_written_header, header_length, read_source_header
-from .._disk.urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 from .._disk.writer import VersionWriter
 from ..errors import (
     CorruptEntryError,
@@ -51,6 +50,7 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
+from .urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 
 __all__ = [
     "DEFAULT_PART_SIZE",
