@@ -221,15 +221,19 @@ def nvmlDeviceGetCount():
     return 2
 def nvmlDeviceGetHandleByIndex(index):
     return index
+_SEEN = []
 def nvmlDeviceGetComputeRunningProcesses(handle):
-    found = []
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and MARK in open(f"/proc/{name}/cmdline", "rb").read():
-                found.append(_Process(int(name), (100 if handle == 0 else 28) << 20))
-        except OSError:
-            pass
-    return found
+    # GPU 1 reports the processes GPU 0's query found: one /proc scan per sample, so a
+    # process starting between the two queries never shows on one GPU only.
+    if handle == 0:
+        _SEEN[:] = []
+        for name in os.listdir("/proc"):
+            try:
+                if name.isdigit() and MARK in open(f"/proc/{name}/cmdline", "rb").read():
+                    _SEEN.append(int(name))
+            except OSError:
+                pass
+    return [_Process(pid, (100 if handle == 0 else 28) << 20) for pid in _SEEN]
 '''
 
 
