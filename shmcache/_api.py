@@ -71,7 +71,7 @@ def get_store(root: str | os.PathLike[str] | None = None) -> Store:
     return store
 
 
-def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.ndarray:
+def open_array(key: str, *, root: str | os.PathLike[str] | None = None, raw: bool = False) -> np.ndarray:
     """Read-only array over the shared entry ``key`` (pickles by reference).
 
     The mapping is copy-on-write: an in-place write through ``torch.from_numpy`` of it
@@ -79,7 +79,12 @@ def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.nd
     where this array shows them too; other processes and the cache keep the original.
     For tensors use ``shmcache.torch.as_tensor(key)``: the same shared pages, with
     writes private to the tensor.
+
+    A bfloat16/float8 entry comes as an ``ml_dtypes`` array (the ``ml_dtypes`` extra);
+    ``raw=True`` gives its raw bits (uint16/uint8) with or without it.
     """
+    if raw:
+        return get_store(root).open_array(key, raw=True)
     return get_store(root).open_array(key)
 
 

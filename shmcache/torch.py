@@ -47,6 +47,7 @@ from ._cuda import (
     to_cuda,
 )
 from ._disk.attach import private_view
+from ._tensors import open_state_dict, tensor_of
 from .errors import MappingRefusedError, UnsupportedDataError
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "as_tensor",
     "collate",
     "cuda_view",
+    "open_state_dict",
     "pin",
     "read_only_registration_supported",
     "to_cuda",
@@ -79,8 +81,8 @@ def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Ten
     and convert in the worker, as :class:`CachedDataset` does.
     """
     if isinstance(array_or_key, str):  # one copy-on-write mapping, not a shared one and then a second
-        return torch.from_numpy(get_store(root).open_private_array(array_or_key))
-    return torch.from_numpy(private_view(array_or_key))
+        return tensor_of(get_store(root).open_private_array(array_or_key))
+    return tensor_of(private_view(array_or_key))
 
 
 class GatheredBatch(Sequence[Any]):
@@ -146,7 +148,7 @@ class CachedDataset(Dataset[Any]):
         self._pid = -1
         self._tensors: list[torch.Tensor] = []
         self._copy_rows = False
-        lengths = {len(get_store(self._root).open_array(k)) for k in self._keys}
+        lengths = {len(get_store(self._root).open_array(k, raw=True)) for k in self._keys}
         if len(lengths) != 1:
             raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
         self._length = lengths.pop()
@@ -161,12 +163,12 @@ class CachedDataset(Dataset[Any]):
 
     def _column(self, store: Any, key: str) -> torch.Tensor:
         try:
-            return torch.from_numpy(store.open_private_array(key))
+            return tensor_of(store.open_private_array(key))
         except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
             self._copy_rows = True
             with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
                 warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(store.open_array(key))
+                return tensor_of(store.open_array(key))
 
     def _pack(self, values: Sequence[torch.Tensor]) -> Any:
         if self._names is not None:

@@ -39,6 +39,7 @@ from .._containers.shared import (
 )
 from .._containers.table import SharedTable
 from .._containers.table_arrow import encode_table
+from .._disk.dtypes import storable
 from .._disk.fs import descriptors_typed, remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import key_in_prefix, validate_key
@@ -127,8 +128,11 @@ class Store:
 
     # ------------------------------------------------------------------ reading
 
-    def open_array(self, key: str) -> np.ndarray:
+    def open_array(self, key: str, *, raw: bool = False) -> np.ndarray:
         """A read-only array over the entry's shared mapping (a plain ``ndarray``).
+
+        A bfloat16/float8 entry is an ``ml_dtypes`` array (``UnsupportedDataError`` without
+        ml_dtypes); ``raw=True`` gives its bits as uint16/uint8 instead.
 
         Repeated opens in one process return the attached array in well under a
         microsecond until this key is published or evicted again. numpy refuses writes;
@@ -136,7 +140,7 @@ class Store:
         lands in this process's private copy of the touched pages, never in the cache
         (and this array shows it); ``shmcache.torch.as_tensor`` makes tensors of their own.
         """
-        return self._reader.open_array(key)
+        return self._reader.open_array(key, raw)
 
     def open_private_array(self, key: str) -> np.ndarray:
         """A writable copy-on-write array over the entry (a mapping of its own, no copy):
@@ -839,6 +843,9 @@ def _progress_counter(progress: Callable[[int, int], None] | None, total: int) -
 
 
 def _as_storable_array(value: Any, what: str) -> np.ndarray:
+    bits = storable(value)  # a bfloat16/float8 tensor or ml_dtypes array: its raw bits, typed
+    if bits is not None:
+        return bits
     if isinstance(value, np.ma.MaskedArray):
         raise UnsupportedDataError(f"{what} is a masked array; store .data and .mask separately")
     try:

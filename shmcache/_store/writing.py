@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._disk.checksum import format_checksums
+from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, migrate_flat_links
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations, mark_changing
@@ -66,7 +67,7 @@ def _dtype_name(dtype: np.dtype) -> str:
     """``str(dtype)``, remembered (numpy takes ~40 us to format one, per file of a batch)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)  # "bfloat16" for its stored bits
         if len(_DTYPE_NAMES) > 1024:
             _DTYPE_NAMES.clear()
     return name
