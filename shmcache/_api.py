@@ -109,13 +109,16 @@ def put_file(
     pin: bool = False,
     as_: str = "auto",
     storage_options: Mapping[str, Any] | None = None,
+    dtype: Any = None,
 ) -> list[str]:
     """Publish a ``.npy``, ``.npz``, ``.safetensors``, torch ``.pt``/``.pth`` state dict,
     ``.h5``/``.hdf5`` or a directory of them; returns the keys. A directory of other files
     (or any directory with ``as_="blobs"``) becomes one blobs entry. ``path`` may be an
-    fsspec URL (``s3://bucket/prefix/``...), with ``storage_options`` for its filesystem."""
+    fsspec URL (``s3://bucket/prefix/``...), with ``storage_options`` for its filesystem.
+    ``dtype`` (e.g. ``"uint16"``): a raw token file as one 1-D array; a Megatron ``.bin``/
+    ``.idx`` pair: a ragged entry of its documents."""
     return get_store(root).put_file(
-        key, path, overwrite=overwrite, pin=pin, as_=as_, storage_options=storage_options
+        key, path, overwrite=overwrite, pin=pin, as_=as_, storage_options=storage_options, dtype=dtype
     )
 
 

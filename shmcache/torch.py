@@ -34,9 +34,10 @@ except ImportError as exc:  # say what to install, not just "No module named 'to
         "the rest of shmcache works without it",
         name="torch",
     ) from exc
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from ._api import get_store
+from ._batches import GatheredBatch, collate
 from ._cuda import (
     Pinned,
     cuda_device,
@@ -48,6 +49,7 @@ from ._cuda import (
 )
 from ._disk.attach import private_view
 from ._tensors import open_state_dict, tensor_of
+from ._tokens import TokenWindows
 from .errors import MappingRefusedError, UnsupportedDataError
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "GPULoader",
     "GatheredBatch",
     "Pinned",
+    "TokenWindows",
     "as_tensor",
     "collate",
     "cuda_view",
@@ -85,22 +88,6 @@ def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Ten
     return tensor_of(private_view(array_or_key))
 
 
-class GatheredBatch(Sequence[Any]):
-    """What ``CachedDataset.__getitems__`` returns: ``columns``, the whole batch already
-    gathered (one fancy index per array), and the same batch as a sequence of samples
-    (for torch's ``default_collate``; ``CachedDataset`` makes them only on demand)."""
-
-    def __init__(self, samples: Sequence[Any], columns: Any) -> None:
-        self._samples = samples
-        self.columns = columns
-
-    def __len__(self) -> int:
-        return len(self._samples)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._samples[index]
-
-
 class _RowsOf(Sequence[Any]):
     """Sample ``i`` of gathered columns, made when asked for."""
 
@@ -115,14 +102,6 @@ class _RowsOf(Sequence[Any]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         return self._dataset._pack([column[index] for column in self._gathered])
-
-
-def collate(batch: Any) -> Any:
-    """``collate_fn`` that returns a ``GatheredBatch``'s columns as they are (no
-    re-stacking); anything else goes to torch's ``default_collate``."""
-    if isinstance(batch, GatheredBatch):
-        return batch.columns
-    return default_collate(batch)
 
 
 class CachedDataset(Dataset[Any]):

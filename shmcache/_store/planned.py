@@ -33,17 +33,20 @@ included) to ``dst`` from the reopened source ``src``, calling ``advance(n)`` pe
 @dataclass(frozen=True)
 class Container:
     """A container entry decoded from a source when it was checked (HDF5 variable-length
-    strings): its kind, its files (name without ``.npy`` -> array) and extra metadata."""
+    strings): its kind, its files (name without ``.npy`` -> array) and extra metadata;
+    ``copied``: files copied from the source as planned items are (a Megatron ``.bin``)."""
 
     kind: str
     files: Mapping[str, np.ndarray]
     extra: Mapping[str, Any]
+    copied: Mapping[str, Planned] = field(default_factory=dict)
 
 
 def container_header(container: Container) -> NpyHeader:
     """A header that only sizes a container (``put_file`` reserves and reports bytes from
     ``header.file_size``): the bytes of all its ``.npy`` files."""
     size = sum(len(build_header(a.dtype, a.shape, False)) + a.nbytes for a in container.files.values())
+    size += sum(item.header.file_size for item in container.copied.values())
     return NpyHeader(np.dtype(np.uint8), (size,), False, 0)
 
 
@@ -89,9 +92,16 @@ def member_key(key: str, name: str, path: Path, what: str) -> str:
         ) from None
 
 
-def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Callable[[int], None]) -> None:
+def write_container(
+    writer: VersionWriter,
+    item: Planned,
+    pin: bool,
+    advance: Callable[[int], None],
+    copy: Callable[[Planned, int, Path, Callable[[int], None]], int] | None = None,
+) -> None:
     """Write ``item.container``'s files and ``meta.json`` into ``item.version``. Its arrays
-    were decoded from the checked file; the file must still be that file, unchanged."""
+    were decoded from the checked file; the file must still be that file, unchanged. Its
+    ``copied`` files are written by ``copy`` (``sources.copy_planned``)."""
     assert item.container is not None
     src = reopen(item.file)
     try:
@@ -102,6 +112,15 @@ def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Ca
     for name, array in item.container.files.items():
         crcs[name], headers[name] = writer.write_array(item.version, f"{name}.npy", array)
         advance(headers[name].file_size)
+    for name, part in item.container.copied.items():
+        assert copy is not None, "a container with copied files needs copy="
+        target = writer.path(item.version, f"{name}.npy")
+        dst = writer.create_file(item.version, f"{name}.npy")
+        try:
+            crcs[name] = copy(part, dst, target, advance)
+        finally:
+            os.close(dst)
+        headers[name] = part.header
     meta = version_meta(item.key, kind, item.version, headers, crcs, pin) | dict(item.container.extra)
     meta["shape"] = [meta.get("length", 0)]  # what `ls` shows, as for every container
     meta.setdefault("dtype", ITEM_TYPES.get(kind))

@@ -68,6 +68,7 @@ from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
 from .space import budget_in_force, reserve
 from .tables import is_table_file, plan_table_file, read_table_source
+from .token_files import refuse_dtype_for
 from .writing import ITEM_TYPES, publish, version_meta
 
 __all__ = ["Store"]
@@ -381,6 +382,7 @@ class Store:
         as_: str = "auto",
         storage_options: Mapping[str, Any] | None = None,
         part_size: int | None = None,
+        dtype: Any = None,
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``), a
         ``.safetensors``, torch ``.pt``/``.pth`` state dict or ``.h5``/``.hdf5`` (as
@@ -393,6 +395,9 @@ class Store:
         streamed into the cache in parallel ranged reads of ``part_size`` bytes (default:
         8 to 64 MiB, 16 parts per object where they fit; see :mod:`shmcache._store.remote`);
         ``storage_options`` go to the filesystem and are never recorded or shown.
+
+        ``dtype`` (e.g. ``"uint16"``) makes a raw token file (nanoGPT's ``train.bin``) one 1-D
+        array; a Megatron ``.bin``/``.idx`` pair becomes a ragged entry of its documents.
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
@@ -410,13 +415,14 @@ class Store:
         A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
+        refuse_dtype_for(path, dtype)
         if is_url(path):
             local = local_path_of(str(path))
             if local is None:
                 return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
             path = local
         kind = put_kind(Path(path), as_)
-        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):  # one table entry
+        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path) and dtype is None:
             files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
             size = int(meta["source_fingerprint"]["size"])
             if progress is not None:
@@ -430,7 +436,7 @@ class Store:
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
             )
             return [info.key]
-        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs))
+        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs), dtype)
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
         total = sum(item.header.file_size for item in plan)
@@ -442,7 +448,7 @@ class Store:
             for item in plan:
                 item.version = writer.new_version()
                 if item.container is not None:  # decoded when checked: HDF5 variable-length strings
-                    write_container(writer, item, pin, advance)
+                    write_container(writer, item, pin, advance, copy_planned)
                     continue
                 target = writer.path(item.version, ARRAY_FILE)
                 dst = writer.create_file(item.version, ARRAY_FILE)
@@ -515,10 +521,12 @@ class Store:
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",
         storage_options: Mapping[str, Any] | None = None,
+        dtype: Any = None,
     ) -> builtins.list[PlannedEntry]:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
+        refuse_dtype_for(path, dtype)
         if is_url(path):
             local = local_path_of(str(path))
             if local is None:
@@ -528,7 +536,7 @@ class Store:
                 return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
             path = local
         kind = put_kind(Path(path), as_)
-        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):
+        if kind != "blobs" and is_table_file(path) and not os.path.isdir(path) and dtype is None:
             return [plan_table_file(key, Path(path), builtins.list(allowed_dirs))]
         if kind == "blobs":
             with plan_blobs(path, f"blobs for key {key!r}", builtins.list(allowed_dirs)) as blobs:
@@ -536,7 +544,7 @@ class Store:
             return [PlannedEntry(key, str(path), str(path), blobs.size)]
         return [
             PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
-            for p in plan_sources(key, Path(path), builtins.list(allowed_dirs))
+            for p in plan_sources(key, Path(path), builtins.list(allowed_dirs), dtype)
         ]
 
     @descriptors_typed
