@@ -129,7 +129,8 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if not self.shuffle:
             return torch.from_numpy(positions * self.block_size % self._starts)
         salt = _splitmix(np.array([self.seed, self.epoch], dtype=np.int64).astype(np.uint64))
-        mixed = _splitmix(positions.astype(np.uint64) * _GOLDEN + salt[0] * _GOLDEN + salt[1])
+        salt = salt[:1] * _GOLDEN + salt[1:]  # arrays: numpy wraps them silently, not scalars
+        mixed = _splitmix(positions.astype(np.uint64) * _GOLDEN + salt)
         return torch.from_numpy((mixed % np.uint64(self._starts)).astype(np.int64))
 
     def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:

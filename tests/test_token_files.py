@@ -99,7 +99,7 @@ def test_dtype_is_refused_where_the_source_says_its_own(store: Store, tmp_path: 
 def test_cli_put_with_dtype(root: Path, tmp_path: Path) -> None:
     path = tmp_path / "val.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)
-    code, out, err = cli("put", str(path), "--key", "val", "--dtype", "uint16", "--local", "--root", str(root))
+    code, out, err = cli("put", str(path), "-k", "val", "--dtype", "uint16", "--local", "--root", str(root))
     assert code == 0 and out.split() == ["val"], err
     np.testing.assert_array_equal(shmcache.open_array("val", root=root), np.arange(1000, dtype=np.uint16))
     odd = tmp_path / "odd.bin"
@@ -114,7 +114,7 @@ def test_cli_put_with_dtype(root: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("given", [".bin", ".idx"])
 def test_megatron_pair_becomes_a_ragged_entry_of_documents(store: Store, tmp_path: Path, given: str) -> None:
     documents = [[[1, 2, 3]], [[4], [5, 6]], [[7, 8, 9, 10]], [[]]]  # doc 1: two sequences
-    bin_path, idx_path = write_megatron(tmp_path / "corpus_text_document", documents)
+    bin_path, _ = write_megatron(tmp_path / "corpus_text_document", documents)
     assert store.put_file("corpus", tmp_path / f"corpus_text_document{given}") == ["corpus"]
     ragged = store.open_ragged("corpus")
     assert len(ragged) == 4
