@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import cli
+from service_helpers import Daemon, unique
+from shmcache.client import Client
 
 import shmcache
 from shmcache import Store
@@ -190,3 +192,30 @@ def test_an_idx_without_its_bin_is_refused(store: Store, tmp_path: Path) -> None
     with pytest.raises(FileNotFoundError):
         store.put_file("l", idx_path)
     assert not store.exists("l")
+
+
+# ---------------------------------------------------------------- through the daemon
+
+
+def test_dtype_through_the_daemon(daemon: Daemon, data_dir: Path) -> None:
+    pytest.importorskip("fastapi")
+    key = unique("tokens")
+    path = data_dir / f"{key}.bin"
+    np.arange(300, dtype=np.uint16).tofile(path)
+    with Client(daemon.root) as client:
+        assert client.load(key, path, dtype="uint16", wait=True).keys == (key,)
+        assert client.info(key).dtype == "uint16"
+        np.testing.assert_array_equal(
+            shmcache.open_array(key, root=daemon.root), np.arange(300, dtype=np.uint16)
+        )
+        (data_dir / f"{key}-odd.bin").write_bytes(bytes(6))
+        with pytest.raises(CorruptSourceError, match="not a whole number of uint32"):  # refused at once
+            client.load(f"{key}-odd", data_dir / f"{key}-odd.bin", dtype="uint32")
+        write_megatron(data_dir / f"{key}-m", [[[1, 2]], [[3]]])
+        assert client.put_file(f"{key}-m", data_dir / f"{key}-m.idx") == [f"{key}-m"]
+        assert [r.tolist() for r in shmcache.open_ragged(f"{key}-m", root=daemon.root)] == [[1, 2], [3]]
+        with pytest.raises(shmcache.InvalidRequestError):
+            client.load(f"{key}-bad", path, dtype="(2,)i4")  # the schema's pattern
+    code, out, err = cli("put", str(path), "-k", f"{key}-c", "--dtype", "uint16", "--root", str(daemon.root))
+    assert "loading in this process" not in err  # through the daemon
+    assert code == 0 and out.split() == [f"{key}-c"], err
