@@ -112,6 +112,7 @@ def test_each_dtype_from_every_source_is_bit_identical(store: Store, tmp_path: P
         array = store.open_array(key)
         assert array.dtype == np.dtype(getattr(ml_dtypes, name)) and not array.flags.writeable
         np.testing.assert_array_equal(array.astype(np.float32), original.float().numpy())
+        assert torch.equal(_bits(as_tensor(array)), _bits(original))  # the ml_dtypes array's own pages
         raw = store.open_array(key, raw=True)
         assert raw.dtype == (np.uint16 if name == "bfloat16" else np.uint8)
         signed = raw.view(np.int16 if name == "bfloat16" else np.uint8)
