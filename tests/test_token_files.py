@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from service_helpers import Daemon, unique
 from shmcache.client import Client
 
@@ -219,3 +221,23 @@ def test_dtype_through_the_daemon(daemon: Daemon, data_dir: Path) -> None:
     code, out, err = cli("put", str(path), "-k", f"{key}-c", "--dtype", "uint16", "--root", str(daemon.root))
     assert "loading in this process" not in err  # through the daemon
     assert code == 0 and out.split() == [f"{key}-c"], err
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), min_size=1, max_size=6))
+def test_any_damaged_index_is_refused_with_a_typed_error_or_loads_whole(
+    store: Store, tmp_path: Path, flips: list[tuple[int, int]]
+) -> None:
+    """Bytes of a valid index overwritten at random: a typed error, or an entry whose
+    documents are exactly the ``.bin``'s tokens (never a crash, never a partial entry)."""
+    bin_path, idx_path = write_megatron(tmp_path / "fuzz", [[[1, 2, 3]], [[4], [5, 6]], [[7]]])
+    raw = bytearray(idx_path.read_bytes())
+    for at, value in flips:
+        raw[at % len(raw)] = value
+    idx_path.write_bytes(bytes(raw))
+    try:
+        store.put_file("fuzz", idx_path, overwrite=True)
+    except (InvalidSourceError, UnsupportedDataError):
+        return
+    ragged = store.open_ragged("fuzz")
+    assert np.concatenate(list(ragged)).tolist() == np.fromfile(bin_path, "<u2").tolist()
