@@ -111,6 +111,7 @@ def test_each_dtype_from_every_source_is_bit_identical(store: Store, tmp_path: P
         assert store.info(key).dtype == name
         array = store.open_array(key)
         assert array.dtype == np.dtype(getattr(ml_dtypes, name)) and not array.flags.writeable
+        assert store.open_array(key) is array  # kept warm, as every array is
         np.testing.assert_array_equal(array.astype(np.float32), original.float().numpy())
         assert torch.equal(_bits(as_tensor(array)), _bits(original))  # the ml_dtypes array's own pages
         raw = store.open_array(key, raw=True)

@@ -115,7 +115,7 @@ def test_cli_put_with_dtype(root: Path, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- Megatron
 
 
-@pytest.mark.parametrize("given", [".bin", ".idx"])
+@pytest.mark.parametrize("given", [".bin", ".idx", ""])  # "": the prefix, as Megatron names a dataset
 def test_megatron_pair_becomes_a_ragged_entry_of_documents(store: Store, tmp_path: Path, given: str) -> None:
     documents = [[[1, 2, 3]], [[4], [5, 6]], [[7, 8, 9, 10]], [[]]]  # doc 1: two sequences
     bin_path, _ = write_megatron(tmp_path / "corpus_text_document", documents)
@@ -214,6 +214,8 @@ def test_dtype_through_the_daemon(daemon: Daemon, data_dir: Path) -> None:
         with pytest.raises(CorruptSourceError, match="not a whole number of uint32"):  # refused at once
             client.load(f"{key}-odd", data_dir / f"{key}-odd.bin", dtype="uint32")
         write_megatron(data_dir / f"{key}-m", [[[1, 2]], [[3]]])
+        code, out, err = cli("put", str(data_dir / f"{key}-m"), "-k", f"{key}-p", "--root", str(daemon.root))
+        assert code == 0 and out.split() == [f"{key}-p"], err  # the prefix, resolved by the CLI
         assert client.put_file(f"{key}-m", data_dir / f"{key}-m.idx") == [f"{key}-m"]
         assert [r.tolist() for r in shmcache.open_ragged(f"{key}-m", root=daemon.root)] == [[1, 2], [3]]
         with pytest.raises(shmcache.InvalidRequestError):

@@ -197,6 +197,8 @@ def _sources(path: str, key: str) -> list[tuple[str, Path | str]]:
     if is_url(path):
         return [(key, path)]
     literal = Path(path).expanduser()
+    if not literal.exists() and Path(f"{literal}.idx").is_file():
+        literal = Path(f"{literal}.idx")  # a Megatron dataset named by its prefix (the daemon wants a file)
     if literal.exists() or not glob.has_magic(path):
         return [(key, literal)]
     matches = sorted(glob.glob(os.path.expanduser(path)))

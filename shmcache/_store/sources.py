@@ -55,6 +55,8 @@ def plan_sources(
     beneath one of them once links are resolved, and is later opened without following any.
     ``dtype``, or a Megatron ``.bin``/``.idx``: a token file (``token_files``)."""
     path = Path(os.path.abspath(path))
+    if dtype is None and not path.exists() and Path(f"{path}.idx").is_file():
+        path = Path(f"{path}.idx")  # a Megatron pair named as Megatron does: by its prefix
     try:
         st = path.stat()
     except FileNotFoundError:
