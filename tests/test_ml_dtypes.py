@@ -157,6 +157,7 @@ def test_cached_dataset_batches_keep_the_dtype(store: Store) -> None:
 
 def test_without_ml_dtypes_numpy_readers_get_a_clear_error(store: Store) -> None:
     store.put_array("w", torch.ones(4, dtype=torch.bfloat16))
+    store.put_array("g/b", torch.ones(2, dtype=torch.float8_e5m2))
     script = (
         "import sys; sys.modules['ml_dtypes'] = None\n"  # what Python does for a missing package
         "import shmcache\n"
@@ -165,9 +166,13 @@ def test_without_ml_dtypes_numpy_readers_get_a_clear_error(store: Store) -> None
         "except shmcache.UnsupportedDataError as exc:\n    print(exc)\n"
         "print(shmcache.open_array('w', root=root, raw=True).tolist())\n"
         "print(shmcache.Store(root).verify('w'))\n"
+        "from shmcache.torch import CachedDataset, as_tensor, open_state_dict\n"  # torch needs no ml_dtypes
+        "print(as_tensor('w', root=root).dtype, CachedDataset('w', root=root)[0].dtype,"
+        " open_state_dict('g', root=root)['b'].dtype)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    message, raw, verified = out.strip().splitlines()
+    message, raw, verified, tensors = out.strip().splitlines()
+    assert tensors == "torch.bfloat16 torch.bfloat16 torch.float8_e5m2"
     assert "holds bfloat16, which numpy has no type for" in message
     assert "shmcache[ml_dtypes]" in message and "raw=True" in message and "as_tensor('w')" in message
     assert raw == str([0x3F80] * 4) and verified == "True"
