@@ -12,6 +12,8 @@ Rows (full size; ``--quick`` in brackets), methods alternated, medians over ``--
   of the checkpoint in RAM beside the cache.
 - ``put_file(..., dtype="uint16")`` of a 1 GiB nanoGPT-style token file [64 MiB] vs ``cp``
   to /dev/shm; target >= 0.9x.
+- random batches of 12 x 1024 token windows from ``TokenWindows`` vs nanoGPT's ``get_batch``
+  over an ``np.memmap`` of the same tokens; target >= 0.9x its speed.
 
 Usage::
 
@@ -29,7 +31,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
-from _benchlib import GiB, MiB, Target, environment, fmt_bytes, markdown_table, print_targets, write_report
+from _benchlib import (
+    GiB,
+    MiB,
+    Samples,
+    Target,
+    environment,
+    fmt_bytes,
+    markdown_table,
+    print_targets,
+    write_report,
+)
 from bench_ingest import FULL, QUICK, Context, Row, _clear, context, timed_pair
 
 _PEAK_RSS = """
@@ -120,7 +132,51 @@ def row_token_file(ctx: Context) -> Row:
     )
 
 
-ROWS: list[Callable[[Context], Row | None]] = [row_bf16_safetensors, row_token_file]
+def row_token_windows(ctx: Context) -> Row | None:
+    """Random batches of 12 x 1024 token windows (x and y): ``TokenWindows.__getitems__`` vs
+    nanoGPT's ``get_batch`` over an ``np.memmap`` of the same file (in /dev/shm)."""
+    try:
+        import torch
+
+        from shmcache.torch import TokenWindows
+    except ImportError:
+        return None
+    batch, block, calls = 12, 1024, 300 if ctx.config.repeats < 5 else 2000
+    source = ctx.shm / "windows.bin"
+    np.random.default_rng(0).integers(0, 50257, ctx.config.npy_bytes // 2, dtype=np.uint16).tofile(source)
+    key = ctx.fresh("w")
+    ctx.store.put_file(key, source, dtype="uint16")
+    data = np.memmap(source, dtype=np.uint16, mode="r")
+    windows = TokenWindows(key, block, root=ctx.store.root)
+    count = len(windows) - batch
+
+    def get_batch() -> None:  # nanoGPT's train.py
+        ix = torch.randint(len(data) - block, (batch,))
+        torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in ix])
+        torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
+
+    def gather(state: list[int] = [0]) -> None:  # noqa: B006 (a counter across calls)
+        state[0] = (state[0] + batch) % count
+        windows.__getitems__(range(state[0], state[0] + batch))
+
+    base, meth = timed_pair(
+        ctx,
+        lambda: [get_batch() for _ in range(calls)],
+        lambda: [gather() for _ in range(calls)],
+    )
+    base, meth = Samples([v / calls for v in base.values]), Samples([v / calls for v in meth.values])
+    return Row(
+        f"random batches of {batch} x {block} token windows (x, y)",
+        "TokenWindows.__getitems__",
+        "nanoGPT get_batch over np.memmap",
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+    )
+
+
+ROWS: list[Callable[[Context], Row | None]] = [row_bf16_safetensors, row_token_file, row_token_windows]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
