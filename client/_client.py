@@ -242,6 +242,7 @@ class Client:
         progress: Callable[[Job], None] | None = None,
         timeout: float | None = None,
         as_: str = "auto",
+        dtype: str | None = None,
     ) -> Job:
         """Ask the daemon to load ``source`` (a ``.npy``; an ``.npz``, ``.safetensors``,
         ``.pt``/``.pth`` or ``.h5``/``.hdf5`` as ``key/<member, tensor or dataset>``; a
@@ -255,7 +256,7 @@ class Client:
         when cancelled) if it did not succeed. Interrupting the wait does not cancel the
         job: call :meth:`cancel`.
         ``as_`` is what a directory becomes (``auto``, ``arrays`` or ``blobs``: see
-        :meth:`Store.put_file <shmcache.Store.put_file>`).
+        :meth:`Store.put_file <shmcache.Store.put_file>`); ``dtype`` that of a raw token file.
         """
         path = os.fspath(source)
         if self.socket_path is not None and not is_url(path):
@@ -263,6 +264,8 @@ class Client:
         body: dict[str, Any] = {"source": path, "pin": pin, "overwrite": overwrite}
         if as_ != "auto":  # only when asked: a daemon that predates blobs refuses the field
             body["as"] = as_
+        if dtype is not None:  # likewise: a daemon that predates token files refuses it
+            body["dtype"] = str(dtype)
         job = Job.from_json(self._request("PUT", _entry_path(key), json=body))
         if wait:
             job = self.wait(job.id, progress=progress, timeout=timeout, first=job)
@@ -340,6 +343,7 @@ class Client:
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
         as_: str = "auto",
+        dtype: str | None = None,
     ) -> builtins.list[str]:
         """Load ``path`` through the daemon and wait: :meth:`Store.put_file <shmcache.Store.put_file>`
         with the daemon's budget. Returns the keys published.
@@ -355,7 +359,7 @@ class Client:
             if progress is not None and job.bytes_total is not None:
                 progress(job.bytes_done, job.bytes_total)
 
-        job = self.load(key, path, pin=pin, overwrite=overwrite, as_=as_)
+        job = self.load(key, path, pin=pin, overwrite=overwrite, as_=as_, dtype=dtype)
         try:
             done = self._follow(job.id, report, None, job)
         except BaseException as exc:

@@ -116,6 +116,7 @@ PARSERS: dict[str, Parser] = {
     "bench_loader": _from_own_report,
     "bench_load": _from_own_report,
     "bench_ingest": _from_own_report,
+    "bench_ingest_formats": _from_own_report,
     "bench_remote": _from_own_report,
     "bench_api": _from_api,
     "bench_gpu": _from_own_report,
@@ -134,6 +135,7 @@ def steps() -> list[Step]:
         Step("bench_loader", "bench_loader.py", out=True),
         Step("bench_load", "bench_load.py"),
         Step("bench_ingest", "bench_ingest.py"),
+        Step("bench_ingest_formats", "bench_ingest_formats.py"),
         Step("bench_remote", "bench_remote.py"),
         Step("bench_api", "bench_api.py", json=False),
         Step("bench_gpu", "bench_gpu.py"),  # "no GPU" in 2 s without one

@@ -68,6 +68,7 @@ class LoadJob:
     pin: bool
     overwrite: bool
     as_: str = "auto"
+    dtype: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     state: JobState = "queued"
     bytes_done: int = 0
@@ -158,7 +159,14 @@ class JobManager:
     # ------------------------------------------------------------------ changes
 
     def submit(
-        self, key: str, source: Path | str, *, pin: bool = False, overwrite: bool = False, as_: str = "auto"
+        self,
+        key: str,
+        source: Path | str,
+        *,
+        pin: bool = False,
+        overwrite: bool = False,
+        as_: str = "auto",
+        dtype: str | None = None,
     ) -> tuple[LoadJob, bool]:
         """Queue a load; returns ``(job, created)``. A queued or running load of the same
         key and source is returned instead of starting another one."""
@@ -173,7 +181,7 @@ class JobManager:
                         f"wait for it, or cancel it ({fix('cancel', HTTP, job=current.id)}) first"
                     )
                 return current, False
-            job = LoadJob(key=key, source=source, pin=pin, overwrite=overwrite, as_=as_)
+            job = LoadJob(key=key, source=source, pin=pin, overwrite=overwrite, as_=as_, dtype=dtype)
             self._jobs[job.id] = job
             self._active_by_key[key] = job
             self._counts["queued"] += 1
@@ -229,6 +237,7 @@ class JobManager:
                 progress=self._progress_of(job, start),
                 allowed_dirs=self._confinement(job.source),
                 as_=job.as_,
+                dtype=job.dtype,
             )
         except JobCancelledError as exc:
             self._finish_locked(job, "cancelled", type(exc).__name__, str(exc))

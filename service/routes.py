@@ -197,8 +197,12 @@ def load_entry(key: KeyPath, body: LoadRequest, service: ServiceDep, response: R
     source = resolve_source(body.source, service.settings.allow_source)
     current = service.jobs.active_for(key)
     if current is None or current.source != source:
-        check_loadable(service.store, key, source, body.overwrite, service.settings.allow_source, body.as_)
-    job, _ = service.jobs.submit(key, source, pin=body.pin, overwrite=body.overwrite, as_=body.as_)
+        check_loadable(
+            service.store, key, source, body.overwrite, service.settings.allow_source, body.as_, body.dtype
+        )
+    job, _ = service.jobs.submit(
+        key, source, pin=body.pin, overwrite=body.overwrite, as_=body.as_, dtype=body.dtype
+    )
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return job.snapshot()
 

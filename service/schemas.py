@@ -106,6 +106,14 @@ class LoadRequest(BaseModel):
         description="What a directory becomes: arrays (key/<name> per .npy/.npz), blobs (one entry "
         "holding every file's bytes) or auto (blobs when it holds no array files).",
     )
+    dtype: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        pattern=r"^[A-Za-z0-9<>=|]+$",
+        description="The token dtype of a raw token file (e.g. uint16 for nanoGPT's train.bin): the "
+        "file becomes one 1-D array. A Megatron .bin/.idx pair needs none (its index says it).",
+    )
 
 
 class BudgetRequest(BaseModel):

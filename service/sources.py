@@ -137,6 +137,7 @@ def check_loadable(
     overwrite: bool,
     allowed: Sequence[Path | str] = (),
     as_: str = "auto",
+    dtype: str | None = None,
 ) -> list[str]:
     """Validate every source file (headers, dtypes, key names), refuse loads that cannot
     fit, and existing keys unless ``overwrite``; returns the keys the load would publish.
@@ -145,7 +146,7 @@ def check_loadable(
     HTTP error instead of a failed job.
     """
     dirs = [top for top in allowed if isinstance(top, Path)]
-    plan = store.plan_file(key, source, allowed_dirs=dirs, as_=as_)  # headers only; links out refused
+    plan = store.plan_file(key, source, allowed_dirs=dirs, as_=as_, dtype=dtype)  # headers only; no links out
     keys = [item.key for item in plan]
     needed = sum(item.size for item in plan)
     budget = store.budget

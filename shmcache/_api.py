@@ -71,7 +71,7 @@ def get_store(root: str | os.PathLike[str] | None = None) -> Store:
     return store
 
 
-def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.ndarray:
+def open_array(key: str, *, root: str | os.PathLike[str] | None = None, raw: bool = False) -> np.ndarray:
     """Read-only array over the shared entry ``key`` (pickles by reference).
 
     The mapping is copy-on-write: an in-place write through ``torch.from_numpy`` of it
@@ -79,7 +79,12 @@ def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.nd
     where this array shows them too; other processes and the cache keep the original.
     For tensors use ``shmcache.torch.as_tensor(key)``: the same shared pages, with
     writes private to the tensor.
+
+    A bfloat16/float8 entry comes as an ``ml_dtypes`` array (the ``ml_dtypes`` extra);
+    ``raw=True`` gives its raw bits (uint16/uint8) with or without it.
     """
+    if raw:
+        return get_store(root).open_array(key, raw=True)
     return get_store(root).open_array(key)
 
 
@@ -104,13 +109,16 @@ def put_file(
     pin: bool = False,
     as_: str = "auto",
     storage_options: Mapping[str, Any] | None = None,
+    dtype: Any = None,
 ) -> list[str]:
     """Publish a ``.npy``, ``.npz``, ``.safetensors``, torch ``.pt``/``.pth`` state dict,
     ``.h5``/``.hdf5`` or a directory of them; returns the keys. A directory of other files
     (or any directory with ``as_="blobs"``) becomes one blobs entry. ``path`` may be an
-    fsspec URL (``s3://bucket/prefix/``...), with ``storage_options`` for its filesystem."""
+    fsspec URL (``s3://bucket/prefix/``...), with ``storage_options`` for its filesystem.
+    ``dtype`` (e.g. ``"uint16"``): a raw token file as one 1-D array; a Megatron ``.bin``/
+    ``.idx`` pair: a ragged entry of its documents."""
     return get_store(root).put_file(
-        key, path, overwrite=overwrite, pin=pin, as_=as_, storage_options=storage_options
+        key, path, overwrite=overwrite, pin=pin, as_=as_, storage_options=storage_options, dtype=dtype
     )
 
 

@@ -64,10 +64,11 @@ class CacheControl(Protocol):
         pin: bool = False,
         progress: Callable[[int, int], None] | None = None,
         as_: str = "auto",
+        dtype: str | None = None,
     ) -> builtins.list[str]:
         """Publish a ``.npy``, ``.npz``, ``.safetensors``, ``.pt``/``.pth``, ``.h5``/``.hdf5`` or a
         directory of them (``as_="blobs"``: every file of a directory as one blobs entry);
-        returns the keys published."""
+        ``dtype``: a raw token file as one 1-D array. Returns the keys published."""
         ...
 
 

@@ -34,9 +34,10 @@ except ImportError as exc:  # say what to install, not just "No module named 'to
         "the rest of shmcache works without it",
         name="torch",
     ) from exc
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from ._api import get_store
+from ._batches import GatheredBatch, collate
 from ._cuda import (
     Pinned,
     cuda_device,
@@ -48,6 +49,8 @@ from ._cuda import (
     to_cuda,
 )
 from ._disk.attach import private_view
+from ._tensors import open_state_dict, tensor_of
+from ._tokens import TokenWindows
 from .errors import MappingRefusedError, UnsupportedDataError
 
 __all__ = [
@@ -55,9 +58,11 @@ __all__ = [
     "GPULoader",
     "GatheredBatch",
     "Pinned",
+    "TokenWindows",
     "as_tensor",
     "collate",
     "cuda_view",
+    "open_state_dict",
     "pin",
     "read_only_registration_supported",
     "to_cuda",
@@ -80,24 +85,8 @@ def as_tensor(array_or_key: np.ndarray | str, *, root: Root = None) -> torch.Ten
     and convert in the worker, as :class:`CachedDataset` does.
     """
     if isinstance(array_or_key, str):  # one copy-on-write mapping, not a shared one and then a second
-        return torch.from_numpy(get_store(root).open_private_array(array_or_key))
-    return torch.from_numpy(private_view(array_or_key))
-
-
-class GatheredBatch(Sequence[Any]):
-    """What ``CachedDataset.__getitems__`` returns: ``columns``, the whole batch already
-    gathered (one fancy index per array), and the same batch as a sequence of samples
-    (for torch's ``default_collate``; ``CachedDataset`` makes them only on demand)."""
-
-    def __init__(self, samples: Sequence[Any], columns: Any) -> None:
-        self._samples = samples
-        self.columns = columns
-
-    def __len__(self) -> int:
-        return len(self._samples)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._samples[index]
+        return tensor_of(get_store(root).open_private_array(array_or_key))
+    return tensor_of(private_view(array_or_key))
 
 
 class _RowsOf(Sequence[Any]):
@@ -114,14 +103,6 @@ class _RowsOf(Sequence[Any]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         return self._dataset._pack([column[index] for column in self._gathered])
-
-
-def collate(batch: Any) -> Any:
-    """``collate_fn`` that returns a ``GatheredBatch``'s columns as they are (no
-    re-stacking); anything else goes to torch's ``default_collate``."""
-    if isinstance(batch, GatheredBatch):
-        return batch.columns
-    return default_collate(batch)
 
 
 class CachedDataset(Dataset[Any]):
@@ -147,7 +128,7 @@ class CachedDataset(Dataset[Any]):
         self._pid = -1
         self._tensors: list[torch.Tensor] = []
         self._copy_rows = False
-        lengths = {len(get_store(self._root).open_array(k)) for k in self._keys}
+        lengths = {len(get_store(self._root).open_array(k, raw=True)) for k in self._keys}
         if len(lengths) != 1:
             raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
         self._length = lengths.pop()
@@ -162,12 +143,12 @@ class CachedDataset(Dataset[Any]):
 
     def _column(self, store: Any, key: str) -> torch.Tensor:
         try:
-            return torch.from_numpy(store.open_private_array(key))
+            return tensor_of(store.open_private_array(key))
         except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
             self._copy_rows = True
             with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
                 warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(store.open_array(key))
+                return tensor_of(store.open_array(key))
 
     def _pack(self, values: Sequence[torch.Tensor]) -> Any:
         if self._names is not None:

@@ -51,6 +51,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "s3": ("s3fs",),
     "pillow": ("PIL",),
     "safetensors": ("safetensors",),
+    "ml_dtypes": ("ml_dtypes",),
 }
 """What ``<!-- requires: NAME -->`` may name, and the modules each makes importable."""
 BASE_MODULES = {"numpy", "shmcache"}

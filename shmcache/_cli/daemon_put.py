@@ -49,6 +49,7 @@ def put_through(
     bar: Progress,
     title: str,
     as_: str = "auto",
+    dtype: str | None = None,
 ) -> Outcome:
     """Submit one load per source (the daemon runs them in parallel) and follow them on one
     bar until they are final, or until Ctrl+C: then each is cancelled, and is as final as
@@ -58,7 +59,7 @@ def put_through(
     since = time.time()
     try:
         for key, source in sources:
-            jobs.append(client.load(key, source, pin=pin, overwrite=overwrite, as_=as_))
+            jobs.append(client.load(key, source, pin=pin, overwrite=overwrite, as_=as_, dtype=dtype))
         with bar:
             task = bar.add_task(title, total=None)
             delay = _POLL_MIN_S

@@ -117,6 +117,15 @@ def put(
             show_default=False,
         ),
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="PATH is a raw token file of this dtype (e.g. uint16 for nanoGPT's train.bin): one "
+            "1-D array. A Megatron .bin/.idx pair needs none: it becomes a ragged entry of its documents.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Load PATH into the cache under KEY and print the keys published.
 
@@ -136,7 +145,7 @@ def put(
             if isinstance(control, Store):
                 with failures_exit_1():
                     published = _put_here(
-                        control, sources, pin, overwrite, bar, title, local, as_.value, options
+                        control, sources, pin, overwrite, bar, title, local, as_.value, options, dtype
                     )
             else:
                 with failures_exit_1():
@@ -148,7 +157,7 @@ def put(
                         )
                 with interrupts_restored():  # Ctrl+C from here on: the daemon says what happened
                     with failures_exit_1():
-                        outcome = put_through(control, sources, pin, overwrite, bar, title, as_.value)
+                        outcome = put_through(control, sources, pin, overwrite, bar, title, as_.value, dtype)
                     report(outcome)
                 return
     except KeyboardInterrupt:  # in this process, or before any load was asked of the daemon
@@ -188,6 +197,8 @@ def _sources(path: str, key: str) -> list[tuple[str, Path | str]]:
     if is_url(path):
         return [(key, path)]
     literal = Path(path).expanduser()
+    if not literal.exists() and Path(f"{literal}.idx").is_file():
+        literal = Path(f"{literal}.idx")  # a Megatron dataset named by its prefix (the daemon wants a file)
     if literal.exists() or not glob.has_magic(path):
         return [(key, literal)]
     matches = sorted(glob.glob(os.path.expanduser(path)))
@@ -253,10 +264,11 @@ def _put_here(
     local: bool = False,
     as_: str = "auto",
     options: dict[str, Any] | None = None,
+    dtype: str | None = None,
 ) -> list[str]:
     """Validate every source first (nothing is copied if one is bad), then put them."""
     plans = [
-        (key, source, store.plan_file(key, source, as_=as_, storage_options=options))
+        (key, source, store.plan_file(key, source, as_=as_, storage_options=options, dtype=dtype))
         for key, source in sources
     ]
     if not overwrite:
@@ -279,7 +291,7 @@ def _put_here(
 
             published += store.put_file(
                 key, source, overwrite=overwrite, pin=pin, progress=advance, as_=as_,
-                storage_options=options,
+                storage_options=options, dtype=dtype,
             )
             offset += sum(entry.size for entry in plan)
     return published

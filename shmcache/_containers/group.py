@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from .._disk.attach import attach_array
+from .._disk.dtypes import for_numpy
 from .._disk.layout import ARRAY_FILE, Layout, read_version
 from .._disk.meta import read_meta
 from ..errors import KeyNotFoundError
@@ -67,7 +68,7 @@ class SharedGroup(Mapping[str, Any]):
         meta = read_meta(self._store.layout, version)
         try:
             if meta is not None and meta.kind == "array":
-                return attach_array(root, version, ARRAY_FILE, key)
+                return for_numpy(attach_array(root, version, ARRAY_FILE, key), key)
             if meta is not None:
                 return open_version(root, key, version, meta.kind, meta)
         except (FileNotFoundError, KeyNotFoundError):

@@ -17,6 +17,7 @@ from .files import array_files_under, plan_sources
 from .planned import PlannedEntry
 from .source_files import stat_fingerprint
 from .tables import is_table_file, plan_table_file
+from .token_files import refuse_dtype_for
 from .urls import is_url, local_path_of
 
 __all__ = ["Loaded", "Source", "classify_source", "is_current", "plan_source"]
@@ -33,16 +34,17 @@ class Source:
     location: str | os.PathLike[str]
 
 
-def classify_source(path: str | os.PathLike[str], as_: str = "auto") -> Source:
+def classify_source(path: str | os.PathLike[str], as_: str = "auto", dtype: Any = None) -> Source:
     """The kind of source ``path`` is: a URL, a table file, blobs (``as_``, or a directory
-    without array files) or array files."""
+    without array files) or array files (a raw token file when ``dtype`` is given)."""
+    refuse_dtype_for(path, dtype)
     if is_url(path):
         local = local_path_of(str(path))
         if local is None:
             return Source("remote", str(path))
         path = local
     kind = put_kind(Path(path), as_)
-    if kind != "blobs" and is_table_file(path) and not os.path.isdir(path):  # one table entry
+    if kind != "blobs" and is_table_file(path) and not os.path.isdir(path) and dtype is None:  # one table
         return Source("table", path)
     return Source("blobs" if kind == "blobs" else "arrays", path)
 
@@ -54,10 +56,11 @@ def plan_source(
     allowed: Sequence[str | os.PathLike[str]] = (),
     as_: str = "auto",
     storage_options: Mapping[str, Any] | None = None,
+    dtype: Any = None,
 ) -> list[PlannedEntry]:
     """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key names)
     without copying anything (``key`` is valid)."""
-    source = classify_source(path, as_)
+    source = classify_source(path, as_, dtype)
     if source.kind == "remote":
         from .remote import plan_remote  # here: threads and hashing only for URLs
 
@@ -71,7 +74,7 @@ def plan_source(
         return [PlannedEntry(key, str(source.location), str(source.location), blobs.size)]
     return [
         PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
-        for p in plan_sources(key, Path(source.location), allowed)
+        for p in plan_sources(key, Path(source.location), allowed, dtype)
     ]
 
 

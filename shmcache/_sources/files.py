@@ -28,6 +28,8 @@ from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, Sour
 from . import array_files
 from .planned import Planned
 from .source_files import SourceFile, check_unchanged, open_checked, reopen
+from .tables import is_table_file
+from .token_files import is_token_source, plan_token_file
 
 __all__ = [
     "PLANNERS",
@@ -53,11 +55,16 @@ Planner = Callable[[str, Path, SourceFile, BinaryIO], list[Planned]]
 the checked file; ``key`` is valid)."""
 
 
-def plan_sources(key: str, path: Path, allowed: Sequence[str | os.PathLike[str]] = ()) -> list[Planned]:
+def plan_sources(
+    key: str, path: Path, allowed: Sequence[str | os.PathLike[str]] = (), dtype: object | None = None
+) -> list[Planned]:
     """Validate every source file under ``path`` and name the entries they become
     (``key`` must be valid already). With ``allowed`` directories, every file must lie
-    beneath one of them once links are resolved, and is later opened without following any."""
+    beneath one of them once links are resolved, and is later opened without following any.
+    ``dtype``, or a Megatron ``.bin``/``.idx``: a token file (``token_files``)."""
     path = Path(os.path.abspath(path))
+    if dtype is None and not path.exists() and Path(f"{path}.idx").is_file():
+        path = Path(f"{path}.idx")  # a Megatron pair named as Megatron does: by its prefix
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -65,6 +72,14 @@ def plan_sources(key: str, path: Path, allowed: Sequence[str | os.PathLike[str]]
     except OSError as exc:
         raise InvalidSourceError(f"source {path} cannot be read: {exc.strerror}") from exc
     tops = tuple(os.path.realpath(top) for top in allowed)
+    if dtype is not None or is_token_source(path):
+        if dtype is not None and (path.is_dir() or path.suffix.lower() in PLANNERS or is_table_file(path)):
+            raise InvalidSourceError(
+                f"dtype= is for a raw token file (e.g. nanoGPT's train.bin); {path} is a "
+                f"{'directory' if path.is_dir() else path.suffix + ' file'}, which says its own dtypes: "
+                "put it without dtype"
+            )
+        return plan_token_file(key, path, dtype, tops)
     plan = _plan_sources_unchecked(key, path, st, tops)
     seen: dict[str, str] = {}
     for item in plan:
@@ -147,7 +162,10 @@ def _child_key(key: str, relative: str, file: Path) -> str:
 def _plan_file(key: str, path: Path, tops: tuple[str, ...]) -> list[Planned]:
     planner = PLANNERS.get(path.suffix.lower())
     if planner is None:
-        raise CorruptSourceError(f"{path}: not a {_suffixes()} file (or a directory of them)")
+        raise CorruptSourceError(
+            f"{path}: not a {_suffixes()} file (or a directory of them); a raw token file needs "
+            "its dtype (dtype='uint16', `--dtype uint16`)"
+        )
     fd, file = open_checked(str(path), tops)
     with open(fd, "rb") as fp:  # closes fd
         return planner(key, path, file, fp)

@@ -30,17 +30,20 @@ included) to ``dst`` from the reopened source ``src``, calling ``advance(n)`` pe
 @dataclass(frozen=True)
 class Container:
     """A container entry decoded from a source when it was checked (HDF5 variable-length
-    strings): its kind, its files (name without ``.npy`` -> array) and extra metadata."""
+    strings): its kind, its files (name without ``.npy`` -> array) and extra metadata;
+    ``copied``: files copied from the source as planned items are (a Megatron ``.bin``)."""
 
     kind: str
     files: Mapping[str, np.ndarray]
     extra: Mapping[str, Any]
+    copied: Mapping[str, Planned] = field(default_factory=dict)
 
 
 def container_header(container: Container) -> NpyHeader:
     """A header that only sizes a container (``put_file`` reserves and reports bytes from
     ``header.file_size``): the bytes of all its ``.npy`` files."""
     size = sum(len(build_header(a.dtype, a.shape, False)) + a.nbytes for a in container.files.values())
+    size += sum(item.header.file_size for item in container.copied.values())
     return NpyHeader(np.dtype(np.uint8), (size,), False, 0)
 
 

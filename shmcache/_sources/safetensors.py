@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._disk.dtypes import marker
 from .._disk.shapes import MAX_TENSORS, checked_shape
 from ..errors import CorruptSourceError, UnsupportedDataError
 
@@ -42,8 +43,9 @@ DTYPES: dict[str, np.dtype] = {
         "F64": "<f8",
         "C64": "<c8",
     }.items()
-}
-"""safetensors dtype names numpy has; BF16 and the F8/F6/F4 kinds have no numpy dtype."""
+} | {"BF16": marker("bfloat16"), "F8_E4M3": marker("float8_e4m3fn"), "F8_E5M2": marker("float8_e5m2")}
+"""safetensors dtype names -> stored dtypes (bfloat16 and float8 as their raw bits: ``dtypes``);
+the other F8 kinds and F6/F4 are refused."""
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,9 @@ def _tensor(name: str, spec: Any, base: int, size: int, path: str) -> Safetensor
     dtype = DTYPES.get(kind)
     if dtype is None:
         raise UnsupportedDataError(
-            f"{where} has dtype {kind}, which numpy has no type for (shmcache stores numpy "
-            "arrays); convert it first, e.g. tensor.float() or tensor.half(), and save again"
+            f"{where} has dtype {kind}, which shmcache does not store (it stores numpy dtypes, "
+            "bfloat16 and float8 e4m3fn/e5m2); convert it first, e.g. tensor.float() or "
+            "tensor.bfloat16(), and save again"
         )
     if not isinstance(offsets, list) or not _ints(offsets) or len(offsets) != 2:
         raise CorruptSourceError(f"{where}: data_offsets must be a list of two non-negative integers")

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .._disk.dtypes import ML_DTYPES, marker
 from .._disk.fs import write_all
 from .._disk.npy import zip_data_offset
 from .._disk.shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
@@ -51,7 +52,7 @@ _NUMPY: dict[str, str] = {
     "complex64": "<c8",
     "complex128": "<c16",
 }
-"""torch dtype names numpy has a type for (bfloat16, the float8 kinds... have none)."""
+"""torch dtype names numpy has a type for (bfloat16 and float8 are stored as raw bits: ``dtypes``)."""
 _STORAGES: dict[str, str] = {
     "DoubleStorage": "float64",
     "FloatStorage": "float32",
@@ -322,12 +323,13 @@ def _locate(
         raise CorruptSourceError(f"{where}: its storage type {kind} does not go with its rebuild function")
     torch_dtype = ref.dtype.name if ref.dtype is not None else _STORAGES[kind]
     code = _NUMPY.get(torch_dtype)
-    if code is None:
+    if code is None and torch_dtype not in ML_DTYPES:
         raise UnsupportedDataError(
-            f"{where} is {torch_dtype}, which numpy has no type for; convert it first "
-            "(e.g. {k: v.float() for k, v in sd.items()}) and save again"
+            f"{where} is {torch_dtype}, which shmcache does not store (numpy dtypes, bfloat16 and "
+            "float8 e4m3fn/e5m2); convert it first (e.g. {k: v.float() for k, v in sd.items()}) "
+            "and save again"
         )
-    dtype = np.dtype(code)
+    dtype = np.dtype(code) if code is not None else marker(torch_dtype)
     checked_shape(ref.shape, dtype.itemsize, where)
     storage_bytes = ref.storage.numel if kind == _UNTYPED else ref.storage.numel * dtype.itemsize
     numel = storage_bytes // dtype.itemsize

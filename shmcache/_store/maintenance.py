@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._disk.checksum import crc_of_range, parse_checksums
+from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
 from .._disk.generations import bump_all_generations
@@ -178,7 +179,7 @@ def _check_meta(key: str, version: str, meta: EntryMeta, headers: dict[str, NpyH
     }
     if meta.kind == "array" and "data" in headers:
         data = headers["data"]
-        said |= {"dtype": str(data.dtype), "shape": data.shape, "fortran_order": data.fortran_order}
+        said |= {"dtype": dtype_name(data.dtype), "shape": data.shape, "fortran_order": data.fortran_order}
     for field, actual in said.items():
         value = getattr(meta, field)
         if meta.records(field) and value != actual:  # what older entries did not record is not compared
@@ -221,7 +222,7 @@ def _open_as_a_reader(reader: Reader, key: str) -> None:
     """Open the entry as ``open`` does, and read its first and last items (a container's
     parts are only decoded then): what a reader would meet, met now."""
     try:
-        opened = reader.open(key)
+        opened = reader.open(key, raw=True)  # bfloat16 as bits: verify needs no ml_dtypes
         if isinstance(opened, Mapping):
             names = list(opened)
             for name in names[:1] + names[-1:]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._containers.encode import encode_mapping, encode_ragged, encode_records, encode_strings
 from .._containers.table_arrow import encode_table
+from .._disk.dtypes import storable
 from .._disk.fs import descriptors_typed, remove_tree
 from .._disk.generations import bump_generations
 from .._disk.keys import validate_key
@@ -202,6 +203,7 @@ class Putting:
         as_: str = "auto",
         storage_options: Mapping[str, Any] | None = None,
         part_size: int | None = None,
+        dtype: Any = None,
     ) -> list[str]:
         """Publish a ``.npy`` (as ``key``), an ``.npz`` (as ``key/<member>``), a
         ``.safetensors``, torch ``.pt``/``.pth`` state dict or ``.h5``/``.hdf5`` (as
@@ -214,6 +216,9 @@ class Putting:
         streamed into the cache in parallel ranged reads of ``part_size`` bytes (default:
         8 to 64 MiB, 16 parts per object where they fit; see :mod:`shmcache._sources.remote`);
         ``storage_options`` go to the filesystem and are never recorded or shown.
+
+        ``dtype`` (e.g. ``"uint16"``) makes a raw token file (nanoGPT's ``train.bin``) one 1-D
+        array; a Megatron ``.bin``/``.idx`` pair becomes a ragged entry of its documents.
 
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
@@ -231,7 +236,7 @@ class Putting:
         A file that changes while it is loaded raises :class:`CorruptSourceError`.
         """
         validate_key(key)
-        source = classify_source(path, as_)
+        source = classify_source(path, as_, dtype)
         path = source.location
         if source.kind == "remote":
             return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
@@ -249,7 +254,7 @@ class Putting:
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
             )
             return [info.key]
-        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs))
+        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs), dtype)
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
         total = sum(item.header.file_size for item in plan)
@@ -261,7 +266,7 @@ class Putting:
             for item in plan:
                 item.version = writer.new_version()
                 if item.container is not None:  # decoded when checked: HDF5 variable-length strings
-                    write_container(writer, item, pin, advance)
+                    write_container(writer, item, pin, advance, copy_planned)
                     continue
                 target = writer.path(item.version, ARRAY_FILE)
                 dst = writer.create_file(item.version, ARRAY_FILE)
@@ -334,13 +339,13 @@ class Putting:
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",
         storage_options: Mapping[str, Any] | None = None,
+        dtype: Any = None,
     ) -> builtins.list[PlannedEntry]:
         """What ``put_file(key, path)`` would publish, validated (headers, dtypes, key
         names) without copying anything: a dry run for callers that must answer early."""
         validate_key(key)
-        return plan_source(
-            key, path, allowed=builtins.list(allowed_dirs), as_=as_, storage_options=storage_options
-        )
+        allowed = builtins.list(allowed_dirs)
+        return plan_source(key, path, allowed=allowed, as_=as_, storage_options=storage_options, dtype=dtype)
 
     def _refuse_existing(self, keys: builtins.list[str], overwrite: bool) -> None:
         if overwrite:
@@ -437,6 +442,9 @@ def _entry_info(meta: dict[str, Any]) -> EntryInfo:
 
 
 def _as_storable_array(value: Any, what: str) -> np.ndarray:
+    bits = storable(value)  # a bfloat16/float8 tensor or ml_dtypes array: its raw bits, typed
+    if bits is not None:
+        return bits
     if isinstance(value, np.ma.MaskedArray):
         raise UnsupportedDataError(f"{what} is a masked array; store .data and .mask separately")
     try:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .._containers.shared import open_version, wrong_kind
 from .._disk.attach import WRITABLE, attach_array
+from .._disk.dtypes import for_numpy, raw_bits
 from .._disk.generations import CHANGING, map_generations
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, META_FILE, Layout, generation_slot
@@ -67,20 +68,22 @@ class Reader:
 
     # ------------------------------------------------------------------ arrays
 
-    def open_array(self, key: str) -> np.ndarray:
+    def open_array(self, key: str, raw: bool = False) -> np.ndarray:
         """The read-only array of ``key`` (the same object while the key is unchanged).
 
         Over a copy-on-write mapping (``_disk/attach``): a write that gets past numpy's
-        flag stays in this process; ``open_private_array`` is the writable one."""
+        flag stays in this process; ``open_private_array`` is the writable one. ``raw``: a
+        bfloat16/float8 entry as its bits (uint16/uint8), with or without ml_dtypes (not kept
+        warm: the warm array is the typed one)."""
         try:
             hit = self._arrays.get(key)
         except TypeError:  # unhashable: let validation explain
             hit = None
-        if hit is not None and hit[1][hit[2]] == hit[0]:
+        if hit is not None and hit[1][hit[2]] == hit[0] and not raw:
             return hit[4]  # type: ignore[no-any-return]
-        return self._open_array_slowly(key)
+        return self._open_array_slowly(key, raw)
 
-    def _open_array_slowly(self, key: str) -> np.ndarray:
+    def _open_array_slowly(self, key: str, raw: bool = False) -> np.ndarray:
         # Links exist only for valid keys, and "/" <-> "~" is the only renaming, so a key
         # without "~" that resolves is valid: validate only when it does not.
         if not isinstance(key, str) or "~" in key:
@@ -97,7 +100,7 @@ class Reader:
                     raise self.not_found(key) from None
                 version = found[1]
             hit = self._arrays.get(key)
-            if hit is not None and hit[3] == version:
+            if hit is not None and hit[3] == version and not raw:
                 array = hit[4]
             else:
                 try:
@@ -108,6 +111,10 @@ class Reader:
                 except (CorruptEntryError, ValueError, TypeError) as exc:
                     _raise_if_damaged(self.layout, key, version, exc)
                     continue
+                if raw:
+                    return raw_bits(array)
+                if array.dtype.names is not None:  # bfloat16/float8 bits: ml_dtypes, or why not
+                    array = for_numpy(array, key)
             if table is not None and generation < CHANGING:  # not while a directory put switches
                 self._arrays[key] = (generation, table, slot, version, array)
             return array  # type: ignore[no-any-return]
@@ -143,17 +150,18 @@ class Reader:
 
     # ------------------------------------------------------------------ any kind
 
-    def open(self, key: str, kind: str | None = None) -> Any:
-        """An entry of ``kind`` (any kind when None): an array or its container.
+    def open(self, key: str, kind: str | None = None, raw: bool = False) -> Any:
+        """An entry of ``kind`` (any kind when None): an array or its container; ``raw``:
+        a bfloat16/float8 array as its bits, not kept warm (what ``verify`` reads).
 
         The link is read once and ``meta.json`` at most once.
         """
-        if kind == "array":
+        if kind == "array" and not raw:
             return self.open_array(key)
         hit = self._handles.get(key) if isinstance(key, str) else None
         if hit is not None and hit[1][hit[2]] == hit[0] and (kind is None or hit[4]._ref.kind == kind):
             return hit[4]
-        if kind is None:
+        if kind is None and not raw:
             hit = self._arrays.get(key) if isinstance(key, str) else None
             if hit is not None and hit[1][hit[2]] == hit[0]:
                 return hit[4]
@@ -172,12 +180,13 @@ class Reader:
                 raise wrong_kind(key, found, kind)
             cache = self._arrays if found == "array" else self._handles
             hit = cache.get(key)
-            if hit is not None and hit[3] == version:
+            if hit is not None and hit[3] == version and not raw:
                 opened = hit[4]
             else:
                 try:
                     if found == "array":
                         opened = attach_array(self._root_str, version, ARRAY_FILE, key)
+                        opened = raw_bits(opened) if raw else for_numpy(opened, key)
                     else:
                         opened = open_version(self._root_str, key, version, found, meta)
                 except (FileNotFoundError, KeyNotFoundError) as exc:
@@ -186,11 +195,11 @@ class Reader:
                     _raise_if_damaged(self.layout, key, version, exc)
                     continue  # evicted while being opened: resolve again
                 except UnsupportedDataError:
-                    raise  # the wrong kind asked for
+                    raise  # the wrong kind asked for, or bfloat16 without ml_dtypes
                 except (CorruptEntryError, LookupError, ValueError, TypeError, AttributeError) as exc:
                     _raise_if_damaged(self.layout, key, version, exc)
                     continue
-            if table is not None and generation < CHANGING:  # not while a directory put switches
+            if table is not None and generation < CHANGING and not raw:  # nor while a directory put switches
                 cache[key] = (generation, table, slot, version, opened)
             return opened
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")

@@ -103,8 +103,11 @@ class Store(Putting):
 
     # ------------------------------------------------------------------ reading
 
-    def open_array(self, key: str) -> np.ndarray:
+    def open_array(self, key: str, *, raw: bool = False) -> np.ndarray:
         """A read-only array over the entry's shared mapping (a plain ``ndarray``).
+
+        A bfloat16/float8 entry is an ``ml_dtypes`` array (``UnsupportedDataError`` without
+        ml_dtypes); ``raw=True`` gives its bits as uint16/uint8 instead.
 
         Repeated opens in one process return the attached array in well under a
         microsecond until this key is published or evicted again. numpy refuses writes;
@@ -112,7 +115,7 @@ class Store(Putting):
         lands in this process's private copy of the touched pages, never in the cache
         (and this array shows it); ``shmcache.torch.as_tensor`` makes tensors of their own.
         """
-        return self._reader.open_array(key)
+        return self._reader.open_array(key, raw)
 
     def open_private_array(self, key: str) -> np.ndarray:
         """A writable copy-on-write array over the entry (a mapping of its own, no copy):

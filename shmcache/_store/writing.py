@@ -7,11 +7,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._disk.checksum import format_checksums
+from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, migrate_flat_links
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations, mark_changing
@@ -70,7 +72,7 @@ def _dtype_name(dtype: np.dtype) -> str:
     """``str(dtype)``, remembered (numpy takes ~40 us to format one, per file of a batch)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)  # "bfloat16" for its stored bits
         if len(_DTYPE_NAMES) > 1024:
             _DTYPE_NAMES.clear()
     return name
@@ -144,9 +146,16 @@ def ensure_tree_format(layout: Layout) -> None:
     _TREE_ROOTS.add(root)
 
 
-def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Callable[[int], None]) -> None:
+def write_container(
+    writer: VersionWriter,
+    item: Planned,
+    pin: bool,
+    advance: Callable[[int], None],
+    copy: Callable[[Planned, int, Path, Callable[[int], None]], int] | None = None,
+) -> None:
     """Write ``item.container``'s files and ``meta.json`` into ``item.version``. Its arrays
-    were decoded from the checked file; the file must still be that file, unchanged."""
+    were decoded from the checked file; the file must still be that file, unchanged. Its
+    ``copied`` files are written by ``copy`` (``_sources.files.copy_planned``)."""
     assert item.container is not None
     src = reopen(item.file)
     try:
@@ -157,6 +166,15 @@ def write_container(writer: VersionWriter, item: Planned, pin: bool, advance: Ca
     for name, array in item.container.files.items():
         crcs[name], headers[name] = writer.write_array(item.version, f"{name}.npy", array)
         advance(headers[name].file_size)
+    for name, part in item.container.copied.items():
+        assert copy is not None, "a container with copied files needs copy="
+        target = writer.path(item.version, f"{name}.npy")
+        dst = writer.create_file(item.version, f"{name}.npy")
+        try:
+            crcs[name] = copy(part, dst, target, advance)
+        finally:
+            os.close(dst)
+        headers[name] = part.header
     meta = version_meta(item.key, kind, item.version, headers, crcs, pin) | dict(item.container.extra)
     meta["shape"] = [meta.get("length", 0)]  # what `ls` shows, as for every container
     meta.setdefault("dtype", ITEM_TYPES.get(kind))

@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Benchmark: today's LLM formats into the cache (issue 21, item 7), each row against a
+baseline in the same run; ``bench_ingest.py``'s rows, table and report, in a script of its
+own (that one is at its size limit).
+
+Rows (full size; ``--quick`` in brackets), methods alternated, medians over ``--repeats``:
+
+- ``put_file`` of a 1 GiB bfloat16 ``.safetensors`` checkpoint [64 MiB] vs
+  ``safetensors.torch.load_file`` + ``share_memory_()`` of every tensor (what a process
+  does to hold the weights in shared memory itself); target >= 0.9x its speed. The note
+  gives the peak RSS growth of a process that does only the ``put_file``: flat, no copy
+  of the checkpoint in RAM beside the cache.
+- ``put_file(..., dtype="uint16")`` of a 1 GiB nanoGPT-style token file [64 MiB] vs ``cp``
+  to /dev/shm; target >= 0.9x.
+- random batches of 12 x 1024 token windows from ``TokenWindows`` vs nanoGPT's ``get_batch``
+  over an ``np.memmap`` of the same tokens; target >= 0.9x its speed.
+
+Usage::
+
+    python scripts/bench_ingest_formats.py [--quick] [--repeats N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+from _benchlib import (
+    GiB,
+    MiB,
+    Samples,
+    Target,
+    environment,
+    fmt_bytes,
+    markdown_table,
+    print_targets,
+    write_report,
+)
+from bench_ingest import FULL, QUICK, Context, Row, _clear, context, timed_pair
+
+_PEAK_RSS = """
+import resource, sys, time
+import shmcache
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+shmcache.Store(sys.argv[1]).put_file("peak", sys.argv[2], overwrite=True)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def _write_bf16_checkpoint(path: Path, nbytes: int) -> None:
+    """A bfloat16 checkpoint of ``nbytes`` as a model has: a few big matrices, small biases."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors, left, layer = {}, nbytes, 0
+    while left > 0:
+        rows = max(1, min(4096, left // (2 * 4096)))
+        tensors[f"layers.{layer}.weight"] = torch.randn(rows, 4096, generator=generator).to(torch.bfloat16)
+        tensors[f"layers.{layer}.bias"] = torch.zeros(rows, dtype=torch.bfloat16)
+        left -= rows * 4096 * 2 + rows * 2
+        layer += 1
+    save_file(tensors, str(path))
+
+
+def row_bf16_safetensors(ctx: Context) -> Row | None:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        return None
+    source = ctx.src / "model.safetensors"
+    _write_bf16_checkpoint(source, ctx.config.npy_bytes)
+
+    def load_into_shared_memory() -> None:
+        for tensor in load_file(str(source)).values():
+            tensor.share_memory_()
+
+    base, meth = timed_pair(
+        ctx,
+        load_into_shared_memory,
+        lambda: ctx.store.put_file(ctx.fresh("w"), source),
+        after=lambda: _clear(ctx),
+    )
+    peak = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, str(ctx.store.root), str(source)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    size = source.stat().st_size
+    growth = int(peak.stdout)
+    return Row(
+        f"put_file of a {fmt_bytes(size)} bfloat16 .safetensors",
+        "Store.put_file",
+        "load_file + share_memory_()",
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+        note=f"peak RSS of a put_file process: +{fmt_bytes(growth)} ({growth / size:.1%} of the file)",
+        extra={"peak_rss_growth_bytes": growth},
+    )
+
+
+def row_token_file(ctx: Context) -> Row:
+    source = ctx.src / "train.bin"
+    tokens = ctx.config.npy_bytes // 2
+    with open(source, "wb") as fp:
+        rng = np.random.default_rng(0)
+        for start in range(0, tokens, 32 * MiB):
+            fp.write(rng.integers(0, 50257, min(32 * MiB, tokens - start), dtype=np.uint16).tobytes())
+    base, meth = timed_pair(
+        ctx,
+        lambda: subprocess.run(["cp", str(source), str(ctx.shm / ctx.fresh("c"))], check=True),
+        lambda: ctx.store.put_file(ctx.fresh("t"), source, dtype="uint16"),
+        after=lambda: _clear(ctx),
+    )
+    return Row(
+        f"put_file of a {fmt_bytes(source.stat().st_size)} uint16 token file",
+        "Store.put_file(dtype=)",
+        "cp to /dev/shm",
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+    )
+
+
+def row_token_windows(ctx: Context) -> Row | None:
+    """Random batches of 12 x 1024 token windows (x and y): ``TokenWindows.__getitems__`` vs
+    nanoGPT's ``get_batch`` over an ``np.memmap`` of the same file (in /dev/shm)."""
+    try:
+        import torch
+
+        from shmcache.torch import TokenWindows
+    except ImportError:
+        return None
+    batch, block, calls = 12, 1024, 300 if ctx.config.repeats < 5 else 2000
+    source = ctx.shm / "windows.bin"
+    np.random.default_rng(0).integers(0, 50257, ctx.config.npy_bytes // 2, dtype=np.uint16).tofile(source)
+    key = ctx.fresh("w")
+    ctx.store.put_file(key, source, dtype="uint16")
+    data = np.memmap(source, dtype=np.uint16, mode="r")
+    windows = TokenWindows(key, block, root=ctx.store.root)
+    count = len(windows) - batch
+
+    def get_batch() -> None:  # nanoGPT's train.py
+        ix = torch.randint(len(data) - block, (batch,))
+        torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in ix])
+        torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
+
+    def gather(state: list[int] = [0]) -> None:  # noqa: B006 (a counter across calls)
+        state[0] = (state[0] + batch) % count
+        windows.__getitems__(range(state[0], state[0] + batch))
+
+    base, meth = timed_pair(
+        ctx,
+        lambda: [get_batch() for _ in range(calls)],
+        lambda: [gather() for _ in range(calls)],
+    )
+    base, meth = Samples([v / calls for v in base.values]), Samples([v / calls for v in meth.values])
+    return Row(
+        f"random batches of {batch} x {block} token windows (x, y)",
+        "TokenWindows.__getitems__",
+        "nanoGPT get_batch over np.memmap",
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+    )
+
+
+ROWS: list[Callable[[Context], Row | None]] = [row_bf16_safetensors, row_token_file, row_token_windows]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="CI size (64 MiB)")
+    parser.add_argument("--repeats", type=int, help="repeats of every timed pair")
+    parser.add_argument("--bytes", type=int, help="bytes of the checkpoint and of the token file")
+    parser.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    config = replace(QUICK if args.quick else FULL, npy_bytes=GiB if not args.quick else 64 * MiB)
+    if args.repeats:
+        config = replace(config, repeats=args.repeats)
+    if args.bytes:
+        config = replace(config, npy_bytes=args.bytes)
+    started = time.perf_counter()
+    rows: list[Row] = []
+    with context(config) as ctx:
+        for row_function in ROWS:
+            row = row_function(ctx)
+            if row is not None:  # None: safetensors (or torch) is missing
+                rows.append(row)
+            _clear(ctx)
+    elapsed = time.perf_counter() - started
+    env = environment()
+    print(
+        f"# bench_ingest_formats ({'quick' if args.quick else 'full'}): {env['cpu']}, {env['cpus']} CPUs, "
+        f"python {env['python']}; {config.repeats} repeats, order alternated\n"
+    )
+    table = [
+        [
+            r.name,
+            r.baseline,
+            r.shown(r.baseline_s.median),
+            r.method,
+            r.shown(r.method_s.median),
+            r.measured_text,
+            r.target,
+            {True: "✓", False: "✗", None: ""}[r.ok],
+            r.note,
+        ]
+        for r in rows
+    ]
+    header = ["row", "baseline", "baseline time", "method", "method time", "measured", "target", "ok", "note"]
+    print(markdown_table(header, table, "llrlrrll"))
+    print()
+    targets = [Target(r.target, r.name, r.measured, r.measured_text, r.ok, r.note) for r in rows]
+    print_targets([t for t in targets if t.ok is not None])
+    results = {
+        r.name: {
+            "method_s": r.method_s.summary(),
+            "baseline_s": r.baseline_s.summary(),
+            "measured": r.measured,
+            "ok": r.ok,
+            "note": r.note,
+            **r.extra,
+        }
+        for r in rows
+    }
+    write_report(
+        args.json,
+        "bench_ingest_formats",
+        quick=args.quick,
+        config=asdict(config),
+        results=results,
+        targets=targets,
+        elapsed_s=elapsed,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""``TokenWindows``: random (x, y) windows of a cached token array, nanoGPT's ``get_batch``
+as a Dataset (imported by ``shmcache.torch`` only).
+
+A batch is gathered in one indexing operation over the cache's pages (``__getitems__``:
+``np.take`` of the windows' positions as one ``(batch, block_size + 1)`` index; torch's
+advanced indexing of a large 1-D tensor took 35x as long here), then split into ``x`` and
+``y = x`` shifted by one. Window ``i`` starts at a position drawn from ``(seed, epoch,
+i)`` by a hash, so the windows do not depend on which process (main or DataLoader
+worker) gathers them, and the Dataset pickles as its key (workers map the entry lazily).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ._api import get_store
+from ._batches import GatheredBatch
+from ._containers.shared import SharedRagged
+from .errors import UnsupportedDataError
+
+__all__ = ["TokenWindows"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 ``values`` (wrapping arithmetic)."""
+    z = values.copy()
+    z ^= z >> np.uint64(30)
+    z *= _MIX1
+    z ^= z >> np.uint64(27)
+    z *= _MIX2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+class _Windows(Sequence[Any]):
+    """Window ``i`` of a gathered batch as ``(x, y)``, made when asked for."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._x, self._y = x, y
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self._x[index], self._y[index]
+
+
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``(x, y)`` windows of ``block_size`` tokens of the 1-D array under ``key`` (a token
+    file put with ``dtype=``, or a Megatron ragged entry: its documents laid end to end),
+    ``y`` being ``x`` shifted by one token, both of ``dtype`` (int64: what an embedding takes).
+
+    ``len()`` is ``length`` (default: ``(tokens - 1) // block_size``, one epoch of disjoint
+    windows' worth). ``shuffle=True`` (default) starts window ``i`` at a random position drawn
+    from ``(seed, epoch, i)`` (``set_epoch`` draws others; with persistent DataLoader workers,
+    call it before the workers start); ``shuffle=False`` starts it at ``i * block_size`` (an
+    evaluation pass over the disjoint windows). Pass ``collate_fn=shmcache.torch.collate``
+    to get each batch as the ``(x, y)`` pair gathered, without torch's re-stacking.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        block_size: int,
+        *,
+        length: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        dtype: torch.dtype = torch.int64,
+        root: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, not {block_size!r}")
+        self._key = key
+        self._root = None if root is None else os.fspath(root)
+        tokens = _token_array(get_store(self._root), key)
+        if len(tokens) < block_size + 1:
+            raise ValueError(
+                f"entry {key!r} holds {len(tokens)} tokens, too few for one window of "
+                f"{block_size} + 1 (x and its shifted y); use a smaller block_size"
+            )
+        self.block_size = block_size
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.dtype = dtype
+        self.epoch = 0
+        self._starts = len(tokens) - block_size  # window starts 0 .. tokens - block_size - 1
+        self._length = (len(tokens) - 1) // block_size if length is None else int(length)
+        if self._length < 1:
+            raise ValueError(f"length must be a positive number of windows, not {length!r}")
+        self._pid = -1
+        self._array: np.ndarray | None = None
+        self._span = np.arange(block_size + 1, dtype=np.int64)
+        try:  # the widening done by numpy where it has the type (a third faster than torch's)
+            self._widen: np.dtype | None = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            self._widen = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw other windows (each epoch its own), as ``DistributedSampler.set_epoch`` does."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _tokens(self) -> np.ndarray:
+        if self._pid != os.getpid() or self._array is None:  # first use here (or a fresh worker)
+            self._array = _token_array(get_store(self._root), self._key)
+            self._pid = os.getpid()
+        return self._array
+
+    def starts(self, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Where windows ``indices`` start (a 1-D int64 tensor)."""
+        return torch.from_numpy(self._starts_of(indices))
+
+    def _starts_of(self, indices: Sequence[int] | torch.Tensor) -> np.ndarray:
+        positions = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if positions.size and (int(positions.min()) < -self._length or int(positions.max()) >= self._length):
+            raise IndexError(f"window index out of range for {self._length} windows")
+        positions = positions % self._length
+        if not self.shuffle:
+            return positions * self.block_size % self._starts
+        salt = _splitmix(np.array([self.seed, self.epoch], dtype=np.int64).astype(np.uint64))
+        salt = salt[:1] * _GOLDEN + salt[1:]  # arrays: numpy wraps them silently, not scalars
+        mixed = _splitmix(positions.astype(np.uint64) * _GOLDEN + salt)
+        return (mixed % np.uint64(self._starts)).astype(np.int64)
+
+    def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
+        gathered = np.take(self._tokens(), self._starts_of(indices)[:, None] + self._span)  # one gather
+        if self._widen is not None:
+            windows = torch.from_numpy(gathered.astype(self._widen, copy=False))
+        else:
+            windows = torch.from_numpy(gathered).to(self.dtype)
+        x, y = windows[:, :-1], windows[:, 1:]
+        return GatheredBatch(_Windows(x, y), (x, y))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.__getitems__([index])[0]  # type: ignore[no-any-return]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_pid"], state["_array"] = -1, None
+        return state
+
+
+def _token_array(store: Any, key: str) -> np.ndarray:
+    """The 1-D token array of ``key``: an array entry, or a ragged entry's values."""
+    opened = store.open(key)
+    array = opened.values if isinstance(opened, SharedRagged) else opened
+    if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iu":
+        what = type(opened).__name__
+        if isinstance(array, np.ndarray):
+            what = f"{array.ndim}-d {array.dtype} array"
+        raise UnsupportedDataError(
+            f"TokenWindows reads a 1-D array of integer tokens; entry {key!r} is a {what} (put a "
+            "token file with put_file(key, path, dtype='uint16'), or a Megatron .bin/.idx pair)"
+        )
+    return array

@@ -1,0 +1,115 @@
+"""``shmcache.torch.TokenWindows``: random (x, y) windows of a token entry, gathered in one
+operation per batch, the same in the main process and in DataLoader workers of every
+start method."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_token_files import write_megatron
+from torch.utils.data import DataLoader
+
+from shmcache import Store
+from shmcache.errors import UnsupportedDataError
+from shmcache.torch import GatheredBatch, TokenWindows, collate
+
+TOKENS = 5_000
+BLOCK = 16
+BATCH_TIMEOUT_S = 120.0  # spawn workers import torch (seconds each, on 2 noisy cores)
+
+
+@pytest.fixture
+def tokens(store: Store, tmp_path: Path) -> np.ndarray:
+    """A nanoGPT-style token file, put as ``train``."""
+    values = np.random.default_rng(1).integers(0, 65535, TOKENS, dtype=np.uint16)
+    values.tofile(tmp_path / "train.bin")
+    store.put_file("train", tmp_path / "train.bin", dtype="uint16")
+    return values
+
+
+def _check_windows(x: torch.Tensor, y: torch.Tensor, starts: torch.Tensor, tokens: np.ndarray) -> None:
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (len(starts), BLOCK)
+    for row, start in enumerate(starts.tolist()):
+        np.testing.assert_array_equal(x[row].numpy(), tokens[start : start + BLOCK])
+        np.testing.assert_array_equal(y[row].numpy(), tokens[start + 1 : start + 1 + BLOCK])  # shifted by one
+
+
+def test_batches_are_random_shifted_windows(store: Store, tokens: np.ndarray) -> None:
+    dataset = TokenWindows("train", BLOCK, root=store.root)
+    assert len(dataset) == (TOKENS - 1) // BLOCK
+    indices = list(range(0, 64))
+    batch = dataset.__getitems__(indices)
+    assert isinstance(batch, GatheredBatch) and len(batch) == 64
+    x, y = batch.columns
+    starts = dataset.starts(indices)
+    assert int(starts.min()) >= 0 and int(starts.max()) <= TOKENS - BLOCK - 1
+    assert len(set(starts.tolist())) > 50  # random starts, not a stride
+    _check_windows(x, y, starts, tokens)
+    x0, y0 = dataset[0]
+    assert torch.equal(x0, x[0]) and torch.equal(y0, y[0])
+    again = TokenWindows("train", BLOCK, root=store.root).starts(indices)
+    assert torch.equal(again, starts)  # the same (seed, epoch, index): the same window
+    dataset.set_epoch(1)
+    assert not torch.equal(dataset.starts(indices), starts)
+    other = TokenWindows("train", BLOCK, seed=7, root=store.root).starts(indices)
+    assert not torch.equal(other, starts)
+
+
+def test_shuffle_false_walks_disjoint_windows(store: Store, tokens: np.ndarray) -> None:
+    dataset = TokenWindows("train", BLOCK, shuffle=False, dtype=torch.int32, root=store.root)
+    x, y = dataset.__getitems__([0, 1, 2]).columns
+    assert x.dtype == torch.int32
+    np.testing.assert_array_equal(x.numpy().ravel(), tokens[: 3 * BLOCK])
+    np.testing.assert_array_equal(y.numpy().ravel(), tokens[1 : 3 * BLOCK + 1])
+    with pytest.raises(IndexError):
+        dataset[len(dataset)]
+
+
+def test_windows_over_a_megatron_entry(store: Store, tmp_path: Path) -> None:
+    write_megatron(tmp_path / "c", [[list(range(100))], [list(range(100, 150))]])
+    store.put_file("c", tmp_path / "c.idx")
+    dataset = TokenWindows("c", 8, root=store.root)
+    x, y = dataset[5]
+    assert torch.equal(y[:-1], x[1:]) and int(y[-1]) == int(x[-1]) + 1  # documents laid end to end
+
+
+def test_refusals(store: Store, tokens: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="too few for one window"):
+        TokenWindows("train", TOKENS, root=store.root)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        TokenWindows("train", 0, root=store.root)
+    store.put_array("floats", np.zeros((4, 4), dtype=np.float32))
+    with pytest.raises(UnsupportedDataError, match="a 2-d float32 array"):
+        TokenWindows("floats", 2, root=store.root)
+
+
+def test_pickles_as_its_key(store: Store, tokens: np.ndarray) -> None:
+    dataset = TokenWindows("train", BLOCK, root=store.root)
+    dataset[0]  # mapped here: the mapping must not travel
+    payload = pickle.dumps(dataset)
+    assert len(payload) < 1024, f"{len(payload)} bytes pickled"
+    loaded = pickle.loads(payload)
+    assert torch.equal(loaded[3][0], dataset[3][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [None, "fork", "spawn", "forkserver"])
+def test_dataloader_gives_the_same_batches_with_and_without_workers(
+    store: Store, tokens: np.ndarray, context: str | None
+) -> None:
+    dataset = TokenWindows("train", BLOCK, length=256, root=store.root)
+    workers = {} if context is None else {"num_workers": 2, "multiprocessing_context": context}
+    loader = DataLoader(
+        dataset, batch_size=32, collate_fn=collate, timeout=BATCH_TIMEOUT_S if context else 0, **workers
+    )
+    batches = list(loader)
+    assert len(batches) == 256 // 32
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    _check_windows(x, y, dataset.starts(range(256)), tokens)
+    plain = list(DataLoader(dataset, batch_size=32, **workers))  # torch's default_collate re-stacks
+    assert torch.equal(torch.cat([b[0] for b in plain]), x)
