@@ -67,7 +67,9 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     from ``(seed, epoch, i)`` (``set_epoch`` draws others; with persistent DataLoader workers,
     call it before the workers start); ``shuffle=False`` starts it at ``i * block_size`` (an
     evaluation pass over the disjoint windows). Pass ``collate_fn=shmcache.torch.collate``
-    to get each batch as the ``(x, y)`` pair gathered, without torch's re-stacking.
+    to get each batch as the ``(x, y)`` pair gathered, without torch's re-stacking: then
+    ``x`` and ``y`` are two views of one fresh ``(batch, block_size + 1)`` tensor (an
+    in-place write to one shows in the other; the cache is never written).
     """
 
     def __init__(

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_token_files import write_megatron
+from token_datasets import write_megatron
 from torch.utils.data import DataLoader
 
 from shmcache import Store
