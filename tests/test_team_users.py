@@ -28,6 +28,7 @@ from team_helpers import Team, TeamDaemon, User, as_user, become, real_team
 from typer.testing import CliRunner
 
 import shmcache
+import shmcache._diagnose.doctor
 import shmcache.torch
 from shmcache import KeyNotFoundError, UnauthorizedError
 from shmcache._cli.app import app
@@ -124,6 +125,11 @@ def _read_as_member(name: str) -> dict[str, Any]:
     out["env"] = shmcache.open_array("g/small").tolist()
     cli = RUNNER.invoke(app, ["ls"], catch_exceptions=False)
     out["cli"] = (cli.exit_code, cli.output)
+    del os.environ[ENV_TEAM]
+    for command in (["root"], ["info", "big"], ["doctor", "--json"]):
+        done = RUNNER.invoke(app, ["--team", name, *command], catch_exceptions=False)
+        out[command[0]] = (done.exit_code, done.output)
+    os.environ[ENV_TEAM] = name
     try:
         shmcache.open_array("no/such/key")
     except KeyNotFoundError as exc:
@@ -141,6 +147,11 @@ def test_members_read_what_the_daemon_published(team: Team, daemon: TeamDaemon) 
         assert got["dataset"] == DATA_BYTES // 8
         assert got["cli"][0] == 0 and "big" in got["cli"][1] and "g/small" in got["cli"][1], got["cli"]
         assert "no/such/key" in got["missing"]
+        assert got["root"] == (0, f"{team.root}\n")
+        assert got["info"][0] == 0 and "big" in got["info"][1], got["info"]
+        checks = {check["name"]: check for check in json.loads(got["doctor"][1])["checks"]}
+        assert checks["root"]["status"] == "ok", checks["root"]
+        assert checks["daemon"]["status"] == "ok", checks["daemon"]
 
 
 def test_a_team_and_a_root_together_are_refused(team: Team, daemon: TeamDaemon) -> None:
