@@ -118,6 +118,8 @@ def _read_as_member(name: str) -> dict[str, Any]:
         "group": sorted(shmcache.open_group("g", team=name)),
         "open": shmcache.open("g/small", team=name).tolist(),
         "dataset": len(shmcache.torch.CachedDataset("big", team=name)),
+        "stats": shmcache.stats(team=name).entries,
+        "store_info": shmcache.Store(team=name).info("big").nbytes,
     }
     with Client(team=name, timeout=30) as client:
         out["client"] = sorted(e.key for e in client.list())
@@ -145,6 +147,7 @@ def test_members_read_what_the_daemon_published(team: Team, daemon: TeamDaemon) 
         assert got["group"] == ["small"]
         assert got["open"] == got["env"] == list(range(10))
         assert got["dataset"] == DATA_BYTES // 8
+        assert got["stats"] == 2 and got["store_info"] == DATA_BYTES
         assert got["cli"][0] == 0 and "big" in got["cli"][1] and "g/small" in got["cli"][1], got["cli"]
         assert "no/such/key" in got["missing"]
         assert got["root"] == (0, f"{team.root}\n")
@@ -361,6 +364,27 @@ def test_a_teams_file_of_a_member_is_refused_on_every_read_path(team: Team, daem
 
 
 # ---------------------------------------------------------------------- who runs the daemon
+
+
+def _root_of(name: str) -> str:
+    with Client(team=name, timeout=30) as client:
+        return client.health().root
+
+
+def test_one_account_serves_two_teams_and_restarts(
+    team: Team, daemon: TeamDaemon, second_root: tuple[str, Path]
+) -> None:
+    name, root = second_root
+    for _ in range(2):  # the second start finds the root made
+        second = TeamDaemon(team, team.service, name=name).wait_ready()
+        try:
+            assert as_user(team.b, _root_of, name) == str(root)
+            assert as_user(team.b, _root_of, team.name) == str(team.root)
+            st = os.lstat(root)
+            assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (team.service.uid, team.gid, 0o2750)
+        finally:
+            assert second.stop() == 0, second.log
+    assert daemon.exited() is None
 
 
 def test_serve_team_refuses_root_and_other_accounts(team: Team, daemon: TeamDaemon) -> None:
