@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
 import uuid
 from collections.abc import Callable, Iterator
@@ -222,6 +223,19 @@ def test_two_members_share_one_copy(team: Team, daemon: TeamDaemon) -> None:
 # ---------------------------------------------------------------------- the outsider
 
 
+def _connect(path: str) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+
+
+def _member_writes(name: str) -> str:
+    try:
+        shmcache.Store(team=name).put_array("mine", np.arange(3))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "wrote"
+
+
 def _outsider_tries(name: str, data_file: str) -> dict[str, str]:
     """As the outsider: each way in, and the error class and message it met."""
     tries: dict[str, Callable[[], Any]] = {
@@ -230,6 +244,8 @@ def _outsider_tries(name: str, data_file: str) -> dict[str, str]:
         "open_group": lambda: shmcache.open_group("g", team=name),
         "client": lambda: Client(team=name, timeout=5).health(),
         "listdir": lambda: os.listdir(data_file.rsplit("/objects/", 1)[0]),
+        "connect": lambda: _connect(data_file.rsplit("/objects/", 1)[0] + "/daemon.sock"),
+        "client_socket": lambda: Client(socket=data_file.rsplit("/objects/", 1)[0] + "/daemon.sock").health(),
         "read": lambda: open(data_file, "rb").read(1),  # noqa: SIM115
     }
     met: dict[str, str] = {}
@@ -249,7 +265,15 @@ def test_an_outsider_cannot_connect_list_or_read_a_byte(team: Team, daemon: Team
     met = as_user(team.outsider, _outsider_tries, team.name, data_file)
     for what in ("open_array", "list", "open_group", "client"):
         assert met[what].startswith("CacheRootError") and "not in its group" in met[what], met
-    assert met["listdir"].startswith("PermissionError") and met["read"].startswith("PermissionError"), met
+    for what in ("listdir", "read", "connect"):
+        assert met[what].startswith("PermissionError"), met
+    denied = met["client_socket"]
+    assert denied.startswith("DaemonUnavailableError") and "permission denied" in denied, met
+
+
+def test_a_member_writing_the_root_directly_is_told_to_use_the_daemon(team: Team, daemon: TeamDaemon) -> None:
+    met = as_user(team.a, _member_writes, team.name)
+    assert met.startswith("CacheRootError") and "daemon" in met, met
 
 
 def _health(name: str) -> Any:
