@@ -31,6 +31,8 @@ _HELP = f"""Run the daemon: the HTTP control API of the cache, on <root>/{SOCKET
 
 Only processes of the daemon's user (or root) may use the socket. TCP (--host/--port)
 is opt-in and needs --allow-source; a non-loopback address also needs a token.
+--team NAME serves a team's root as its service account: the root, budget and sources
+come from /etc/shmcache/teams.toml, and the team's group may use the socket (0660).
 
 Settings: flags > SHMCACHE_* environment > config file > defaults. Stops on SIGTERM or
 SIGINT: running loads are cancelled (nothing partial is published), the socket and
