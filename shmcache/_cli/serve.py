@@ -80,7 +80,7 @@ def _run(**values: Any) -> None:
             raise
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    risk = removeipc_risk(settings.root)
+    risk = removeipc_risk(settings.root) if settings.team is None else None  # a team's root: see docs/team.md
     if risk is not None:  # before the daemon's own log: it is about where the cache will not last
         typer.echo(f"warning: {risk.summary}; fix: {risk.fix}", err=True)
     try:
