@@ -70,8 +70,10 @@ if TYPE_CHECKING:
         ShmCacheError,
         SourceNotAllowedError,
         SourceNotFoundError,
+        TeamConfigError,
         TooManyOpenFilesError,
         UnauthorizedError,
+        UnknownTeamError,
         UnsupportedDataError,
     )
 
@@ -112,8 +114,10 @@ __all__ = [
     "SourceNotFoundError",
     "Store",
     "StoreStats",
+    "TeamConfigError",
     "TooManyOpenFilesError",
     "UnauthorizedError",
+    "UnknownTeamError",
     "UnsupportedDataError",
     "UntrustedDaemonError",
     "__version__",
@@ -216,8 +220,10 @@ _HOMES: dict[str, str] = {
     "ShmCacheError": ".errors",
     "SourceNotAllowedError": ".errors",
     "SourceNotFoundError": ".errors",
+    "TeamConfigError": ".errors",
     "TooManyOpenFilesError": ".errors",
     "UnauthorizedError": ".errors",
+    "UnknownTeamError": ".errors",
     "UnsupportedDataError": ".errors",
     "UntrustedDaemonError": ".errors",
 }

@@ -24,12 +24,13 @@ from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, Layout, prepare_root
 from .._disk.meta import EntryMeta, read_meta
 from .._disk.npy import check_storable_dtype
+from .._disk.trust import describe_uid
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources
 from .._sources.tables import is_table_file, read_table_source
-from ..errors import KeyExistsError, LockTimeoutError, UnsupportedDataError
+from ..errors import CacheRootError, KeyExistsError, LockTimeoutError, UnsupportedDataError
 from .locks import STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, entry_info
@@ -51,6 +52,7 @@ class Putting:
     max_bytes: int | None
     lock_timeout: float | None
     _root_str: str
+    team: str | None
     _prepared: bool
     _reader: Reader
 
@@ -372,7 +374,14 @@ class Putting:
 
     def _prepare(self) -> None:
         if not self._prepared:
-            prepare_root(self.root)
+            owner = self.layout.owner
+            if owner is not None and owner[0] != os.geteuid():
+                raise CacheRootError(
+                    f"team {self.team}'s root {self._root_str} is written by its daemon alone (it runs as "
+                    f"{describe_uid(owner[0])}); members put through it: put_array(..., team={self.team!r}), "
+                    f"`shmcache --team {self.team} put KEY PATH`"
+                )
+            prepare_root(self.root, owner)
             self._prepared = True
 
     def _key_lock(self, key: str, timeout: float | StoreTimeout | None) -> AbstractContextManager[None]:

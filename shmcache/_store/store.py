@@ -36,6 +36,7 @@ from .._disk.layout import Layout, default_root
 from .._disk.meta import read_entry_meta, read_meta
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._sources.urls import redact_url
+from .._team.config import checked_team, team_of
 from ..errors import InvalidRequestError, KeyExistsError, KeyNotFoundError
 from .budget import checked_budget, write_budget
 from .catalog import info_of, iter_infos, store_stats
@@ -68,6 +69,10 @@ class Store(Putting):
     for many minutes; None waits as long as it takes. A holder that stays stopped
     (SIGSTOP, Ctrl+Z) fails the wait after a few seconds whatever the bound (unless it is
     None), with :class:`LockTimeoutError` naming its pid and ``kill -CONT``.
+
+    ``team`` (or ``$SHMCACHE_TEAM`` without a ``root``): the root of that team, as the
+    administrator's root-owned teams file declares it, trusted only when owned by the
+    team's service account and group (``docs/team.md``); not with ``root``.
     """
 
     def __init__(
@@ -76,7 +81,13 @@ class Store(Putting):
         *,
         max_bytes: int | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        team: str | None = None,
     ) -> None:
+        owner: tuple[int, int] | None = None
+        self.team = team_of(root, team)
+        if self.team is not None:  # the root and its account come from the teams file alone
+            config = checked_team(self.team)
+            root, owner = config.root, (config.uid, config.gid)
         self.root = Path(os.path.abspath(root if root is not None else default_root()))
         if max_bytes is not None and (
             not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
@@ -84,7 +95,7 @@ class Store(Putting):
             raise InvalidRequestError(f"max_bytes must be a number of bytes >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.lock_timeout = lock_timeout
-        self.layout = Layout(self.root)
+        self.layout = Layout(self.root, owner)
         self._root_str = str(self.root)
         self._prepared = False
         self._reader = Reader(self.layout)
