@@ -32,6 +32,7 @@ from shmcache import Store
 
 from .app import create_app
 from .errors import DaemonRunningError
+from .fd_channel import FdChannel, start_fd_channel
 from .protocol import MAX_HEAD_BYTES, ConnectionGuard, guarded_protocol, peer_credentials
 from .settings import Settings, is_loopback
 from .state import RootWatch
@@ -263,11 +264,13 @@ def _exit_now_if_threads_are_stuck() -> None:
 def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) -> int:
     sockets: list[socket.socket] = []
     bound: os.stat_result | None = None
+    channel: FdChannel | None = None
     failures: list[str] = []
     try:
         app = create_app(settings)
         sockets.append(_unix_listener(settings.socket_path))
         bound = os.lstat(settings.socket_path)
+        channel = start_fd_channel(app.state.service, settings)
         where = [f"unix:{settings.socket_path}"]
         if settings.host is not None and settings.port is not None:
             tcp = _tcp_listener(settings.host, settings.port)
@@ -298,6 +301,8 @@ def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) ->
             return 1
         return 0 if server.started or stop_requested else 1
     finally:
+        if channel is not None:
+            channel.close()
         for sock in sockets:
             sock.close()
         if bound is not None:

@@ -314,6 +314,7 @@ class Service:
             space=self.space,
             held_by_readers=lambda: self.readers.deleted_bytes(),
             job_counts=lambda: self.jobs.counts(),
+            entries=lambda: self.entries(),
         )
         self.jobs = JobManager(
             self.load_store,

@@ -33,6 +33,8 @@ class EntryInfo:
     last_used: float
     source_fingerprint: dict[str, int] | None = None
     checksum: str | None = None
+    owner_uid: int | None = None
+    """The uid of the user who loaded it (None: loaded before owners were recorded)."""
 
 
 @dataclass(frozen=True)
@@ -102,4 +104,10 @@ def entry_info(meta: dict[str, Any], last_used: float) -> EntryInfo:
         last_used=last_used,
         source_fingerprint=meta.get("source_fingerprint"),
         checksum=meta.get("checksum"),
+        owner_uid=_uid(meta.get("owner_uid")),
     )
+
+
+def _uid(value: Any) -> int | None:
+    """A recorded owner's uid (None where none, or no number, is recorded)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -20,6 +20,7 @@ from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
 from ..errors import KeyExistsError
 from .locks import key_locks, publish_lock
+from .ownership import current_owner
 
 __all__ = ["ITEM_TYPES", "ensure_tree_format", "publish", "version_meta"]
 
@@ -54,6 +55,7 @@ def version_meta(
         "source": None,
         "source_fingerprint": None,
         "checksum": format_checksums(dict(crcs)),
+        "owner_uid": current_owner(),
     }
     if kind == "array":
         data = headers["data"]
