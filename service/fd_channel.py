@@ -58,7 +58,7 @@ from shmcache.errors import (
     ShmCacheError,
 )
 
-from .members import MemberPolicy, policy_of
+from .members import MemberPolicy
 from .protocol import peer_credentials
 from .settings import Settings
 from .state import Service, entry_model
@@ -108,7 +108,7 @@ def start_fd_channel(service: Service, settings: Settings) -> FdChannel:
     own = {os.geteuid(), 0}
     channel = FdChannel(
         service.store,
-        policy_of(settings),
+        service.policy,
         admit=lambda uid, gid: uid in own,
         on_put=service.metrics.member_put,
     )

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import os
 import pwd
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from shmcache import EntryInfo
+from shmcache import EntryInfo, Store
 from shmcache._disk.layout import Layout
 from shmcache._disk.leases import in_use
 from shmcache._disk.meta import read_meta
 from shmcache._store.catalog import iter_infos
-from shmcache._store.ownership import fair_order, owner_name, usage_by_owner
+from shmcache._store.ownership import check_quota, fair_order, owner_name, usage_by_owner
 from shmcache._store.space import VictimOrder
-from shmcache.errors import NotPermittedError
+from shmcache.errors import KeyNotFoundError, NotPermittedError, SourceNotAllowedError
 
 from .settings import Settings
 
@@ -45,9 +46,51 @@ class MemberPolicy:
     """Bytes each member's entries may hold (None: no per-member limit)."""
     admins: frozenset[int] = field(default_factory=frozenset)
     """Uids that may evict (and replace) anyone's entries; the daemon's own user and root may too."""
+    team: bool = False
+    """A team root: the daemon reads sources with its own rights only under allow_sources."""
 
     def is_admin(self, uid: int) -> bool:
         return uid in self.admins or uid in (os.geteuid(), 0)
+
+    def check_admin(self, uid: int | None, action: str) -> None:
+        """Refuse a member (not an admin) ``action`` on the whole root (TCP: the token decides)."""
+        if uid is None or not self.team or self.is_admin(uid):
+            return
+        raise NotPermittedError(f"{owner_name(uid)} may not {action}: only the team's admins may")
+
+    def check_source(self, source: str, allowed: Sequence[Path | str]) -> None:
+        """A team daemon reads a source with its own rights only where the team allows it
+        (``allow_sources``); without any, members put files they read themselves."""
+        if self.team and not allowed:
+            raise SourceNotAllowedError(
+                f"source {source[:200]}: this team's daemon loads no source with its own rights (the "
+                "team declares no allow_sources); put it with your own: `shmcache put KEY PATH --team "
+                "NAME` or shmcache.put_file(..., team=NAME)"
+            )
+
+    def check_load(
+        self, uid: int, store: Store, key: str, keys: list[str], overwrite: bool, source: Path | str
+    ) -> None:
+        """A load the daemon runs for ``uid``: it replaces none of another member's entries,
+        and fits ``uid``'s quota."""
+        wanted = set(keys)
+        current = {e.key: e for e in store.list() if e.key in wanted}
+        for entry in current.values():
+            self.check_may_remove(uid, entry, "replace")
+        if self.user_quota is None:
+            return
+        needed = sum(item.size for item in store.plan_file(key, source))
+        used = sum(e.size for e in store.list() if e.owner_uid == uid and e.key not in current)
+        check_quota(uid, self.user_quota, used, 0, needed)
+
+    def evict_own(self, uid: int, store: Store, key: str) -> int:
+        """Evict ``key`` for member ``uid`` if it is theirs; the bytes freed."""
+        entry = store.info(key)
+        self.check_may_remove(uid, entry)
+        freed = store._evict_version(key, entry.version)
+        if freed is None:
+            raise KeyNotFoundError(f"entry {key!r} was replaced or evicted meanwhile; look again")
+        return freed
 
     def check_may_remove(self, uid: int, entry: EntryInfo, action: str = "evict") -> None:
         """Refuse (:class:`NotPermittedError`) ``uid`` removing another member's entry."""
@@ -98,4 +141,4 @@ def policy_of(settings: Settings) -> MemberPolicy:
     team = getattr(settings, "team", None)
     if team is None:
         return MemberPolicy()
-    return MemberPolicy(user_quota=team.user_quota, admins=admin_uids(team.admins))
+    return MemberPolicy(user_quota=team.user_quota, admins=admin_uids(team.admins), team=True)

@@ -23,8 +23,9 @@ import typer
 from .._disk.keys import validate_key
 from .._disk.urls import is_url
 from .._error_table import CLI, fix
-from .._store import Store, StoreStats
+from .._store import EntryInfo, Store, StoreStats
 from .._store.maintenance import linked_keys
+from .._store.ownership import owner_name, usage_by_owner
 from .._store.sources import PLANNERS
 from .._units import human_bytes
 from ..errors import (
@@ -318,7 +319,8 @@ def list_command(
     as_json: JsonOption = False,
     local: LocalOption = False,
 ) -> None:
-    """List entries: key, kind, dtype, shape, size, pinned, mapped by (PIDs), age."""
+    """List entries: key, kind, dtype, shape, size, owner (who loaded it), pinned, mapped by
+    (PIDs), age."""
     with open_backend(root, local) as control, failures_exit_1():
         entries = control.list(prefix)
     mapped = _mapped_by(resolve_root(root))
@@ -329,10 +331,11 @@ def list_command(
     now = time.time()
     rows = [
         (e.key, e.kind, e.dtype or "", "x".join(map(str, e.shape or ())) or "()", human_bytes(e.size),
-         "yes" if e.pinned else "", _show_pids(mapped.get(e.version, [])), _age(now - e.created))
+         owner_name(e.owner_uid), "yes" if e.pinned else "", _show_pids(mapped.get(e.version, [])),
+         _age(now - e.created))
         for e in entries
     ]
-    print_table(("KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "PINNED", "MAPPED BY", "AGE"), rows)
+    print_table(("KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "OWNER", "PINNED", "MAPPED BY", "AGE"), rows)
 
 
 def info(
@@ -386,11 +389,22 @@ def cleanup(root: RootOption = None, local: LocalOption = False) -> None:
     typer.echo(f"freed {human_bytes(freed)}")
 
 
-def stats(root: RootOption = None, as_json: JsonOption = False, local: LocalOption = False) -> None:
+def stats(
+    root: RootOption = None,
+    as_json: JsonOption = False,
+    local: LocalOption = False,
+    by_user: Annotated[
+        bool, typer.Option("--by-user", help="Each user's entries and bytes (who loaded them).")
+    ] = False,
+) -> None:
     """Capacity, use, budget and entry count of the cache root (and the daemon's jobs)."""
     with open_backend(root, local) as control, failures_exit_1():
         daemon = not isinstance(control, Store)
         result: StoreStats = control.stats()
+        entries = control.list() if by_user else []
+    if by_user:
+        _print_usage(entries, as_json)
+        return
     if as_json:
         warnings = [result.budget_warning] if result.budget_warning is not None else []
         body = {**asdict(result), "over_budget": result.over_budget, "daemon": daemon, "warnings": warnings}
@@ -415,6 +429,19 @@ def stats(root: RootOption = None, as_json: JsonOption = False, local: LocalOpti
         typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers")
         typer.echo(f"jobs:     {getattr(result, 'jobs_running', 0)} running, "
                    f"{getattr(result, 'jobs_queued', 0)} queued")
+
+
+def _print_usage(entries: Sequence[EntryInfo], as_json: bool) -> None:
+    """``stats --by-user``: one row per owner, most bytes first."""
+    usage = sorted(usage_by_owner(entries).values(), key=lambda u: (-u.bytes, owner_name(u.uid)))
+    if as_json:
+        typer.echo(json.dumps([
+            {"user": owner_name(u.uid), "uid": u.uid, "entries": u.entries, "bytes": u.bytes} for u in usage
+        ], indent=1))
+        return
+    rows = [(owner_name(u.uid), "" if u.uid is None else str(u.uid), str(u.entries), human_bytes(u.bytes))
+            for u in usage]
+    print_table(("USER", "UID", "ENTRIES", "SIZE"), rows)
 
 
 def verify(
