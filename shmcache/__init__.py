@@ -72,8 +72,10 @@ if TYPE_CHECKING:
         ShmCacheError,
         SourceNotAllowedError,
         SourceNotFoundError,
+        TeamConfigError,
         TooManyOpenFilesError,
         UnauthorizedError,
+        UnknownTeamError,
         UnsupportedDataError,
     )
 
@@ -116,8 +118,10 @@ __all__ = [
     "SourceNotFoundError",
     "Store",
     "StoreStats",
+    "TeamConfigError",
     "TooManyOpenFilesError",
     "UnauthorizedError",
+    "UnknownTeamError",
     "UnsupportedDataError",
     "UntrustedDaemonError",
     "__version__",
@@ -222,8 +226,10 @@ _HOMES: dict[str, str] = {
     "ShmCacheError": ".errors",
     "SourceNotAllowedError": ".errors",
     "SourceNotFoundError": ".errors",
+    "TeamConfigError": ".errors",
     "TooManyOpenFilesError": ".errors",
     "UnauthorizedError": ".errors",
+    "UnknownTeamError": ".errors",
     "UnsupportedDataError": ".errors",
     "UntrustedDaemonError": ".errors",
 }

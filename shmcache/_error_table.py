@@ -32,8 +32,10 @@ from .errors import (
     NotPermittedError,
     QuotaExceededError,
     ShmCacheError,
+    TeamConfigError,
     TooManyOpenFilesError,
     UnauthorizedError,
+    UnknownTeamError,
     UnsupportedDataError,
 )
 
@@ -98,6 +100,8 @@ ERRORS: tuple[ErrorRow, ...] = (  # most specific first: the first matching row 
     ErrorRow(TooManyOpenFilesError, 503),  # the daemon's descriptors, not the request's fault
     ErrorRow(CorruptEntryError, 500),
     ErrorRow(CacheRootError, 500),
+    ErrorRow(UnknownTeamError, 404),
+    ErrorRow(TeamConfigError, 500),  # the administrator's file, not the request
 )
 _OTHER = ErrorRow(ShmCacheError, 500)
 

@@ -21,6 +21,8 @@ The tree (built-in bases in brackets)::
     ├── GPUUnavailableError         [RuntimeError]      CUDA (or read-only host registration) is missing
     ├── CorruptEntryError           [ValueError]        a published entry was damaged
     ├── CacheRootError              [PermissionError]   the root is unusable or not ours
+    ├── TeamConfigError             [ValueError]        the teams file is malformed
+    ├── UnknownTeamError            [LookupError]       no such team declared (or no teams file)
     ├── InvalidSourceError                              a source cannot be loaded
     │   ├── SourceNotFoundError     [FileNotFoundError]
     │   ├── CorruptSourceError      [ValueError]
@@ -64,8 +66,10 @@ __all__ = [
     "ShmCacheError",
     "SourceNotAllowedError",
     "SourceNotFoundError",
+    "TeamConfigError",
     "TooManyOpenFilesError",
     "UnauthorizedError",
+    "UnknownTeamError",
     "UnsupportedDataError",
     "UntrustedDaemonError",
 ]
@@ -150,6 +154,15 @@ class CorruptEntryError(ShmCacheError, ValueError):
 class CacheRootError(ShmCacheError, PermissionError):
     """The cache root is unusable: a symlink, another user's, writable by others, not a
     directory... (refused on reads as on writes: another user could have planted it)."""
+
+
+class TeamConfigError(ShmCacheError, ValueError):
+    """The administrator's teams file (``/etc/shmcache/teams.toml``) cannot be used as
+    written: not TOML, a required field missing, an unknown group or account, a bad size."""
+
+
+class UnknownTeamError(ShmCacheError, LookupError):
+    """No team of that name is declared in the teams file (or there is no teams file)."""
 
 
 class UnauthorizedError(ShmCacheError, PermissionError):

@@ -38,6 +38,8 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.InvalidRequestError: ValueError,
     errors.JobNotFoundError: LookupError,
     errors.SourceNotAllowedError: PermissionError,
+    errors.TeamConfigError: ValueError,
+    errors.UnknownTeamError: LookupError,
 }
 
 ERROR_CLASSES: list[type[Exception]] = [

@@ -21,6 +21,7 @@ PACKAGE_DIRS = {
 LAYERS: list[list[str]] = [
     ["shmcache.errors", "shmcache._units", "shmcache._error_table"],
     ["shmcache._disk"],
+    ["shmcache._team"],
     ["shmcache._containers"],
     ["shmcache._store"],
     ["shmcache._control", "shmcache._api"],

@@ -56,6 +56,8 @@ __all__ = [
     "ENV_PREFIX",
     "ENV_ROOT",
     "ENV_SOCKET",
+    "ENV_TEAM",
+    "ENV_TEAMS_FILE",
     "ENV_TOKEN",
     "GENERATION_BYTES",
     "GENERATION_SLOTS",
@@ -82,6 +84,10 @@ ENV_ROOT = f"{ENV_PREFIX}ROOT"
 ENV_SOCKET = f"{ENV_PREFIX}SOCKET"
 ENV_TOKEN = f"{ENV_PREFIX}TOKEN"
 ENV_CONFIG = f"{ENV_PREFIX}CONFIG"
+ENV_TEAM = f"{ENV_PREFIX}TEAM"
+"""A team's name: readers use its root (resolved through the teams file) as their root."""
+ENV_TEAMS_FILE = f"{ENV_PREFIX}TEAMS_FILE"
+"""The administrator's teams file, instead of /etc/shmcache/teams.toml (root-owned either way)."""
 SHM_DIR = "/dev/shm"
 
 SOCKET_NAME = "daemon.sock"

@@ -11,6 +11,7 @@ warm path.
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import stat
@@ -31,9 +32,12 @@ def describe_uid(uid: int) -> str:
         return f"uid {uid}"
 
 
-def untrusted_reason(path: str | os.PathLike[str], st: os.stat_result) -> tuple[str, str] | None:
+def untrusted_reason(
+    path: str | os.PathLike[str], st: os.stat_result, owner: tuple[int, int] | None = None
+) -> tuple[str, str] | None:
     """Why the directory at ``path`` (``st`` from ``lstat``) must not be used, and the fix;
-    None if it is ours to use."""
+    None if it is ours to use. ``owner``: the ``(uid, gid)`` a team root must have (from
+    the administrator's teams file) instead of ours."""
     if stat.S_ISLNK(st.st_mode):
         try:
             target = os.readlink(path)
@@ -47,6 +51,8 @@ def untrusted_reason(path: str | os.PathLike[str], st: os.stat_result) -> tuple[
         )
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} exists but is not a directory", f"remove it or {_ELSEWHERE}"
+    if owner is not None:
+        return _team_reason(path, st, owner)
     me = os.geteuid()
     if st.st_uid != me:  # root included: a root-owned process must not read planted data either
         return (
@@ -63,16 +69,52 @@ def untrusted_reason(path: str | os.PathLike[str], st: os.stat_result) -> tuple[
     return None
 
 
-def refuse_untrusted(path: str | os.PathLike[str], st: os.stat_result, what: str = "cache root") -> None:
-    """Raise :class:`CacheRootError` (problem and fix) unless ``path`` is ours to use."""
-    reason = untrusted_reason(path, st)
+def _team_reason(
+    path: str | os.PathLike[str], st: os.stat_result, owner: tuple[int, int]
+) -> tuple[str, str] | None:
+    uid, gid = owner
+    fix = "ask the team's administrator: `shmcache serve --team NAME` run as the service account creates it"
+    if st.st_uid != uid:
+        return (
+            f"{path} belongs to {describe_uid(st.st_uid)}, not to the team's service account "
+            f"({describe_uid(uid)}); someone may have planted it to feed the team their data",
+            f"have root remove it (rm -rf {path}), then {fix}",
+        )
+    if st.st_gid != gid:
+        return f"{path} has group {_describe_gid(st.st_gid)}, not the team's ({_describe_gid(gid)})", fix
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & _WRITABLE_BY_OTHERS:
+        return (
+            f"{path} is mode {mode:04o}: users other than the service account can write to it",
+            f"chmod 0750 {path} (shmcache makes a team's directories 0750)",
+        )
+    return None
+
+
+def _describe_gid(gid: int) -> str:
+    try:
+        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def refuse_untrusted(
+    path: str | os.PathLike[str],
+    st: os.stat_result,
+    what: str = "cache root",
+    owner: tuple[int, int] | None = None,
+) -> None:
+    """Raise :class:`CacheRootError` (problem and fix) unless ``path`` is ours (or the
+    team's, for ``owner``) to use."""
+    reason = untrusted_reason(path, st, owner)
     if reason is not None:
         raise CacheRootError(f"{what} {reason[0]}: {reason[1]}")
 
 
-def check_root(root: str) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of ``root`` if it is ours to read; None if it does not exist yet
-    (nothing to read); raises :class:`CacheRootError` otherwise."""
+def check_root(root: str, owner: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``root`` if it is ours (or, for ``owner``, that team
+    account's) to read; None if it does not exist yet (nothing to read); raises
+    :class:`CacheRootError` otherwise."""
     try:
         st = os.lstat(root)
     except (FileNotFoundError, NotADirectoryError):
@@ -81,5 +123,5 @@ def check_root(root: str) -> tuple[int, int] | None:
         raise CacheRootError(
             f"cannot reach cache root {root}: {exc.strerror}; it is not yours to use: {_ELSEWHERE}"
         ) from exc
-    refuse_untrusted(root, st)
+    refuse_untrusted(root, st, owner=owner)
     return st.st_dev, st.st_ino
