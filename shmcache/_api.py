@@ -1,6 +1,8 @@
 """Module-level functions over a per-process :class:`Store` for each root.
 
 ``root=None`` means the default root (``$SHMCACHE_ROOT`` or ``/dev/shm/shmcache-<uid>``).
+``team="vision"`` (or ``$SHMCACHE_TEAM`` without a root) means that team's root, as the
+administrator's teams file declares it (``docs/team.md``); not with ``root``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import numpy as np
 from ._containers.group import SharedGroup
 from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
 from ._containers.table import SharedTable
-from ._disk.layout import ENV_ROOT
+from ._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE
 from ._store import EntryInfo, Store, StoreStats
 from ._store.locks import STORE_TIMEOUT, StoreTimeout
+from ._team.config import team_of
 
 Root = str | os.PathLike[str] | None
 
@@ -52,10 +55,20 @@ __all__ = [
 
 _stores: dict[str | None, Store] = {}
 _default_by_env: dict[str | None, Store] = {}
+_teams: dict[tuple[str, str | None], Store] = {}
 
 
-def get_store(root: str | os.PathLike[str] | None = None) -> Store:
-    """The shared per-process store of ``root`` (so attachments are reused)."""
+def get_store(root: str | os.PathLike[str] | None = None, *, team: str | None = None) -> Store:
+    """The shared per-process store of ``root`` (so attachments are reused), or of
+    ``team`` (``$SHMCACHE_TEAM`` when neither is given)."""
+    if team is not None or (root is None and os.environ.get(ENV_TEAM)):
+        team = team_of(root, team)  # refuses both a root and a team
+        assert team is not None
+        known = (team, os.environ.get(ENV_TEAMS_FILE))
+        store = _teams.get(known)
+        if store is None:
+            store = _teams.setdefault(known, Store(team=team))
+        return store
     if root is None:
         env = os.environ.get(ENV_ROOT)
         store = _default_by_env.get(env)
@@ -71,7 +84,7 @@ def get_store(root: str | os.PathLike[str] | None = None) -> Store:
     return store
 
 
-def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.ndarray:
+def open_array(key: str, *, root: Root = None, team: str | None = None) -> np.ndarray:
     """Read-only array over the shared entry ``key`` (pickles by reference).
 
     The mapping is copy-on-write: an in-place write through ``torch.from_numpy`` of it
@@ -80,7 +93,7 @@ def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.nd
     For tensors use ``shmcache.torch.as_tensor(key)``: the same shared pages, with
     writes private to the tensor.
     """
-    return get_store(root).open_array(key)
+    return get_store(root, team=team).open_array(key)
 
 
 def put_array(
@@ -146,15 +159,15 @@ def evict(key: str, *, root: str | os.PathLike[str] | None = None) -> int:
 
 
 def list_entries(
-    prefix: str | None = None, *, root: str | os.PathLike[str] | None = None
+    prefix: str | None = None, *, root: Root = None, team: str | None = None
 ) -> list[EntryInfo]:
     """Entries under ``prefix`` (all when None)."""
-    return get_store(root).list(prefix)
+    return get_store(root, team=team).list(prefix)
 
 
-def stats(*, root: str | os.PathLike[str] | None = None) -> StoreStats:
+def stats(*, root: Root = None, team: str | None = None) -> StoreStats:
     """Capacity, use, budget and entry count of the cache root."""
-    return get_store(root).stats()
+    return get_store(root, team=team).stats()
 
 
 def get_budget(*, root: Root = None) -> int | None:
@@ -173,9 +186,9 @@ def cleanup(*, root: str | os.PathLike[str] | None = None) -> int:
     return get_store(root).cleanup()
 
 
-def open(key: str, *, root: Root = None) -> Any:
+def open(key: str, *, root: Root = None, team: str | None = None) -> Any:
     """Open an entry of any kind (array, strings, ragged, records or mapping)."""
-    return get_store(root).open(key)
+    return get_store(root, team=team).open(key)
 
 
 def put_strings(
@@ -185,9 +198,9 @@ def put_strings(
     return get_store(root).put_strings(key, strings, overwrite=overwrite, pin=pin)
 
 
-def open_strings(key: str, *, root: Root = None) -> SharedStrings:
+def open_strings(key: str, *, root: Root = None, team: str | None = None) -> SharedStrings:
     """Read-only ``Sequence[str]`` (with hash ``index``/``in``) over shared memory."""
-    return get_store(root).open_strings(key)
+    return get_store(root, team=team).open_strings(key)
 
 
 def put_ragged(
@@ -197,9 +210,9 @@ def put_ragged(
     return get_store(root).put_ragged(key, arrays, overwrite=overwrite, pin=pin)
 
 
-def open_ragged(key: str, *, root: Root = None) -> SharedRagged:
+def open_ragged(key: str, *, root: Root = None, team: str | None = None) -> SharedRagged:
     """Read-only sequence of read-only array views over shared memory."""
-    return get_store(root).open_ragged(key)
+    return get_store(root, team=team).open_ragged(key)
 
 
 def put_records(
@@ -215,9 +228,9 @@ def put_records(
     return get_store(root).put_records(key, records, overwrite=overwrite, pin=pin, allow_nan=allow_nan)
 
 
-def open_records(key: str, *, root: Root = None) -> SharedRecords:
+def open_records(key: str, *, root: Root = None, team: str | None = None) -> SharedRecords:
     """Read-only sequence whose items are decoded fresh on every access."""
-    return get_store(root).open_records(key)
+    return get_store(root, team=team).open_records(key)
 
 
 def put_mapping(
@@ -227,14 +240,14 @@ def put_mapping(
     return get_store(root).put_mapping(key, mapping, overwrite=overwrite, pin=pin)
 
 
-def open_mapping(key: str, *, root: Root = None) -> SharedMapping:
+def open_mapping(key: str, *, root: Root = None, team: str | None = None) -> SharedMapping:
     """Read-only ``Mapping[str, X]`` with hash lookup in shared memory."""
-    return get_store(root).open_mapping(key)
+    return get_store(root, team=team).open_mapping(key)
 
 
-def open_group(prefix: str, *, root: Root = None) -> SharedGroup:
+def open_group(prefix: str, *, root: Root = None, team: str | None = None) -> SharedGroup:
     """Lazy read-only ``Mapping`` of the entries under ``prefix`` (e.g. a put directory)."""
-    return get_store(root).open_group(prefix)
+    return get_store(root, team=team).open_group(prefix)
 
 
 def share(key: str, obj: Any, *, root: Root = None, overwrite: bool = False) -> Any:
@@ -261,9 +274,9 @@ def put_blobs(
     return get_store(root).put_blobs(key, source, overwrite=overwrite, pin=pin)
 
 
-def open_blobs(key: str, *, root: Root = None) -> SharedBlobs:
+def open_blobs(key: str, *, root: Root = None, team: str | None = None) -> SharedBlobs:
     """Read-only blobs: ``blobs[i]`` or ``blobs["dir/name.jpg"]`` is a zero-copy uint8 view."""
-    return get_store(root).open_blobs(key)
+    return get_store(root, team=team).open_blobs(key)
 def put_table(
     key: str, data: Any, *, root: Root = None, overwrite: bool = False, pin: bool = False
 ) -> EntryInfo:
@@ -272,6 +285,6 @@ def put_table(
     return get_store(root).put_table(key, data, overwrite=overwrite, pin=pin)
 
 
-def open_table(key: str, *, root: Root = None) -> SharedTable:
+def open_table(key: str, *, root: Root = None, team: str | None = None) -> SharedTable:
     """Read-only table: ``table[i]`` a fresh dict, ``column(name)`` zero-copy, ``to_arrow()``."""
-    return get_store(root).open_table(key)
+    return get_store(root, team=team).open_table(key)

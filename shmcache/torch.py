@@ -131,9 +131,10 @@ class CachedDataset(Dataset[Any]):
     It pickles as its keys (under 1 KiB) and maps the entries lazily in each worker.
     Batches are gathered with one fancy index per array (``__getitems__``); pass
     ``collate_fn=shmcache.torch.collate`` to use them without a second copy.
+    ``team="vision"`` reads that team's root (``docs/team.md``) instead of ``root``.
     """
 
-    def __init__(self, *keys: str | Mapping[str, str], root: Root = None) -> None:
+    def __init__(self, *keys: str | Mapping[str, str], root: Root = None, team: str | None = None) -> None:
         if len(keys) == 1 and isinstance(keys[0], Mapping):
             self._names: list[str] | None = list(keys[0])
             self._keys = list(keys[0].values())
@@ -143,17 +144,21 @@ class CachedDataset(Dataset[Any]):
         else:
             raise TypeError("CachedDataset takes keys as strings, or one mapping of name -> key")
         self._root = None if root is None else os.fspath(root)
+        self._team = team
         self._pid = -1
         self._tensors: list[torch.Tensor] = []
         self._copy_rows = False
-        lengths = {len(get_store(self._root).open_array(k)) for k in self._keys}
+        lengths = {len(self._store().open_array(k)) for k in self._keys}
         if len(lengths) != 1:
             raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
         self._length = lengths.pop()
 
+    def _store(self) -> Any:
+        return get_store(self._root, team=self._team)
+
     def _columns(self) -> list[torch.Tensor]:
         if self._pid != os.getpid():  # first use in this process (or a fresh worker)
-            store = get_store(self._root)
+            store = self._store()
             self._copy_rows = False
             self._tensors = [self._column(store, k) for k in self._keys]
             self._pid = os.getpid()
@@ -188,9 +193,16 @@ class CachedDataset(Dataset[Any]):
         return GatheredBatch(_RowsOf(self, gathered), self._pack(gathered))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_names": self._names, "_keys": self._keys, "_root": self._root, "_length": self._length}
+        return {
+            "_names": self._names,
+            "_keys": self._keys,
+            "_root": self._root,
+            "_team": self._team,
+            "_length": self._length,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self._team = None  # pickled before teams existed
         self.__dict__.update(state)
         self._pid = -1
         self._tensors = []
@@ -238,7 +250,7 @@ class GPULoader:
             resolved = cuda_device(resolved, "GPULoader")
         elif resolved.type != "cpu":
             raise ValueError(f"GPULoader runs on a CUDA device or on 'cpu', not {resolved}")
-        store = get_store(dataset._root)
+        store = dataset._store()
         for key in dataset._keys:
             dtype = store.open_array(key).dtype
             if dtype.fields is not None or dtype.kind not in "biufc":
@@ -277,7 +289,8 @@ class GPULoader:
         if self._columns is None:
             if self.device.type == "cpu":
                 self._columns = self.dataset._columns()
-            elif read_only_registration_supported(self.device):
+            # cuda_view takes a root: a team= dataset's columns go through the staging path
+            elif self.dataset._team is None and read_only_registration_supported(self.device):
                 root = self.dataset._root
                 self._columns = [cuda_view(k, self.device, root=root) for k in self.dataset._keys]
             else:

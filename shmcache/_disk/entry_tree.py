@@ -82,13 +82,14 @@ def build_tree(layout: Layout, prefix: str, staging: str, links: Iterable[tuple[
     start = len(prefix) + 1 if prefix else 0
     links = [(key[start:], target) for key, target in links]
     try:
-        _copy_tree(live, staging, {entry_path(name) for name, _ in links})
+        mode = layout.dir_mode
+        _copy_tree(live, staging, {entry_path(name) for name, _ in links}, mode)
         for count, (name, target) in enumerate(links, 1):
             relative = name.split("/")
             directory = staging
             for segment in relative[:-1]:
                 directory = f"{directory}/{segment}{DIR_MARK}"
-                _mkdir(directory)
+                _mkdir(directory, mode)
             path = f"{directory}/{relative[-1]}"
             try:
                 os.symlink(target, path)
@@ -127,7 +128,7 @@ def make_prefix_dirs(layout: Layout, prefix: str) -> None:
     directory = str(layout.entries)
     for segment in prefix.split("/"):
         directory = f"{directory}/{segment}{DIR_MARK}"
-        _mkdir(directory)
+        _mkdir(directory, layout.dir_mode)
 
 
 def migrate_flat_links(layout: Layout) -> int:
@@ -187,11 +188,11 @@ def _prune(directory: str, top: bool = False) -> int:
     return removed
 
 
-def _copy_tree(source: str, destination: str, replaced: set[str], relative: str = "") -> None:
+def _copy_tree(source: str, destination: str, replaced: set[str], mode: int, relative: str = "") -> None:
     """Copy a directory of entry links (and prefix directories) as it is, but for the links
     at ``replaced`` (paths relative to ``source``): the links keep their targets, right at
     the same depth."""
-    _mkdir(destination, exist_ok=False)
+    _mkdir(destination, mode, exist_ok=False)
     try:
         scanned = os.scandir(source)
     except (FileNotFoundError, NotADirectoryError):
@@ -203,12 +204,12 @@ def _copy_tree(source: str, destination: str, replaced: set[str], relative: str 
                 if relative + item.name not in replaced:
                     os.symlink(os.readlink(item.path), path)
             elif item.is_dir(follow_symlinks=False):
-                _copy_tree(item.path, path, replaced, f"{relative}{item.name}/")
+                _copy_tree(item.path, path, replaced, mode, f"{relative}{item.name}/")
 
 
-def _mkdir(path: str, exist_ok: bool = True) -> None:
+def _mkdir(path: str, mode: int, exist_ok: bool = True) -> None:
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, mode)
     except FileExistsError:
         if not exist_ok:
             raise

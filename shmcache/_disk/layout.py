@@ -15,7 +15,7 @@ encoding of a cache root. Change the format here and nowhere else.
     <root>/locks/key-slots.NN.lock  a key's lock is one byte at a hash of the key in one of 32
                                  files (no descriptor per key); publish.lock for directory puts
     <root>/locks/keys/           the key's last failed ``cache()`` load (``<key>.failed``)
-    <root>/daemon.sock           the daemon's control socket (mode 0600)
+    <root>/daemon.sock           the daemon's control socket (mode 0600; a team's: 0660)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
     <root>/budget.json           the root's byte budget, honoured by every writer (absent: none)
 
@@ -32,6 +32,11 @@ back to the slow path.
 
 ``default_root`` is the one place that reads ``SHMCACHE_ROOT``; everything else takes an
 explicit root.
+
+Modes: what a writer creates is private (directories 0700, files 0600) in a personal
+root. A team root (``shmcache serve --team``) is group-readable and setgid (02750): its
+writers create directories 0750 and files 0640, which the team's group can read and no one
+else. :func:`modes_of` decides that, from the root's own mode, for every writer.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -63,8 +69,10 @@ __all__ = [
     "GENERATION_SLOTS",
     "META_FILE",
     "PID_NAME",
+    "PRIVATE_MODES",
     "SHM_DIR",
     "SOCKET_NAME",
+    "TEAM_MODES",
     "Layout",
     "decode_key",
     "default_root",
@@ -73,6 +81,7 @@ __all__ = [
     "flat_entry_names",
     "generation_slot",
     "mark_tree_format",
+    "modes_of",
     "object_path",
     "prepare_root",
     "read_version",
@@ -109,7 +118,19 @@ _IN_OBJECTS = "/objects/"
 ENTRY_FORMAT = "2"
 """What ``<root>/format`` holds once the root's entries are a tree (see above)."""
 
+PRIVATE_MODES = (0o700, 0o600)
+"""(directories, files) that writers create in a personal root."""
+TEAM_MODES = (0o750, 0o640)
+"""(directories, files) that the team daemon creates in a team root: the group reads."""
+
 logger = logging.getLogger(__name__)
+
+
+def modes_of(root_mode: int) -> tuple[int, int]:
+    """The one place the modes of what a writer creates are decided: (directories,
+    files) for a root of mode ``root_mode``. Group-readable (a team root): group may read,
+    nobody else; otherwise private. Never writable by anyone but the writer."""
+    return TEAM_MODES if root_mode & stat.S_IRGRP else PRIVATE_MODES
 
 
 def default_root() -> Path:
@@ -177,11 +198,35 @@ class Layout:
     """Paths inside one cache root."""
 
     root: Path
+    owner: tuple[int, int] | None = None
+    """``(uid, gid)`` the root must have: a team's (from the teams file); None: ours."""
     _entries_prefix: str = field(init=False, repr=False, compare=False)
+    _modes: list[tuple[int, int]] = field(init=False, repr=False, compare=False, default_factory=list)
 
     def __post_init__(self) -> None:
         # The prefix of every entry link, formatted once: entry_link is on the open path.
         object.__setattr__(self, "_entries_prefix", f"{self.root}/entries/")
+
+    @property
+    def modes(self) -> tuple[int, int]:
+        """(directory mode, file mode) for what a writer creates here (:func:`modes_of`
+        of the root's mode, read once the root exists)."""
+        if self._modes:
+            return self._modes[0]
+        try:
+            root_mode = os.stat(self.root).st_mode
+        except OSError:
+            return PRIVATE_MODES
+        self._modes.append(modes_of(root_mode))
+        return self._modes[0]
+
+    @property
+    def dir_mode(self) -> int:
+        return self.modes[0]
+
+    @property
+    def file_mode(self) -> int:
+        return self.modes[1]
 
     @property
     def entries(self) -> Path:
@@ -343,9 +388,9 @@ def _walk(directory: str, prefix: str, links: dict[str, str]) -> None:
                 links[prefix + name] = item.path
 
 
-def _mkdir_private(path: Path, what: str) -> None:
+def _mkdir_private(path: Path, what: str, layout: Layout) -> None:
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, layout.dir_mode)
     except FileExistsError:
         pass
     except OSError as exc:
@@ -354,21 +399,22 @@ def _mkdir_private(path: Path, what: str) -> None:
         st = os.lstat(path)
     except OSError as exc:
         raise CacheRootError(f"cannot use {what} {path}: {exc.strerror}") from exc
-    refuse_untrusted(path, st, what)  # a symlink, another user's, or writable by others
+    refuse_untrusted(path, st, what, layout.owner)  # a symlink, another user's, or writable by others
 
 
-def prepare_root(root: Path) -> Layout:
-    """Create the root and its sub-directories (mode 0700) if needed; return the layout.
+def prepare_root(root: Path, owner: tuple[int, int] | None = None) -> Layout:
+    """Create the root and its sub-directories (mode 0700; in a team root, 0750) if
+    needed; return the layout.
 
     Refuses (``CacheRootError``) a root or sub-directory that is a symlink, another
-    user's, or writable by others (``trust``)."""
-    layout = Layout(root)
+    user's (``owner``: not the team's), or writable by others (``trust``)."""
+    layout = Layout(root, owner)
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CacheRootError(f"cannot create the parent of cache root {root}: {exc.strerror}") from exc
     for directory in layout.directories():
-        _mkdir_private(directory, "cache root" if directory == root else "cache directory")
+        _mkdir_private(directory, "cache root" if directory == root else "cache directory", layout)
     _prepare_generation(layout)
     if not layout.format_file.exists() and not flat_entry_names(layout):
         mark_tree_format(layout)
@@ -384,7 +430,7 @@ def mark_tree_format(layout: Layout) -> None:
     """Record that no flat entry link is left (written whole: a temporary name, renamed)."""
     staging = layout.root / f".format.{os.getpid()}.{os.urandom(4).hex()}"
     try:
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, layout.file_mode)
         try:
             os.write(fd, ENTRY_FORMAT.encode() + b"\n")
         finally:
@@ -402,7 +448,7 @@ def _prepare_generation(layout: Layout) -> None:
         size = os.stat(layout.generation).st_size
     except FileNotFoundError:
         staging = layout.root / f".generation.{os.getpid()}.{os.urandom(4).hex()}"
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.file_mode)
         try:
             os.pwrite(fd, os.urandom(GENERATION_BYTES), 0)
         finally:

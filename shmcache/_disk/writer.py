@@ -56,12 +56,15 @@ class VersionWriter:
         self._count = 0
         self._tmp = f"{layout.root}/tmp"  # strings: pathlib costs ~10 us a join, per file
         self._objects = f"{layout.root}/objects"
+        self._dir_mode, self._file_mode = layout.modes
         self._pending: dict[str, None] = {}  # insertion-ordered set: O(1) removal
         self._old_trees: list[str] = []  # prefix directories swapped out, to remove
         # Lock under a temporary name, then rename: the lock file never appears unlocked.
         staging = layout.tmp / f"{self.writer_id}{STAGING_SUFFIX}"
         with full_is_cache_full(staging):
-            self._lock_fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            self._lock_fd = os.open(
+                staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, layout.file_mode
+            )
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             self.lock_path = layout.tmp / f"{self.writer_id}.lock"
@@ -82,7 +85,7 @@ class VersionWriter:
         version = f"{self.writer_id}.{self._count}"
         path = f"{self._tmp}/{version}"
         try:
-            os.mkdir(path, 0o700)
+            os.mkdir(path, self._dir_mode)
         except OSError as exc:
             raise_if_full(path, exc)
             raise
@@ -95,7 +98,7 @@ class VersionWriter:
     def create_file(self, version: str, filename: str) -> int:
         path = f"{self._tmp}/{version}/{filename}"
         try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._file_mode)
         except OSError as exc:
             raise_if_full(path, exc)
             raise

@@ -87,7 +87,7 @@ def write_budget(layout: Layout, max_bytes: int | None, set_by: str) -> None:
     body = json.dumps({"max_bytes": max_bytes, "set_by": set_by, "set_at": time.time()})
     staging = layout.root / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}"
     try:
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, layout.file_mode)
         try:
             os.write(fd, body.encode())
         finally:

@@ -141,7 +141,7 @@ def recording_failure(layout: Layout, key: str) -> Iterator[None]:
         yield
     except Exception as exc:
         with suppress(OSError):  # best effort: the error itself goes on either way
-            _write(path, _record_of(exc))
+            _write(path, _record_of(exc), layout.file_mode)
         raise
     with suppress(FileNotFoundError):
         os.unlink(path)
@@ -159,10 +159,10 @@ def _record_of(exc: Exception) -> dict[str, Any]:
     }
 
 
-def _write(path: os.PathLike[str], record: dict[str, Any]) -> None:
+def _write(path: os.PathLike[str], record: dict[str, Any], mode: int) -> None:
     """Write ``record`` whole: a reader sees the old record or the new one."""
     staging = f"{os.fspath(path)}.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         with os.fdopen(fd, "w") as fp:
             json.dump(record, fp)

@@ -284,12 +284,13 @@ class _Locked:
             self.epoch = None
 
 
-def _creating(path: str) -> Opener:
-    """Open (creating) a lock file in the root, writable or not."""
+def _creating(path: str, layout: Layout) -> Opener:
+    """Open (creating, with the root's file mode) a lock file in the root, writable or not."""
+    mode = layout.file_mode
 
     def opener(writable: bool) -> int:
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
         except OSError as exc:  # out of inodes: CacheFullError; of descriptors: TooManyOpenFilesError
             raise_if_full(path, exc)
             raise
@@ -315,7 +316,7 @@ def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContext
     """The lock of one key; ``timeout`` bounds the wait on a running holder (None: no
     bound, 0: no wait); a holder stopped for :data:`STOPPED_GRACE_S` ends it sooner."""
     path, offset = _key_slot(layout, key)
-    return _Locked(path, offset, False, timeout, f"the lock of key {key!r}", _creating(path))
+    return _Locked(path, offset, False, timeout, f"the lock of key {key!r}", _creating(path, layout))
 
 
 @contextmanager
@@ -327,7 +328,7 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
     try:
         for path, offset in sorted(named):
             wait = _Waiting(timeout, f"the lock of key {named[path, offset]!r}")
-            epoch = _enter(path, offset, False, wait, _creating(path))
+            epoch = _enter(path, offset, False, wait, _creating(path, layout))
             assert epoch is not None
             taken.append((path, offset, epoch))
         yield
@@ -342,7 +343,7 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
 def space_lock(layout: Layout, timeout: float | None) -> AbstractContextManager[None]:
     """The lock that serializes checking room and recording a reservation."""
     path = str(layout.space_lock)
-    return _Locked(path, 0, False, timeout, "the space-accounting lock", _creating(path))
+    return _Locked(path, 0, False, timeout, "the space-accounting lock", _creating(path, layout))
 
 
 def publish_lock(
@@ -351,7 +352,7 @@ def publish_lock(
     """The root-wide publish lock: exclusive while a multi-key publish swaps its links
     (microseconds per link), shared while a reader reads several links as one snapshot."""
     path = f"{layout.root}/locks/publish.lock"
-    return _Locked(path, 0, shared, timeout, "the publish lock", _creating(path))
+    return _Locked(path, 0, shared, timeout, "the publish lock", _creating(path, layout))
 
 
 def snapshot_lock(
@@ -365,16 +366,16 @@ def snapshot_lock(
     another user's root), no publisher could have created it either, so no batch publish
     is under way and the links are read without it."""
     path = f"{layout.root}/locks/publish.lock"
-    return _Locked(path, 0, True, timeout, "the publish lock", _reader_opener(path))
+    return _Locked(path, 0, True, timeout, "the publish lock", _reader_opener(path, layout))
 
 
-def _reader_opener(path: str) -> Opener:
+def _reader_opener(path: str, layout: Layout) -> Opener:
     def opener(writable: bool) -> int | None:
         try:
             return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             try:
-                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, layout.file_mode)
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
                     raise too_many_open_files(exc, f"opening {path}") from exc

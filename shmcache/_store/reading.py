@@ -214,7 +214,7 @@ class Reader:
         """Refuse (``CacheRootError``) a root that is a symlink, another user's, or writable
         by others, before anything is read from it. Checked once per root directory."""
         if self._root_id is None:
-            self._root_id = check_root(self._root_str)
+            self._root_id = check_root(self._root_str, self.layout.owner)
 
     def _generation_table(self) -> memoryview | None:
         if self._table is None:

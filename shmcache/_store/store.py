@@ -48,6 +48,7 @@ from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._disk.urls import is_url, local_path_of, redact_url
 from .._disk.writer import VersionWriter
+from .._team.config import checked_team, team_of
 from ..errors import (
     InvalidRequestError,
     KeyExistsError,
@@ -92,6 +93,10 @@ class Store:
     for many minutes; None waits as long as it takes. A holder that stays stopped
     (SIGSTOP, Ctrl+Z) fails the wait after a few seconds whatever the bound (unless it is
     None), with :class:`LockTimeoutError` naming its pid and ``kill -CONT``.
+
+    ``team`` (or ``$SHMCACHE_TEAM`` without a ``root``): the root of that team, as the
+    administrator's root-owned teams file declares it, trusted only when owned by the
+    team's service account and group (``docs/team.md``); not with ``root``.
     """
 
     def __init__(
@@ -100,7 +105,13 @@ class Store:
         *,
         max_bytes: int | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        team: str | None = None,
     ) -> None:
+        owner: tuple[int, int] | None = None
+        self.team = team_of(root, team)
+        if self.team is not None:  # the root and its account come from the teams file alone
+            config = checked_team(self.team)
+            root, owner = config.root, (config.uid, config.gid)
         self.root = Path(os.path.abspath(root if root is not None else default_root()))
         if max_bytes is not None and (
             not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
@@ -108,7 +119,7 @@ class Store:
             raise InvalidRequestError(f"max_bytes must be a number of bytes >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.lock_timeout = lock_timeout
-        self.layout = Layout(self.root)
+        self.layout = Layout(self.root, owner)
         self._root_str = str(self.root)
         self._prepared = False
         self._reader = Reader(self.layout)
@@ -667,7 +678,7 @@ class Store:
 
     def _prepare(self) -> None:
         if not self._prepared:
-            prepare_root(self.root)
+            prepare_root(self.root, self.layout.owner)
             self._prepared = True
 
     def _key_lock(self, key: str, timeout: float | StoreTimeout | None) -> AbstractContextManager[None]:

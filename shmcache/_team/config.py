@@ -32,22 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._disk.layout import ENV_TEAMS_FILE
+from .._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE
 from .._disk.trust import check_root, describe_uid
 from .._units import size_in_bytes
-from ..errors import CacheRootError, TeamConfigError, UnknownTeamError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from ..errors import CacheRootError, InvalidRequestError, TeamConfigError, UnknownTeamError
 
 __all__ = [
     "DEFAULT_TEAMS_FILE",
     "TeamConfig",
+    "check_team_root",
+    "checked_team",
     "default_team_root",
     "load_team",
     "read_trusted_file",
+    "team_of",
     "team_root",
     "teams_file",
 ]
@@ -163,6 +161,11 @@ def load_team(name: str) -> TeamConfig:
             f"{name!r} is not a team name (letters, digits, '_', '.', '-'; at most 64, starting with a "
             "letter or digit)"
         )
+    if sys.version_info >= (3, 11):  # deferred: only team roots need a TOML parser
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+
     path = teams_file()
     raw = read_trusted_file(path)
     try:
@@ -264,9 +267,35 @@ def team_root(name: str) -> Path:
     real directory owned by the declared account, group the team's, writable by nobody
     else. :class:`CacheRootError` says why not; a root that does not exist yet is
     returned as it is (there is nothing in it to read, and only its account can make it)."""
+    return checked_team(name).root
+
+
+def checked_team(name: str) -> TeamConfig:
+    """:func:`load_team`, then :func:`check_team_root` of its root."""
     config = load_team(name)
     check_team_root(config)
-    return config.root
+    return config
+
+
+def team_of(root: object, team: str | None) -> str | None:
+    """The team a caller means: ``team``, else ``$SHMCACHE_TEAM`` when no ``root`` is
+    given; None for a personal root. Both ``root`` and ``team`` (or both variables) are
+    an :class:`InvalidRequestError`: the one root to use would be a guess."""
+    if team is not None:
+        if root is not None:
+            raise InvalidRequestError(
+                f"pass root= or team=, not both (root={root!r}, team={team!r}): a team's root "
+                "comes from the administrator's teams file"
+            )
+        return team
+    if root is not None:
+        return None
+    from_env = os.environ.get(ENV_TEAM) or None
+    if from_env is not None and os.environ.get(ENV_ROOT):
+        raise InvalidRequestError(
+            f"both {ENV_ROOT} and {ENV_TEAM} are set: unset one ({ENV_TEAM} uses the team's root)"
+        )
+    return from_env
 
 
 def check_team_root(config: TeamConfig) -> None:
