@@ -273,8 +273,12 @@ class _Put:
                         answer, out = self.file(body)
                     elif op == "commit":
                         answer = self.commit(body)
+                    elif op == "evict" and self.writer is None:
+                        answer = self.evict(body)
                     else:
-                        raise InvalidRequestError(f"unknown request {str(op)[:40]!r} (begin, file or commit)")
+                        raise InvalidRequestError(
+                            f"unknown request {str(op)[:40]!r} (begin, file, commit; evict outside a put)"
+                        )
                 except ShmCacheError as exc:
                     answer = error_body(exc)
                     if op in ("begin", "commit"):
@@ -299,6 +303,16 @@ class _Put:
         self.entries = []
 
     # ------------------------------------------------------------------ requests
+
+    def evict(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Evict a key for the member: their own entry (an admin: any)."""
+        key = validate_key(body.get("key"))
+        if self.channel.policy.is_admin(self.uid):
+            freed = self.store.evict(key)
+        else:
+            freed = self.channel.policy.evict_own(self.uid, self.store, key)
+        logger.info("evicted %s for %s (%d bytes)", key, owner_name(self.uid), freed)
+        return {"ok": True, "freed": freed}
 
     def begin(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.writer is not None:

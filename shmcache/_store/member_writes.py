@@ -174,6 +174,16 @@ class MemberWriter:
             sock.close()
         return [_entry_info(item) for item in answer["entries"]]
 
+    def evict(self, key: str) -> int:
+        """Evict ``key`` through the daemon (your own entry; a team admin: any); the bytes freed."""
+        validate_key(key)
+        sock = self._connect()
+        try:
+            answer, _ = self._ask(sock, {"op": "evict", "key": key})
+        finally:
+            sock.close()
+        return int(answer["freed"])
+
     # ------------------------------------------------------------------ the put functions
 
     def put_array(self, key: str, array: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
