@@ -333,10 +333,11 @@ class _Put:
                     "to replace it, or evict it first"
                 )
             self.channel.policy.check_may_remove(self.uid, current, "replace")
-        nbytes = sum(sum(e.files.values()) + _PAGE * (len(e.files) + 1) for e in self.entries)
+        data = sum(sum(e.files.values()) for e in self.entries)  # what the entries' size will say
+        nbytes = data + sum(_PAGE * (len(e.files) + 1) for e in self.entries)
         replacing = set(keys) if self.overwrite else set()
-        self.channel.hold_quota(self.uid, nbytes, replacing)
-        self.held = nbytes
+        self.channel.hold_quota(self.uid, data, replacing)
+        self.held = data
         self.store.prepare()
         self.writer = VersionWriter(layout)
         budget = self.store.budget
