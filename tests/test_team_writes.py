@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from service_helpers import running_daemon, temporary_root, wait_for
+from shmcache.service.fd_channel import FdChannel
+from shmcache.service.members import MemberPolicy
 
 import shmcache
 from shmcache import QuotaExceededError, Store
@@ -31,12 +33,9 @@ from shmcache._store.ownership import fair_order
 from shmcache._store.records import EntryInfo
 from shmcache.errors import (
     CorruptSourceError,
-    InvalidRequestError,
     KeyExistsError,
     UnsupportedDataError,
 )
-from shmcache.service.fd_channel import FdChannel
-from shmcache.service.members import MemberPolicy
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +106,9 @@ def test_containers_share_and_cache_through_the_daemon(served: Path) -> None:
     assert calls == [1]
 
 
-def test_put_file_is_read_by_the_member_and_copied_into_the_daemons_file(served: Path, tmp_path: Path) -> None:
+def test_put_file_is_read_by_the_member_and_copied_into_the_daemons_file(
+    served: Path, tmp_path: Path
+) -> None:
     np.save(tmp_path / "a.npy", np.arange(6).reshape(2, 3))
     np.savez(tmp_path / "b.npz", x=np.arange(3), y=np.ones(2))
     writer = MemberWriter(served)
@@ -324,7 +325,9 @@ def test_quota_usage_is_rebuilt_from_the_recorded_owners(quota_channel: tuple[Pa
 
 
 def _entry(key: str, owner: int, size: int, last_used: float) -> EntryInfo:
-    return EntryInfo(key, "array", "uint8", (size,), size, size, 0.0, False, None, key, last_used, owner_uid=owner)
+    return EntryInfo(
+        key, "array", "uint8", (size,), size, size, 0.0, False, None, key, last_used, owner_uid=owner
+    )
 
 
 def test_eviction_takes_the_lru_entries_of_members_over_their_share_first() -> None:
