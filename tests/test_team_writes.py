@@ -235,7 +235,8 @@ _KILLED_MID_PUT = textwrap.dedent(
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(sys.argv[1])
     size = 64 << 20
-    send_message(sock, {"op": "begin", "entries": [{"key": "killed", "kind": "array", "files": {"data": size}}]})
+    entry = {"key": "killed", "kind": "array", "files": {"data": size}}
+    send_message(sock, {"op": "begin", "entries": [entry]})
     assert recv_message(sock)[0]["ok"]
     send_message(sock, {"op": "file", "entry": 0, "name": "data"})
     answer, fd = recv_message(sock)
