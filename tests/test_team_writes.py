@@ -121,6 +121,14 @@ def test_put_file_is_read_by_the_member_and_copied_into_the_daemons_file(
     assert store.verify("files/b/x") is True
 
 
+def test_a_large_file_is_copied_by_the_kernel_into_the_daemons_file(served: Path, tmp_path: Path) -> None:
+    big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB: the kernel copy with its trailing checksum
+    np.save(tmp_path / "big.npy", big)
+    assert MemberWriter(served).put_file("files/big", tmp_path / "big.npy") == ["files/big"]
+    assert np.array_equal(Store(served).open_array("files/big"), big)
+    assert Store(served).verify("files/big") is True
+
+
 def test_existing_key_is_refused_and_overwrite_replaces(served: Path) -> None:
     writer = MemberWriter(served)
     writer.put_array("rt/again", np.zeros(2))

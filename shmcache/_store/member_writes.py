@@ -76,8 +76,11 @@ def _file_size(fill: Fill) -> int:
 
 
 def _fill(fd: int, fill: Fill, where: str) -> None:
+    """Write ``fill`` into the daemon's file open as ``fd``. A large copy checksums what it
+    wrote by reading it back: through ``/proc/self/fd`` (the file is readable by the
+    members, its directory in ``tmp/`` is not)."""
     if isinstance(fill, Planned):
-        copy_planned(fill, fd, Path(where), lambda n: None, check_header=False)
+        copy_planned(fill, fd, Path(f"/proc/self/fd/{fd}"), lambda n: None, check_header=False)
     else:
         write_npy(fd, where, fill)
 
