@@ -23,6 +23,7 @@ import httpx
 from shmcache import EntryInfo, default_root, validate_key
 from shmcache._disk.layout import ENV_ROOT, ENV_SOCKET, ENV_TOKEN, Layout
 from shmcache._disk.urls import is_url
+from shmcache._team.config import checked_team, team_of
 from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
 from ._errors import JobCancelledError, error_from_body
@@ -54,9 +55,12 @@ class Client:
     ``$SHMCACHE_TOKEN``) as ``Authorization: Bearer``.
 
     On the Unix socket, the process that answers must run as the root's owner (or as one
-    of ``daemon_uids``: a team's service account), checked before anything is sent
+    of ``daemon_uids``), checked before anything is sent
     (:class:`~shmcache.errors.UntrustedDaemonError` otherwise). A stopped daemon (SIGSTOP,
     Ctrl+Z) is reported within a few seconds, whatever ``timeout``; a slow one gets all of it.
+
+    ``team`` (or ``$SHMCACHE_TEAM`` without a ``root``): the daemon of that team's root,
+    which must run as the service account the administrator's teams file names.
 
     One keep-alive connection is reused across calls (and re-created in a forked
     child). Use it as a context manager, or call :meth:`close`. Errors come back as the
@@ -73,7 +77,12 @@ class Client:
         *,
         socket: str | os.PathLike[str] | None = None,
         daemon_uids: Iterable[int] = (),
+        team: str | None = None,
     ) -> None:
+        self.team = team_of(root, team) if url is None else team
+        if self.team is not None:  # the root and the daemon's account come from the teams file alone
+            config = checked_team(self.team)
+            root, daemon_uids = config.root, {*daemon_uids, config.uid}
         self._root = Path(os.path.abspath(root if root is not None else default_root()))
         self.url = url.rstrip("/") if url else None
         self.timeout = timeout
@@ -136,9 +145,11 @@ class Client:
         """httpx's transport over a connection pool whose connections check who answers
         and notice a stopped daemon (:mod:`._transport`)."""
         assert self.socket_path is not None
-        backend = CheckedUnixBackend(
-            self.socket_path, self.root, lambda: expected_uids(self.root, self.daemon_uids)
-        )
+        if self.team is not None:  # the teams file's account alone: never whoever owns the path now
+            uids: Callable[[], frozenset[int]] = lambda: self.daemon_uids  # noqa: E731
+        else:
+            uids = lambda: expected_uids(self.root, self.daemon_uids)  # noqa: E731
+        backend = CheckedUnixBackend(self.socket_path, self.root, uids)
         transport = httpx.HTTPTransport()
         # httpx has no public way to give its pool a network backend: the pool is replaced
         # (with httpx's own default limits).
@@ -156,6 +167,12 @@ class Client:
             return DaemonUnavailableError(
                 f"cannot reach the shmcache daemon at {self.url} ({exc or type(exc).__name__}): is "
                 "`shmcache serve --host H --port P` running there, and the address right?"
+            )
+        if _denied(self.socket_path, exc) and self.team is not None:
+            return DaemonUnavailableError(
+                f"cannot open team {self.team}'s daemon socket {self.socket_path}: permission denied; "
+                "only the members of the team's group may use it: ask an administrator to add you "
+                "(usermod -aG GROUP USER), then log in again"
             )
         if _denied(self.socket_path, exc):  # another user's root: its daemon serves only that user
             return DaemonUnavailableError(

@@ -56,6 +56,7 @@ from shmcache.errors import (
     KeyExistsError,
     KeyNotFoundError,
     ShmCacheError,
+    UnauthorizedError,
 )
 
 from .members import MemberPolicy
@@ -102,16 +103,20 @@ class _Entry:
     handed: set[str] = field(default_factory=set)
 
 
-def start_fd_channel(service: Service, settings: Settings) -> FdChannel:
+def start_fd_channel(
+    service: Service, settings: Settings, refusal: Callable[[int], str | None] | None = None
+) -> FdChannel:
     """The channel of ``service``'s root, listening beside its HTTP socket with the same
-    mode, group and admission rule."""
+    mode, group and admission rule (``refusal``: a team daemon's, why a uid may not
+    connect; else the daemon's own user and root only)."""
     own = {os.geteuid(), 0}
-    channel = FdChannel(
-        service.store,
-        service.policy,
-        admit=lambda uid, gid: uid in own,
-        on_put=service.metrics.member_put,
-    )
+
+    def refuse(uid: int) -> str | None:
+        if refusal is not None:
+            return refusal(uid)
+        return None if uid in own else "not the daemon's user"
+
+    channel = FdChannel(service.store, service.policy, refuse, on_put=service.metrics.member_put)
     channel.start(settings.socket_path)
     return channel
 
@@ -123,13 +128,13 @@ class FdChannel:
         self,
         store: Store,
         policy: MemberPolicy,
-        admit: Callable[[int, int], bool],
+        refusal: Callable[[int], str | None],
         on_put: Callable[[int, int], None] | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
-        self.admit = admit
-        """``(uid, gid) -> bool``: whether a peer may connect (the HTTP socket's rule)."""
+        self.refusal = refusal
+        """``uid -> why not``: None if a peer may use the channel (the HTTP socket's rule)."""
         self.on_put = on_put
         """Called with ``(uid, bytes)`` after each published put (metrics)."""
         self._listener: socket.socket | None = None
@@ -180,12 +185,15 @@ class FdChannel:
             except OSError:
                 return  # closed
             try:
-                pid, uid, gid = peer_credentials(conn)
+                pid, uid, _ = peer_credentials(conn)
             except OSError:
                 conn.close()
                 continue
-            if not self.admit(uid, gid):
-                logger.warning("refused a write connection from pid %d (uid %d): not a member", pid, uid)
+            why = self.refusal(uid)
+            if why is not None:
+                logger.warning("refused a write connection from pid %d (uid %d): %s", pid, uid, why)
+                with contextlib.suppress(OSError):
+                    send_message(conn, error_body(UnauthorizedError(why)))
                 conn.close()
                 continue
             if not self._sessions.acquire(blocking=False):

@@ -20,6 +20,7 @@ from shmcache._disk.meta import read_meta
 from shmcache._store.catalog import iter_infos
 from shmcache._store.ownership import check_quota, fair_order, owner_name, usage_by_owner
 from shmcache._store.space import VictimOrder
+from shmcache._team.config import load_team
 from shmcache.errors import KeyNotFoundError, NotPermittedError, SourceNotAllowedError
 
 from .settings import Settings
@@ -138,7 +139,7 @@ def _mapped(layout: Layout, entry: EntryInfo) -> bool:
 
 def policy_of(settings: Settings) -> MemberPolicy:
     """The rules of the daemon's root: its team's (``serve --team``), none for a personal root."""
-    team = getattr(settings, "team", None)
-    if team is None:
+    if settings.team is None:
         return MemberPolicy()
+    team = load_team(settings.team)
     return MemberPolicy(user_quota=team.user_quota, admins=admin_uids(team.admins), team=True)

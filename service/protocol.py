@@ -29,6 +29,7 @@ import socket
 import struct
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -175,9 +176,13 @@ class _HeadTooLarge(Exception):
     """Raised from a parser callback: the head's parsed parts already pass the limit."""
 
 
-def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
+def guarded_protocol(
+    guard: ConnectionGuard, refusal: Callable[[int], str | None] | None = None
+) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the exact edge described in the module docstring,
-    dropping Unix-socket peers of another uid and applying ``guard``."""
+    dropping Unix-socket peers of another uid and applying ``guard``. ``refusal`` (a team
+    daemon's): why a peer uid may not use the socket, or None; a refused peer's first
+    request is answered 403 with that reason, and nothing else."""
     allowed = {os.geteuid(), 0}
 
     class GuardedProtocol(HttpToolsProtocol):
@@ -201,6 +206,8 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
         """The uid of a Unix-socket peer (``SO_PEERCRED``); None over TCP."""
         _pending: bytes | None = None
         """An error answer that waits for the responses to the requests before it."""
+        _forbidden: str | None = None
+        """Why this Unix-socket peer may not use a team daemon: its first request gets 403."""
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -211,7 +218,12 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
                 except OSError:
                     pid, uid = -1, -1
                 self._peer_uid = uid
-                if uid not in allowed:
+                if refusal is not None:
+                    why = refusal(uid)
+                    if why is not None:
+                        logger.warning("refused a connection from pid %d (uid %d): %s", pid, uid, why)
+                        self._forbidden = why
+                elif uid not in allowed:
                     logger.warning(
                         "refused a connection from pid %d (uid %d): not the daemon's user", pid, uid
                     )
@@ -229,6 +241,9 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # an error was answered (or is waiting to be): nothing more is read
+            if self._forbidden is not None:
+                self._refuse(403, "UnauthorizedError", self._forbidden)
+                return
             if self._between_requests() and self._deadline is None:
                 self._arm()  # a new request starts: it has request_timeout to arrive whole
             entry_phase, start = self._phase, 0

@@ -1,5 +1,6 @@
 """Running the daemon: one per root (an flocked pid file), uvicorn on a Unix socket
-(mode 0600, peers checked by uid with ``SO_PEERCRED``) and optionally on TCP, with the
+(mode 0600, peers checked by uid with ``SO_PEERCRED``; a team's: 0660, the members of
+its group, :mod:`.team`) and optionally on TCP, with the
 descriptor limit raised; the HTTP edge (head limit, parser errors as JSON, slow, idle or
 surplus connections closed) is :mod:`.protocol`.
 
@@ -29,6 +30,7 @@ from typing import Any
 import uvicorn
 
 from shmcache import Store
+from shmcache._disk.layout import Layout
 
 from .app import create_app
 from .errors import DaemonRunningError
@@ -36,6 +38,7 @@ from .fd_channel import FdChannel, start_fd_channel
 from .protocol import MAX_HEAD_BYTES, ConnectionGuard, guarded_protocol, peer_credentials
 from .settings import Settings, is_loopback
 from .state import RootWatch
+from .team import TEAM_SOCKET_MODE, TeamPeers, prepare_team
 
 __all__ = [
     "MAX_HEAD_BYTES",
@@ -76,7 +79,7 @@ class PidFile:
 
     def acquire(self) -> None:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, Layout(self.path.parent).file_mode)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -155,16 +158,17 @@ def _umask(mask: int) -> Iterator[None]:
         os.umask(old)
 
 
-def _unix_listener(path: Path) -> socket.socket:
-    """Bind ``path`` with mode 0600 from the start (no window where others may connect)."""
+def _unix_listener(path: Path, mode: int = 0o600) -> socket.socket:
+    """Bind ``path`` with ``mode`` (0600; a team's 0660) from the start (no window where
+    others may connect)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if os.path.lexists(path):
         _remove_stale_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with _umask(0o177):
+        with _umask(0o777 & ~mode):
             sock.bind(str(path))
-        os.chmod(path, 0o600)
+        os.chmod(path, mode)
         sock.listen(1024)
     except BaseException:
         sock.close()
@@ -218,11 +222,15 @@ def serve(settings: Settings) -> int:
         before, nofile = raise_descriptor_limit()
         if nofile != before:
             logger.info("descriptor limit raised from %d to %d", before, nofile)
+        peers = None
+        if settings.team is not None:  # the team's root, budget and sources; members may connect
+            settings, team = prepare_team(settings)
+            peers = TeamPeers(team)
         Store(settings.root).prepare()
         pid_file = PidFile(settings.pid_path)
         pid_file.acquire()
         try:
-            return _serve_locked(settings, stop_requested, nofile)
+            return _serve_locked(settings, stop_requested, nofile, peers)
         finally:
             pid_file.release()
             logger.info("stopped (pid %d)", os.getpid())
@@ -261,16 +269,18 @@ def _exit_now_if_threads_are_stuck() -> None:
     os._exit(0)
 
 
-def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) -> int:
+def _serve_locked(
+    settings: Settings, stop_requested: list[int], nofile: int, peers: TeamPeers | None = None
+) -> int:
     sockets: list[socket.socket] = []
     bound: os.stat_result | None = None
     channel: FdChannel | None = None
     failures: list[str] = []
     try:
         app = create_app(settings)
-        sockets.append(_unix_listener(settings.socket_path))
+        sockets.append(_unix_listener(settings.socket_path, 0o600 if peers is None else TEAM_SOCKET_MODE))
         bound = os.lstat(settings.socket_path)
-        channel = start_fd_channel(app.state.service, settings)
+        channel = start_fd_channel(app.state.service, settings, None if peers is None else peers.refusal)
         where = [f"unix:{settings.socket_path}"]
         if settings.host is not None and settings.port is not None:
             tcp = _tcp_listener(settings.host, settings.port)
@@ -284,7 +294,7 @@ def _serve_locked(settings: Settings, stop_requested: list[int], nofile: int) ->
             logger.info("at most %d TCP connections at once (descriptor limit %d)", guard.max_tcp, nofile)
         config = uvicorn.Config(
             app,
-            http=guarded_protocol(guard),
+            http=guarded_protocol(guard, None if peers is None else peers.refusal),
             ws="none",  # no WebSocket route: an upgrade request is answered as a plain one
             loop="auto",  # uvloop when installed (the service extra brings it)
             lifespan="on",

@@ -302,6 +302,12 @@ class Settings(BaseSettings):
         "running (a cache() loader, a put), 'inf' for no bound; a holder stopped (Ctrl+Z) for 3 s "
         "fails the load at once, naming it. Requests wait at most 5 s.",
     )
+    team: Annotated[str | None, Given(env=False)] = Field(
+        None,
+        description="Serve this team's root, as /etc/shmcache/teams.toml (or $SHMCACHE_TEAMS_FILE) "
+        "declares it, running as its service account: the root, budget and allowed sources come "
+        "from there; members of the team's group may use the socket (docs/team.md).",
+    )
     cleanup_on_exit: bool = Field(False, description="Evict every entry when stopping.")
     load_workers: int = Field(DEFAULT_LOAD_WORKERS, ge=1, description="Loads that run at once.")
     max_load_rate: Size = Field(
@@ -338,6 +344,17 @@ class Settings(BaseSettings):
         host, port, token, allow = (flag_name(n) for n in ("host", "port", "token", "allow_source"))
         if self.max_bytes is not None and self.max_fraction is not None:
             raise ValueError("set max_bytes or max_fraction, not both")
+        if self.team is not None:
+            given_too = sorted(
+                flag_name(n) for n in ("root", "socket", "max_bytes", "max_fraction", "allow_source", "host")
+                if n in self.model_fields_set
+            )
+            if given_too:
+                raise ValueError(
+                    f"{flag_name('team')} takes the root, budget and allowed sources from the teams "
+                    f"file, and listens on the team root's socket only: drop {', '.join(given_too)} "
+                    f"(or its {ENV_PREFIX}* variable)"
+                )
         if self.port is not None and self.host is None:
             raise ValueError(f"{port} needs {host} (TCP is opt-in; the default is the Unix socket)")
         if self.allow_host and self.host is None:

@@ -4,18 +4,39 @@ root); team roots are unique paths under /dev/shm. Everything is removed afterwa
 
 from __future__ import annotations
 
+import grp
 import os
+import pickle
+import pwd
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from shmcache._disk.layout import SHM_DIR
+from shmcache._disk.layout import ENV_PREFIX, ENV_TEAMS_FILE, SHM_DIR
 
-__all__ = ["TeamsDir", "team_toml", "teams_dir", "unique_team_root"]
+__all__ = [
+    "Team",
+    "TeamDaemon",
+    "TeamsDir",
+    "User",
+    "as_user",
+    "become",
+    "groups_of",
+    "real_team",
+    "team_toml",
+    "teams_dir",
+    "unique_team_root",
+]
 
 _TRUSTED_PARENTS = ("/var/lib", "/run", "/etc")
 
@@ -73,3 +94,233 @@ def team_toml(name: str, *, group: str, owner: str, root: Path | None = None, **
         else:
             lines.append(f"{field} = {value}")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- real users
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+
+
+def _run(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(command), capture_output=True, text=True)
+
+
+@dataclass
+class Team:
+    """A team of real accounts: its group, service account, two members and an outsider,
+    declared in a trusted teams file; its root a unique path under /dev/shm."""
+
+    name: str
+    group: str
+    gid: int
+    service: User
+    a: User
+    b: User
+    outsider: User
+    teams: TeamsDir
+    root: Path
+
+    def toml(self, **fields: object) -> str:
+        return team_toml(self.name, group=self.group, owner=self.service.name, root=self.root, **fields)
+
+
+@contextmanager
+def real_team(**fields: object) -> Iterator[Team]:
+    """Make the accounts (skipping where users cannot be made), yield the team, remove all."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("groupadd") is None:
+        pytest.skip("needs root, useradd and groupadd to create users")
+    tag = uuid.uuid4().hex[:6]
+    group = f"shmtg{tag}"
+    users: list[str] = []
+    groups: list[str] = []
+    try:
+        done = _run("groupadd", "--system", group)
+        if done.returncode != 0:
+            pytest.skip(f"cannot create a group: {done.stderr.strip()}")
+        groups.append(group)
+
+        def add(name: str, *extra: str) -> User:
+            made = _run(
+                "useradd", "--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
+                *extra, name,
+            )
+            if made.returncode != 0:
+                pytest.skip(f"cannot create a user: {made.stderr.strip()}")
+            users.append(name)
+            groups.append(name)
+            entry = pwd.getpwnam(name)
+            return User(name, entry.pw_uid, entry.pw_gid)
+
+        service = add(f"shmts{tag}", "-G", group)
+        a = add(f"shmta{tag}", "-G", group)
+        b = add(f"shmtb{tag}", "-G", group)
+        outsider = add(f"shmto{tag}")
+        with teams_dir() as teams:
+            team = Team(
+                name=f"t{tag}", group=group, gid=grp.getgrnam(group).gr_gid, service=service, a=a, b=b,
+                outsider=outsider, teams=teams, root=unique_team_root(),
+            )
+            teams.write(team.toml(**fields))
+            try:
+                yield team
+            finally:
+                shutil.rmtree(team.root, ignore_errors=True)
+    finally:
+        for name in users:
+            _run("userdel", name)
+        for name in groups:
+            _run("groupdel", name)
+
+
+def groups_of(user: User) -> list[int]:
+    """The user's groups as the user database says (what a login would give)."""
+    return os.getgrouplist(user.name, user.gid)
+
+
+def become(user: User, groups: list[int] | None = None) -> None:
+    """In a forked child: drop to ``user`` (with ``groups``, default its own), without
+    ``SHMCACHE_*`` variables but the teams file's."""
+    os.setgroups(groups_of(user) if groups is None else groups)
+    os.setgid(user.gid)
+    os.setuid(user.uid)
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIX) and name != ENV_TEAMS_FILE]:
+        del os.environ[name]
+
+
+def as_user(user: User, fn: Callable[..., Any], *args: Any, groups: list[int] | None = None) -> Any:
+    """``fn(*args)`` in a forked child running as ``user``: its return value, or the
+    exception it raised, raised again here. (The interpreter may live where other users
+    cannot read: a child imports nothing new, so everything it runs is imported first.)"""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child process
+        os.close(read_end)
+        try:
+            become(user, groups)
+            outcome: tuple[str, Any] = ("returned", fn(*args))
+        except BaseException as exc:
+            outcome = ("raised", exc)
+        try:
+            payload = pickle.dumps(outcome)
+        except Exception as exc:
+            payload = pickle.dumps(("raised", RuntimeError(f"unpicklable outcome {outcome!r}: {exc}")))
+        with os.fdopen(write_end, "wb") as out:
+            out.write(payload)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as from_child:
+        payload = from_child.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and payload, f"child as {user.name} died: {status}"
+    kind, value = pickle.loads(payload)
+    if kind == "raised":
+        raise value
+    return value
+
+
+class TeamDaemon:
+    """``shmcache serve --team NAME`` in a forked child running as ``user`` (the team's
+    service account, or whoever a test says), its stderr in a file; ``args`` are more flags."""
+
+    def __init__(self, team: Team, user: User, *args: str) -> None:
+        _import_the_daemon()
+        self.team = team
+        self.log_path = Path(SHM_DIR) / f"shmcache-test-daemon-{uuid.uuid4().hex[:8]}.log"
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        os.fchmod(log_fd, 0o666)
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - child process
+            code = 1
+            try:
+                os.dup2(log_fd, 2)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the child's
+                become(user)
+                from shmcache._cli.app import app
+
+                app(["serve", "--team", team.name, *args], prog_name="shmcache", standalone_mode=False)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException as exc:
+                os.write(2, f"daemon child failed: {exc!r}\n".encode())
+            finally:
+                os._exit(code)
+        os.close(log_fd)
+        self.status: int | None = None
+
+    @property
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def exited(self) -> int | None:
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(status)
+        return self.status
+
+    def wait_ready(self, timeout: float = 60.0) -> TeamDaemon:
+        deadline = time.monotonic() + timeout
+        while "listening on" not in self.log:
+            if self.exited() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"team daemon did not start (exit {self.status}):\n{self.log}")
+            time.sleep(0.05)
+        return self
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.exited() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"team daemon did not exit:\n{self.log}")
+            time.sleep(0.05)
+        assert self.status is not None
+        return self.status
+
+    def stop(self) -> int:
+        if self.exited() is None:
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                return self.wait_exit(30)
+            except AssertionError:
+                os.kill(self.pid, signal.SIGKILL)
+        status = self.wait_exit(30)
+        self.log_path.unlink(missing_ok=True)
+        return status
+
+
+def _import_the_daemon() -> None:
+    """What ``serve`` imports on demand, imported here (as root) before a child drops to
+    an account that may not read the interpreter's files."""
+    import importlib
+
+    for name in (
+        "shmcache._cli.app",
+        "shmcache._cli.serve",
+        "shmcache.service",
+        "shmcache.service.server",
+        "shmcache.service.app",
+        "shmcache.service.team",
+        "uvicorn.loops.auto",
+        "uvicorn.loops.asyncio",
+        "uvicorn.lifespan.on",
+        "uvicorn.protocols.http.httptools_impl",
+        "uvicorn.protocols.http.auto",
+        "uvicorn.protocols.websockets.auto",
+        "uvicorn.middleware.proxy_headers",
+        "shmcache.client",
+        "httpx",
+    ):
+        importlib.import_module(name)
+    try:
+        importlib.import_module("uvicorn.loops.uvloop")
+        importlib.import_module("uvloop")
+    except ImportError:
+        pass

@@ -52,7 +52,7 @@ def served(team: dict[str, User], tmp_path: Path) -> Iterator[Path]:
         like.bind(str(like_path))
         os.chmod(like_path, 0o666)
         policy = MemberPolicy(user_quota=QUOTA, admins=frozenset({team["admin"].uid}), team=True)
-        channel = FdChannel(Store(root), policy, admit=lambda uid, gid: True)
+        channel = FdChannel(Store(root), policy, refusal=lambda uid: None)
         channel.start(like_path)
         try:
             yield root

@@ -288,7 +288,7 @@ def quota_channel(root: Path, tmp_path: Path) -> Iterator[tuple[Path, FdChannel]
     like_path = tmp_path / "like.sock"
     like.bind(str(like_path))
     os.chmod(like_path, 0o600)
-    channel = FdChannel(Store(root), MemberPolicy(user_quota=64 << 10), admit=lambda uid, gid: True)
+    channel = FdChannel(Store(root), MemberPolicy(user_quota=64 << 10), refusal=lambda uid: None)
     channel.start(like_path)
     try:
         yield root, channel
@@ -315,7 +315,7 @@ def test_quota_usage_is_rebuilt_from_the_recorded_owners(quota_channel: tuple[Pa
     root, channel = quota_channel
     MemberWriter(root).put_array("q/kept", np.zeros(50_000, dtype=np.uint8))
     channel.close()  # a restart: a new channel knows nothing but what the root records
-    restarted = FdChannel(Store(root), MemberPolicy(user_quota=64 << 10), admit=lambda uid, gid: True)
+    restarted = FdChannel(Store(root), MemberPolicy(user_quota=64 << 10), refusal=lambda uid: None)
     like = root.parent / f"{root.name}-like.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(like))

@@ -17,8 +17,9 @@ from typing import Annotated
 
 import typer
 
+from .._disk.layout import ENV_TEAM
 from . import api_docs, budget, demo, diagnose, entries, root, serve
-from .common import debug_enabled, fail, set_debug
+from .common import debug_enabled, fail, set_debug, set_team
 
 __all__ = ["app", "debug_enabled", "fail", "main"]
 
@@ -34,8 +35,19 @@ app = typer.Typer(
 @app.callback()
 def _options(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    team: Annotated[
+        str | None,
+        typer.Option(
+            "--team",
+            envvar=ENV_TEAM,
+            show_default=False,
+            help="Work on this team's root, as the administrator's teams file declares it "
+            "(shmcache --team vision ls); not with --root.",
+        ),
+    ] = None,
 ) -> None:
     set_debug(debug)
+    set_team(team)
 
 
 entries.register(app)

@@ -23,13 +23,22 @@ import typer
 
 from .._disk.layout import ENV_SOCKET, Layout, default_root
 from .._store import Store
+from .._team.config import TeamConfig, checked_team, team_of
 from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
-from .common import fail
+from .common import fail, team_option
 
 if TYPE_CHECKING:
     from ..client import Client
 
-__all__ = ["DAEMON_TIMEOUT_S", "PROBE_TIMEOUT_S", "daemon_client", "open_backend", "resolve_root"]
+__all__ = [
+    "DAEMON_TIMEOUT_S",
+    "PROBE_TIMEOUT_S",
+    "command_team",
+    "daemon_client",
+    "local_store",
+    "open_backend",
+    "resolve_root",
+]
 
 DAEMON_TIMEOUT_S = 30.0
 """How long an operation through the daemon may take to answer."""
@@ -38,9 +47,35 @@ PROBE_TIMEOUT_S = 5.0
 _RETRY_S = 0.1
 
 
+def command_team(root: Path | None) -> TeamConfig | None:
+    """The team a command works on (``shmcache --team``, or ``$SHMCACHE_TEAM`` without
+    ``--root``), its root checked against the teams file; None for a personal root.
+    A refusal ends the command (exit 1) saying why."""
+    try:
+        team = team_of(root, team_option())
+        return None if team is None else checked_team(team)
+    except ShmCacheError as exc:
+        raise fail(exc) from None
+
+
 def resolve_root(root: Path | None) -> Path:
-    """The absolute root a command works on (``--root``, else ``$SHMCACHE_ROOT`` or the default)."""
+    """The absolute root a command works on (``--root``, else the team's, else
+    ``$SHMCACHE_ROOT`` or the default)."""
+    team = command_team(root)
+    if team is not None:
+        return team.root
     return Path(os.path.abspath(root if root is not None else default_root()))
+
+
+def local_store(root: Path | None) -> Store:
+    """The command's root in this process (a team's, trusted as the teams file says)."""
+    team = command_team(root)
+    if team is not None:
+        try:
+            return Store(team=team.name)
+        except ShmCacheError as exc:
+            raise fail(exc) from None
+    return Store(resolve_root(root))
 
 
 def daemon_client(root: Path | None, local: bool = False) -> Client | None:
@@ -54,6 +89,7 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
     """
     if local:
         return None
+    team = command_team(root)
     resolved = resolve_root(root)
     layout = Layout(resolved)
     socket_path = os.environ.get(ENV_SOCKET) or str(layout.socket)
@@ -66,8 +102,13 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
         typer.echo(f"notice: httpx is not installed, so not talking to the daemon on {resolved}", err=True)
         return None
     deadline = time.monotonic() + PROBE_TIMEOUT_S
+    def client(timeout: float) -> Client:
+        if team is not None:  # the daemon must be the teams file's account
+            return Client(team=team.name, timeout=timeout)
+        return Client(resolved, timeout=timeout)
+
     while True:
-        probe = Client(resolved, timeout=round(max(0.5, deadline - time.monotonic()), 1))
+        probe = client(round(max(0.5, deadline - time.monotonic()), 1))
         try:
             served = probe.health().root
         except DaemonUnavailableError:
@@ -94,7 +135,7 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
                 f"${ENV_SOCKET} or point it at that daemon's socket, or pass --local"
             )
         return None
-    return Client(resolved, timeout=DAEMON_TIMEOUT_S)
+    return client(DAEMON_TIMEOUT_S)
 
 
 @contextmanager
@@ -106,7 +147,7 @@ def open_backend(root: Path | None, local: bool = False) -> Iterator[Store | Cli
     except (DaemonUnavailableError, UntrustedDaemonError) as exc:
         raise fail(exc) from None
     if client is None:
-        yield Store(resolve_root(root))
+        yield local_store(root)
         return
     with client:
         yield client

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .._store import Store
 from .._store.budget import checked_budget, read_budget
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError
-from .backend import daemon_client, resolve_root
+from .backend import daemon_client, local_store, resolve_root
 from .common import fail, failures_exit_1
 from .options import JsonOption, LocalOption, RootOption
 
@@ -126,7 +125,7 @@ def _call(
         if client is not None:
             with client:
                 return _through_daemon(client, method, max_bytes), True
-        store = Store(resolve_root(root))
+        store = local_store(root)
         if method == "PUT":
             store.set_budget(max_bytes, set_by="shmcache budget")
         record = read_budget(store.layout)

@@ -26,10 +26,22 @@ __all__ = [
     "failures_exit_1",
     "print_table",
     "set_debug",
+    "set_team",
+    "team_option",
     "warn_or_raise",
 ]
 
 _state = {"debug": False}
+_team: list[str | None] = [None]
+
+
+def set_team(team: str | None) -> None:
+    """``shmcache --team NAME`` (or ``$SHMCACHE_TEAM``): every command works on that team's root."""
+    _team[0] = team
+
+
+def team_option() -> str | None:
+    return _team[0]
 
 
 def set_debug(enabled: bool) -> None:

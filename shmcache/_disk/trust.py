@@ -124,4 +124,9 @@ def check_root(root: str, owner: tuple[int, int] | None = None) -> tuple[int, in
             f"cannot reach cache root {root}: {exc.strerror}; it is not yours to use: {_ELSEWHERE}"
         ) from exc
     refuse_untrusted(root, st, owner=owner)
+    if owner is not None and not os.access(root, os.R_OK | os.X_OK):
+        raise CacheRootError(
+            f"cannot read team root {root}: {describe_uid(os.getuid())} is not in its group "
+            f"(gid {owner[1]}); ask an administrator to add you (usermod -aG GROUP USER), then log in again"
+        )
     return st.st_dev, st.st_ino

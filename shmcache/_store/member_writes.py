@@ -134,7 +134,10 @@ class MemberWriter:
 
     @staticmethod
     def _ask(sock: socket.socket, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        send_message(sock, body)
+        try:
+            send_message(sock, body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon refused and hung up: its answer (why) is waiting to be read
         got = recv_message(sock)
         if got is None:
             raise DaemonUnavailableError("the daemon closed the write connection before answering")
