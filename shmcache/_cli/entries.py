@@ -25,6 +25,7 @@ from .._disk.urls import is_url
 from .._error_table import CLI, fix
 from .._store import EntryInfo, Store, StoreStats
 from .._store.maintenance import linked_keys
+from .._store.member_writes import MemberWriter
 from .._store.ownership import owner_name, usage_by_owner
 from .._store.sources import PLANNERS
 from .._units import human_bytes
@@ -37,8 +38,8 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
-from .backend import open_backend, resolve_root
-from .common import EXIT_INTERRUPTED, fail, failures_exit_1, print_table, warn_or_raise
+from .backend import command_team, open_backend, resolve_root
+from .common import EXIT_INTERRUPTED, fail, failures_exit_1, print_table, set_team, warn_or_raise
 from .daemon_put import interrupts_restored, put_through, report
 from .options import JsonOption, LocalOption, RootOption
 
@@ -118,6 +119,16 @@ def put(
             show_default=False,
         ),
     ] = None,
+    team: Annotated[
+        str | None,
+        typer.Option(
+            "--team",
+            show_default=False,
+            help="Put into this team's root (as `shmcache --team NAME put`): files are read by "
+            "this process with your rights and written into the files the team's daemon makes; "
+            "URLs are loaded by the daemon, from the team's allow_sources only.",
+        ),
+    ] = None,
 ) -> None:
     """Load PATH into the cache under KEY and print the keys published.
 
@@ -128,10 +139,20 @@ def put(
     else (or with --local) in this process, with a notice; the root's budget
     applies either way. Nothing partial is ever published.
     """
+    if team is not None:
+        set_team(team)
     try:
         with failures_exit_1():
             sources = _sources(path, key)
             options = _storage_options(storage_option or [])
+        if not local and (writer := _member_writer(root)) is not None:
+            with failures_exit_1():
+                files = [(k, s) for k, s in sources if isinstance(s, Path)]
+                for published_key in _put_as_member(writer, files, pin, overwrite, as_.value):
+                    typer.echo(published_key)
+            sources = [(k, s) for k, s in sources if not isinstance(s, Path)]  # URLs: the daemon's
+            if not sources:
+                return
         bar, title = _progress_bar(progress), f"put {key}"
         with open_backend(root, local) as control:
             if isinstance(control, Store):
@@ -242,6 +263,23 @@ def _progress_bar(enabled: bool | None) -> Progress:
         disable=enabled is False or not console.is_terminal,
         transient=False,
     )
+
+
+def _member_writer(root: Path | None) -> MemberWriter | None:
+    """A team's root (``--team``): its daemon's write channel; None for a personal root."""
+    team = command_team(root)
+    return None if team is None else MemberWriter(team.root)
+
+
+def _put_as_member(
+    writer: MemberWriter, sources: Sequence[tuple[str, Path | str]], pin: bool, overwrite: bool, as_: str
+) -> list[str]:
+    """Put files into a team's root: read here, with this user's rights, written into the
+    files its daemon makes (the daemon never opens them)."""
+    published: list[str] = []
+    for key, source in sources:
+        published += writer.put_file(key, source, overwrite=overwrite, pin=pin, as_=as_)
+    return published
 
 
 def _put_here(

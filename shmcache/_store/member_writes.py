@@ -324,6 +324,16 @@ class MemberWriter:
                 )
             path = local
         source = Path(os.path.abspath(path))
+        try:
+            return self._put_file(key, source, overwrite, pin, as_)
+        except PermissionError as exc:  # a directory on the way that this user may not enter
+            raise InvalidSourceError(
+                f"source {path} cannot be read: Permission denied ({exc.filename}); you may put "
+                "only files you can read yourself"
+            ) from None
+
+    def _put_file(self, key: str, source: Path, overwrite: bool, pin: bool, as_: str) -> list[str]:
+        path = source
         if put_kind(source, as_) == "blobs":
             raise UnsupportedDataError(
                 f"{path}: blobs entries cannot be put into a team root yet; put the files' arrays "
