@@ -148,12 +148,16 @@ def test_members_put_what_they_can_read_and_nothing_else(team: Team, daemon: Tea
             as_user(team.a, _put_file, team.name, "a/stolen", path)
         with pytest.raises(SourceNotAllowedError):  # nor through the daemon's own rights
             as_user(team.a, _ask_daemon_to_load, team.name, "a/stolen", path)
-    code, out = as_user(team.a, _cli, "put", str(alices), "--key", "a/cli", "--team", team.name, "--overwrite")
+    code, out = as_user(
+        team.a, _cli, "put", str(alices), "--key", "a/cli", "--team", team.name, "--overwrite"
+    )
     assert code == 0 and "a/cli" in out, out
     assert not Store(team=team.name).exists("a/stolen")
 
 
-def test_over_quota_is_a_typed_error_and_survives_a_restart(team: Team, daemon: TeamDaemon, homes: Path) -> None:
+def test_over_quota_is_a_typed_error_and_survives_a_restart(
+    team: Team, daemon: TeamDaemon, homes: Path
+) -> None:
     as_user(team.b, _put, team.name, "b/big", 400 * KiB)
     with pytest.raises(QuotaExceededError, match=r"quota is 512\.0 KiB"):
         as_user(team.b, _put, team.name, "b/more", 200 * KiB)
@@ -203,7 +207,9 @@ def test_a_member_killed_mid_put_publishes_nothing(team: Team, homes: Path) -> N
         os.waitpid(pid, 0)
         from service_helpers import wait_for
 
-        wait_for(lambda: _tmp_versions(team.root) == [], timeout=30, what="the killed member's version removed")
+        wait_for(
+            lambda: _tmp_versions(team.root) == [], timeout=30, what="the killed member's version removed"
+        )
         assert not Store(team=team.name).exists("a/killed")
     finally:
         os.close(read_end)
