@@ -62,6 +62,26 @@ def served(team: dict[str, User], tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
+def budget_served(team: dict[str, User], tmp_path: Path) -> Iterator[Path]:
+    """As ``served``, without quotas, with a 450 KiB budget recorded in the root."""
+    with temporary_root() as root:
+        Store(root).prepare()
+        Store(root).set_budget(450 << 10)
+        os.chmod(root, 0o755)
+        like_path = tmp_path / "like.sock"
+        like = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        like.bind(str(like_path))
+        os.chmod(like_path, 0o666)
+        channel = FdChannel(Store(root), MemberPolicy(team=True), refusal=lambda uid: None)
+        channel.start(like_path)
+        try:
+            yield root
+        finally:
+            channel.close()
+            like.close()
+
+
+@pytest.fixture
 def sources(team: dict[str, User]) -> Iterator[Path]:
     """A directory every user may traverse, for files each user owns."""
     path = Path(SHM_DIR) / f"shmcache-test-src-{uuid.uuid4().hex[:12]}"
@@ -173,3 +193,68 @@ def test_ls_and_stats_name_the_owners(served: Path, team: dict[str, User]) -> No
     by_user = {row["user"]: row for row in json.loads(usage.stdout)}
     assert by_user[team["bob"].name]["entries"] == 2 and by_user[team["alice"].name]["entries"] == 1
     assert by_user[team["bob"].name]["uid"] == team["bob"].uid
+
+
+def _put_kib(root: Path, key: str, kib: int) -> None:
+    MemberWriter(root).put_array(key, np.zeros(kib << 10, dtype=np.uint8))
+
+
+def test_budget_eviction_takes_the_lru_entries_of_a_member_over_their_share_first(
+    budget_served: Path, team: dict[str, User]
+) -> None:
+    as_user(team["bob"], _put_kib, budget_served, "b/oldest", 100)
+    for name in ("a/1", "a/2", "a/3"):
+        as_user(team["alice"], _put_kib, budget_served, name, 100)
+    as_user(team["bob"], _put_kib, budget_served, "b/new", 100)  # over the budget: one must go
+    left = sorted(e.key for e in Store(budget_served).list())
+    assert left == ["a/2", "a/3", "b/new", "b/oldest"]  # alice's oldest, not bob's older one
+
+
+def _map_for(path: str, ready_w: int, release_r: int) -> None:
+    import mmap
+
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    os.close(fd)
+    os.write(ready_w, b"1")
+    os.read(release_r, 1)
+    mapping.close()
+
+
+def test_the_daemon_sees_another_users_mapping_of_an_entry(served: Path, team: dict[str, User]) -> None:
+    """Budget eviction never takes a mapped entry; the daemon may not read another user's
+    /proc/<pid>/maps, so a lease probe tells it (file leases are the owner's to ask)."""
+    from shmcache._disk.leases import in_use
+
+    Store(served).put_array("mapped", np.arange(1000))
+    path = Store(served).layout.object_file(Store(served).info("mapped").version, "data.npy")
+    for directory in (Path(path).parent.parent, Path(path).parent):  # a team root: group-readable
+        os.chmod(directory, 0o755)
+    os.chmod(path, 0o644)
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child process
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(release_w)
+            os.setgroups([])
+            os.setgid(team["bob"].gid)
+            os.setuid(team["bob"].uid)
+            _map_for(path, ready_w, release_r)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(release_r)
+    try:
+        assert os.read(ready_r, 1) == b"1", "the child could not map the entry"
+        assert in_use(path)
+        os.write(release_w, b"1")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not in_use(path)
+    finally:
+        os.close(ready_r)
+        os.close(release_w)
