@@ -9,6 +9,7 @@ process with a quota. Members that misbehave speak the protocol raw.
 from __future__ import annotations
 
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from service_helpers import running_daemon, temporary_root, wait_for
+from service_helpers import Daemon, running_daemon, temporary_root, wait_for
 from shmcache.service.fd_channel import FdChannel
 from shmcache.service.members import MemberPolicy
 
@@ -39,10 +40,15 @@ from shmcache.errors import (
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Path]:
-    """A real daemon on a fresh personal root; its root."""
-    with temporary_root() as root, running_daemon(root):
-        yield root
+def daemon() -> Iterator[Daemon]:
+    """A real daemon on a fresh personal root."""
+    with temporary_root() as root, running_daemon(root) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def served(daemon: Daemon) -> Path:
+    return daemon.root
 
 
 def _tmp_versions(root: Path) -> list[str]:
@@ -141,6 +147,16 @@ def test_existing_key_is_refused_and_overwrite_replaces(served: Path) -> None:
 def test_object_arrays_are_refused_before_anything_is_sent(served: Path) -> None:
     with pytest.raises(UnsupportedDataError):
         MemberWriter(served).put_array("rt/objects", np.array([object()]))
+
+
+def test_metrics_count_each_users_entries_bytes_and_puts(served: Path, daemon: Daemon) -> None:
+    MemberWriter(served).put_array("rt/metered", np.zeros(1000, dtype=np.uint8))
+    with daemon.client() as http:
+        text = http.get("/metrics").text
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    assert f'shmcache_user_entries{{user="{user}"}}' in text
+    assert f'shmcache_user_bytes{{user="{user}"}}' in text
+    assert f'shmcache_member_puts_total{{user="{user}"}}' in text
 
 
 def test_every_write_records_its_owner_in_a_personal_root(root: Path) -> None:
