@@ -407,6 +407,10 @@ class _Put:
             if missing:
                 raise InvalidRequestError(f"{entry.key!r}: files {missing} were never filled")
             metas.append(self._checked_meta(entry, extra))
+        if self.overwrite:  # another member may have put one of the keys since begin
+            for entry in self.entries:
+                with contextlib.suppress(KeyNotFoundError):
+                    self.channel.policy.check_may_remove(self.uid, self.store.info(entry.key), "replace")
         for entry, meta in zip(self.entries, metas, strict=True):
             self.writer.write_meta(entry.version, meta)
         with acting_for(self.uid):

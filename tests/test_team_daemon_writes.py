@@ -137,6 +137,12 @@ def test_a_member_evicts_only_their_own_entries(team: Team, daemon: TeamDaemon) 
     assert as_user(team.a, _evict, team.name, "a/mine") > 0
 
 
+def test_only_admins_change_the_team_budget(team: Team, daemon: TeamDaemon) -> None:
+    code, out = as_user(team.b, _cli, "--team", team.name, "budget", "set", "1GiB")
+    assert code == 1 and "may not set the root's budget" in out, out
+    assert Store(team=team.name).budget == 64 << 20
+
+
 def test_members_put_what_they_can_read_and_nothing_else(team: Team, daemon: TeamDaemon, homes: Path) -> None:
     alices = _private_file(homes, team.a, "alice.npy", np.arange(5.0))
     bobs = _private_file(homes, team.b, "bob.npy", np.arange(5.0))
