@@ -126,6 +126,17 @@ def test_members_put_through_the_daemon_and_read_each_others_entries(team: Team,
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (team.service.uid, team.gid, 0o640)
 
 
+def _put_in_place(team: str) -> None:
+    Store(team=team).put_array("a/in-place", np.arange(3))
+
+
+def test_a_store_of_a_team_root_does_not_write_in_place(team: Team, daemon: TeamDaemon) -> None:
+    with pytest.raises(NotPermittedError, match="written only by its daemon"):
+        as_user(team.a, _put_in_place, team.name)
+    with pytest.raises(NotPermittedError, match="put_array"):
+        _put_in_place(team.name)  # root too: only the service account writes there
+
+
 def test_a_member_evicts_only_their_own_entries(team: Team, daemon: TeamDaemon) -> None:
     as_user(team.a, _put, team.name, "a/mine", 1000)
     for evict in (_evict, _evict_over_http):

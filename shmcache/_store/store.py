@@ -62,6 +62,7 @@ from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
 from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
+from .ownership import refuse_member_write
 from .planned import write_container
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
@@ -665,6 +666,7 @@ class Store:
 
     @contextmanager
     def _writer(self) -> Iterator[VersionWriter]:
+        refuse_member_write(self.team, self.layout.owner)  # a team's root: its daemon writes
         self._check_root_identity()
         self._prepare()
         try:
