@@ -21,6 +21,7 @@ import stat
 import time
 from pathlib import Path
 
+from shmcache._disk.layout import TEAM_ROOT_MODE
 from shmcache._disk.trust import describe_uid
 from shmcache._team.config import TeamConfig, check_team_root, load_team
 from shmcache.errors import CacheRootError, TeamConfigError
@@ -31,8 +32,6 @@ __all__ = ["TEAM_ROOT_MODE", "TEAM_SOCKET_MODE", "TEAM_UMASK", "TeamPeers", "pre
 
 logger = logging.getLogger(__name__)
 
-TEAM_ROOT_MODE = 0o2750
-"""The team root: the group reads and enters, setgid so all below gets the team's group."""
 TEAM_SOCKET_MODE = 0o660
 """The daemon's socket: the account and the group connect (the peer check comes after)."""
 TEAM_UMASK = 0o027

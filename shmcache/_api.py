@@ -60,12 +60,23 @@ _stores: dict[str | None, Store] = {}
 _default_by_env: dict[str | None, Store] = {}
 _teams: dict[tuple[str, str | None], Store] = {}
 _members: dict[Path, MemberWriter] = {}
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+"""CPython's bytes-keyed dict behind ``os.environ`` (kept in step with it): looking up a
+missing name there costs a dict miss, where ``os.environ.get`` raises and catches a
+KeyError (about 0.5 us, on every default-root open_array)."""
+_TEAM_KEY = os.fsencode(ENV_TEAM)
+
+
+def _team_variable_set() -> bool:
+    if isinstance(_ENVIRON_DATA, dict):
+        return bool(_ENVIRON_DATA.get(_TEAM_KEY))
+    return bool(os.environ.get(ENV_TEAM))  # pragma: no cover - another interpreter
 
 
 def get_store(root: str | os.PathLike[str] | None = None, *, team: str | None = None) -> Store:
     """The shared per-process store of ``root`` (so attachments are reused), or of
     ``team`` (``$SHMCACHE_TEAM`` when neither is given)."""
-    if team is not None or (root is None and os.environ.get(ENV_TEAM)):
+    if team is not None or (root is None and _team_variable_set()):
         team = team_of(root, team)  # refuses both a root and a team
         assert team is not None
         known = (team, os.environ.get(ENV_TEAMS_FILE))

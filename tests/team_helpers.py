@@ -224,12 +224,14 @@ def as_user(user: User, fn: Callable[..., Any], *args: Any, groups: list[int] | 
 
 
 class TeamDaemon:
-    """``shmcache serve --team NAME`` in a forked child running as ``user`` (the team's
-    service account, or whoever a test says), its stderr in a file; ``args`` are more flags."""
+    """``shmcache serve --team NAME`` (``name``, default the team's) in a forked child running
+    as ``user`` (the team's service account, or whoever a test says), its stderr in a file;
+    ``args`` are more flags."""
 
-    def __init__(self, team: Team, user: User, *args: str) -> None:
+    def __init__(self, team: Team, user: User, *args: str, name: str | None = None) -> None:
         _import_the_daemon()
         self.team = team
+        name = team.name if name is None else name
         self.log_path = Path(SHM_DIR) / f"shmcache-test-daemon-{uuid.uuid4().hex[:8]}.log"
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         os.fchmod(log_fd, 0o666)
@@ -242,7 +244,7 @@ class TeamDaemon:
                 become(user)
                 from shmcache._cli.app import app
 
-                app(["serve", "--team", team.name, *args], prog_name="shmcache", standalone_mode=False)
+                app(["serve", "--team", name, *args], prog_name="shmcache", standalone_mode=False)
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1

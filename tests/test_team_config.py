@@ -10,15 +10,17 @@ import grp
 import os
 import pwd
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from team_helpers import TeamsDir, team_toml, teams_dir, unique_team_root
 
-from shmcache import CacheRootError, TeamConfigError, UnknownTeamError
-from shmcache._disk.layout import ENV_TEAMS_FILE
+from shmcache import CacheRootError, Store, TeamConfigError, UnknownTeamError
+from shmcache._disk.layout import ENV_TEAMS_FILE, PRIVATE_MODES, TEAM_MODES, modes_of
 from shmcache._team.config import (
     DEFAULT_TEAMS_FILE,
     TeamConfig,
@@ -249,3 +251,53 @@ def _has_group(name: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+# ---------------------------------------------------------------------- modes of what writers make
+
+
+@pytest.mark.parametrize(
+    ("root_mode", "modes"),
+    [
+        (0o700, PRIVATE_MODES),
+        (0o755, PRIVATE_MODES),  # a directory a user made for $SHMCACHE_ROOT stays private inside
+        (0o750, PRIVATE_MODES),
+        (0o2755, PRIVATE_MODES),  # others may read the root: not a team root
+        (0o2700, PRIVATE_MODES),
+        (0o2750, TEAM_MODES),
+    ],
+)
+def test_the_root_decides_the_modes_of_what_is_made(root_mode: int, modes: tuple[int, int]) -> None:
+    assert modes_of(root_mode | 0o040000) == modes  # S_IFDIR, as stat gives it
+
+
+def _modes_under(root: Path) -> set[tuple[str, int]]:
+    found: set[tuple[str, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            st = os.lstat(os.path.join(dirpath, name))
+            if stat.S_ISDIR(st.st_mode):
+                found.add(("dir", stat.S_IMODE(st.st_mode) & 0o777))  # setgid inherited in a team root
+            elif not stat.S_ISLNK(st.st_mode):  # entry links are 0777 whatever the umask
+                found.add(("file", stat.S_IMODE(st.st_mode)))
+    return found
+
+
+def _fill(root: Path) -> None:
+    store = Store(root)
+    store.put_array("a/b", np.arange(10))
+    store.put_strings("s", ["x"])
+    store.set_budget(1 << 30)
+    store.cache("c", lambda: np.zeros(3))
+    store.evict("s")
+
+
+@pytest.mark.parametrize(("root_mode", "expected"), [(0o755, {("dir", 0o700), ("file", 0o600)}),
+                                                     (0o2750, {("dir", 0o750), ("file", 0o640)})])
+def test_writers_make_entries_with_the_roots_modes(
+    team_root_path: Path, root_mode: int, expected: set[tuple[str, int]]
+) -> None:
+    os.mkdir(team_root_path)
+    os.chmod(team_root_path, root_mode)
+    _fill(team_root_path)
+    assert _modes_under(team_root_path) == expected

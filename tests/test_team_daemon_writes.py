@@ -23,7 +23,14 @@ from team_helpers import Team, TeamDaemon, User, as_user, become, real_team
 from typer.testing import CliRunner
 
 import shmcache
-from shmcache import InvalidSourceError, NotPermittedError, QuotaExceededError, SourceNotAllowedError, Store
+from shmcache import (
+    CacheRootError,
+    InvalidSourceError,
+    NotPermittedError,
+    QuotaExceededError,
+    SourceNotAllowedError,
+    Store,
+)
 from shmcache._cli.app import app
 from shmcache._disk.layout import ENV_TEAMS_FILE, SHM_DIR
 from shmcache._store.fd_messages import FDS_SOCKET, recv_message, send_message
@@ -131,9 +138,9 @@ def _put_in_place(team: str) -> None:
 
 
 def test_a_store_of_a_team_root_does_not_write_in_place(team: Team, daemon: TeamDaemon) -> None:
-    with pytest.raises(NotPermittedError, match="written only by its daemon"):
+    with pytest.raises(CacheRootError, match="written by its daemon alone"):
         as_user(team.a, _put_in_place, team.name)
-    with pytest.raises(NotPermittedError, match="put_array"):
+    with pytest.raises(CacheRootError, match="put_array"):
         _put_in_place(team.name)  # root too: only the service account writes there
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from team_helpers import Team, TeamDaemon, User, as_user, become, real_team
 from typer.testing import CliRunner
 
 import shmcache
+import shmcache._diagnose.doctor
 import shmcache.torch
 from shmcache import KeyNotFoundError, UnauthorizedError
 from shmcache._cli.app import app
@@ -117,6 +119,8 @@ def _read_as_member(name: str) -> dict[str, Any]:
         "group": sorted(shmcache.open_group("g", team=name)),
         "open": shmcache.open("g/small", team=name).tolist(),
         "dataset": len(shmcache.torch.CachedDataset("big", team=name)),
+        "stats": shmcache.stats(team=name).entries,
+        "store_info": shmcache.Store(team=name).info("big").nbytes,
     }
     with Client(team=name, timeout=30) as client:
         out["client"] = sorted(e.key for e in client.list())
@@ -124,6 +128,11 @@ def _read_as_member(name: str) -> dict[str, Any]:
     out["env"] = shmcache.open_array("g/small").tolist()
     cli = RUNNER.invoke(app, ["ls"], catch_exceptions=False)
     out["cli"] = (cli.exit_code, cli.output)
+    del os.environ[ENV_TEAM]
+    for command in (["root"], ["info", "big"], ["doctor", "--json"]):
+        done = RUNNER.invoke(app, ["--team", name, *command], catch_exceptions=False)
+        out[command[0]] = (done.exit_code, done.output)
+    os.environ[ENV_TEAM] = name
     try:
         shmcache.open_array("no/such/key")
     except KeyNotFoundError as exc:
@@ -139,8 +148,14 @@ def test_members_read_what_the_daemon_published(team: Team, daemon: TeamDaemon) 
         assert got["group"] == ["small"]
         assert got["open"] == got["env"] == list(range(10))
         assert got["dataset"] == DATA_BYTES // 8
+        assert got["stats"] == 2 and got["store_info"] == DATA_BYTES
         assert got["cli"][0] == 0 and "big" in got["cli"][1] and "g/small" in got["cli"][1], got["cli"]
         assert "no/such/key" in got["missing"]
+        assert got["root"] == (0, f"{team.root}\n")
+        assert got["info"][0] == 0 and "big" in got["info"][1], got["info"]
+        checks = {check["name"]: check for check in json.loads(got["doctor"][1])["checks"]}
+        assert checks["root"]["status"] == "ok", checks["root"]
+        assert checks["daemon"]["status"] == "ok", checks["daemon"]
 
 
 def test_a_team_and_a_root_together_are_refused(team: Team, daemon: TeamDaemon) -> None:
@@ -208,6 +223,19 @@ def test_two_members_share_one_copy(team: Team, daemon: TeamDaemon) -> None:
 # ---------------------------------------------------------------------- the outsider
 
 
+def _connect(path: str) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+
+
+def _member_writes(name: str) -> str:
+    try:
+        shmcache.Store(team=name).put_array("mine", np.arange(3))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "wrote"
+
+
 def _outsider_tries(name: str, data_file: str) -> dict[str, str]:
     """As the outsider: each way in, and the error class and message it met."""
     tries: dict[str, Callable[[], Any]] = {
@@ -216,6 +244,8 @@ def _outsider_tries(name: str, data_file: str) -> dict[str, str]:
         "open_group": lambda: shmcache.open_group("g", team=name),
         "client": lambda: Client(team=name, timeout=5).health(),
         "listdir": lambda: os.listdir(data_file.rsplit("/objects/", 1)[0]),
+        "connect": lambda: _connect(data_file.rsplit("/objects/", 1)[0] + "/daemon.sock"),
+        "client_socket": lambda: Client(socket=data_file.rsplit("/objects/", 1)[0] + "/daemon.sock").health(),
         "read": lambda: open(data_file, "rb").read(1),  # noqa: SIM115
     }
     met: dict[str, str] = {}
@@ -235,7 +265,15 @@ def test_an_outsider_cannot_connect_list_or_read_a_byte(team: Team, daemon: Team
     met = as_user(team.outsider, _outsider_tries, team.name, data_file)
     for what in ("open_array", "list", "open_group", "client"):
         assert met[what].startswith("CacheRootError") and "not in its group" in met[what], met
-    assert met["listdir"].startswith("PermissionError") and met["read"].startswith("PermissionError"), met
+    for what in ("listdir", "read", "connect"):
+        assert met[what].startswith("PermissionError"), met
+    denied = met["client_socket"]
+    assert denied.startswith("DaemonUnavailableError") and "permission denied" in denied, met
+
+
+def test_a_member_writing_the_root_directly_is_told_to_use_the_daemon(team: Team, daemon: TeamDaemon) -> None:
+    met = as_user(team.a, _member_writes, team.name)
+    assert met.startswith("CacheRootError") and "daemon" in met, met
 
 
 def _health(name: str) -> Any:
@@ -350,6 +388,27 @@ def test_a_teams_file_of_a_member_is_refused_on_every_read_path(team: Team, daem
 
 
 # ---------------------------------------------------------------------- who runs the daemon
+
+
+def _root_of(name: str) -> str:
+    with Client(team=name, timeout=30) as client:
+        return client.health().root
+
+
+def test_one_account_serves_two_teams_and_restarts(
+    team: Team, daemon: TeamDaemon, second_root: tuple[str, Path]
+) -> None:
+    name, root = second_root
+    for _ in range(2):  # the second start finds the root made
+        second = TeamDaemon(team, team.service, name=name).wait_ready()
+        try:
+            assert as_user(team.b, _root_of, name) == str(root)
+            assert as_user(team.b, _root_of, team.name) == str(team.root)
+            st = os.lstat(root)
+            assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (team.service.uid, team.gid, 0o2750)
+        finally:
+            assert second.stop() == 0, second.log
+    assert daemon.exited() is None
 
 
 def test_serve_team_refuses_root_and_other_accounts(team: Team, daemon: TeamDaemon) -> None:

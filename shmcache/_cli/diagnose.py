@@ -23,6 +23,7 @@ import typer
 from .._store import Store
 from .._units import human_bytes
 from ..errors import ShmCacheError
+from .backend import command_team, local_store, resolve_root
 from .common import fail, print_table
 from .options import JsonOption, RootOption, SocketOption
 
@@ -58,7 +59,11 @@ def doctor(
     """
     from .._diagnose.doctor import run_checks
 
-    checks = run_checks(Store(root).root, socket_path)
+    team = command_team(root)
+    if team is None:
+        checks = run_checks(Store(root).root, socket_path)
+    else:
+        checks = run_checks(team.root, socket_path, team=team.name)
     failed = any(c.status == "fail" for c in checks)
     if as_json:
         report = {"ok": not failed, "checks": [asdict(c) for c in checks]}
@@ -89,7 +94,7 @@ def top(
     """
     from .._diagnose.top import mapping_processes
 
-    store = Store(root)
+    store = local_store(root)
 
     def snapshot() -> tuple[list[str], list[tuple[str, ...]], str]:
         rows, held = mapping_processes(store)
@@ -174,7 +179,7 @@ def watch(
         typer.echo(f"error: cannot run {command[0]!r}: {exc.strerror or exc}", err=True)
         raise typer.Exit(127 if isinstance(exc, FileNotFoundError) else 126) from None
     started = time.monotonic()
-    recorder = WatchRecorder(csv_path, started, Store(root).root, interval)
+    recorder = WatchRecorder(csv_path, started, resolve_root(root), interval)
     previous = _forward_signals(child)
     try:
         while True:

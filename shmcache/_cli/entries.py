@@ -38,7 +38,7 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
-from .backend import command_team, open_backend, resolve_root
+from .backend import command_team, local_store, open_backend
 from .common import EXIT_INTERRUPTED, fail, failures_exit_1, print_table, set_team, warn_or_raise
 from .daemon_put import interrupts_restored, put_through, report
 from .options import JsonOption, LocalOption, RootOption
@@ -327,10 +327,10 @@ def _put_here(
 # ---------------------------------------------------------------------- inspect
 
 
-def _mapped_by(root: Path) -> dict[str, list[int]]:
+def _mapped_by(root: Path | None) -> dict[str, list[int]]:
     """Version -> PIDs of live processes mapping it (one /proc scan, in this process)."""
     try:
-        scan = Store(root).scan_mappings()
+        scan = local_store(root).scan_mappings()
     except OSError:
         return {}
     return {version: sorted(pids) for version, pids in scan.pids_by_version.items()}
@@ -361,7 +361,7 @@ def list_command(
     (PIDs), age."""
     with open_backend(root, local) as control, failures_exit_1():
         entries = control.list(prefix)
-    mapped = _mapped_by(resolve_root(root))
+    mapped = _mapped_by(root)
     if as_json:
         typer.echo(json.dumps([{**asdict(e), "mapped_by": mapped.get(e.version, [])} for e in entries],
                               indent=1))
@@ -493,7 +493,7 @@ def verify(
     One line per entry: ok, no checksum, or CORRUPT (then exit status 1:
     evict the entry and put it again). Reads every byte, in this process.
     """
-    store = Store(root)
+    store = local_store(root)
     with failures_exit_1():
         store.list()  # checks the root
         keys = [key] if key is not None else linked_keys(store.layout)  # damaged ones too

@@ -174,7 +174,7 @@ def _check_cgroup(used: int, tmpfs_capacity: int | None) -> Check:
     return Check("cgroup", "ok", summary, "", details)
 
 
-def _check_root(root: Path) -> Check:
+def _check_root(root: Path, owner: tuple[int, int] | None = None) -> Check:
     details: dict[str, Any] = {"root": str(root)}
     try:
         st = os.lstat(root)
@@ -189,15 +189,19 @@ def _check_root(root: Path) -> Check:
     except OSError as exc:
         return Check("root", "fail", f"cannot stat {root}: {exc.strerror}", "pick another root", details)
     details.update(uid=st.st_uid, mode=oct(stat.S_IMODE(st.st_mode)))
-    untrusted = untrusted_reason(root, st)  # what makes every read and write refuse the root
+    untrusted = untrusted_reason(root, st, owner)  # what makes every read and write refuse the root
     if untrusted is not None:
         return Check("root", "fail", *untrusted, details)
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:  # writable by others fails above; readable only leaks the data
+    # Writable by others fails above; readable only leaks the data (a team root's group reads).
+    if mode & (0o007 if owner is not None else 0o077):
         return Check(
             "root", "warn", f"{root} is mode {mode:04o}: other users may read the cache",
             f"chmod 700 {root} (unless you shared it with a group on purpose)", details,
         )
+    if owner is not None:  # check_root already refused a member who cannot read it
+        return Check("root", "ok", f"{root}: the team's (uid {owner[0]}, gid {owner[1]}), mode {mode:04o}",
+                     "", details)
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
         return Check(
             "root", "fail", f"{root} is mode {mode:04o}: you cannot use it", f"chmod 700 {root}", details
@@ -410,10 +414,10 @@ def _check_held(store: Store) -> Check:
     )
 
 
-def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
+def run_checks(root: Path, socket_path: Path | None = None, team: str | None = None) -> list[Check]:
     """Every check of ``shmcache doctor``, in order (``socket_path``: the daemon's socket,
-    default the root's)."""
-    store = Store(root)
+    default the root's; ``team``: ``root`` is that team's, checked as the teams file says)."""
+    store = Store(root) if team is None else Store(team=team)
     try:
         entries = store.list() if store.layout.entries.is_dir() else []
     except Exception:  # an unreadable root is reported by the root check
@@ -426,7 +430,7 @@ def run_checks(root: Path, socket_path: Path | None = None) -> list[Check]:
     tmpfs_capacity = checks[0].details.get("capacity")
     checks += [
         _check_cgroup(used, tmpfs_capacity if isinstance(tmpfs_capacity, int) else None),
-        _check_root(store.root),
+        _check_root(store.root, store.layout.owner),
         _check_logout(store.root),
     ]
     daemon, daemon_stats = _check_daemon(

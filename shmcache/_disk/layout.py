@@ -34,7 +34,7 @@ back to the slow path.
 explicit root.
 
 Modes: what a writer creates is private (directories 0700, files 0600) in a personal
-root. A team root (``shmcache serve --team``) is group-readable and setgid (02750): its
+root. A team root (``shmcache serve --team``) is mode 02750 (setgid, group-readable): its
 writers create directories 0750 and files 0640, which the team's group can read and no one
 else. :func:`modes_of` decides that, from the root's own mode, for every writer.
 """
@@ -73,6 +73,7 @@ __all__ = [
     "SHM_DIR",
     "SOCKET_NAME",
     "TEAM_MODES",
+    "TEAM_ROOT_MODE",
     "Layout",
     "decode_key",
     "default_root",
@@ -122,15 +123,20 @@ PRIVATE_MODES = (0o700, 0o600)
 """(directories, files) that writers create in a personal root."""
 TEAM_MODES = (0o750, 0o640)
 """(directories, files) that the team daemon creates in a team root: the group reads."""
+TEAM_ROOT_MODE = 0o2750
+"""A team root's own mode: setgid (all below gets the team's group), the group reads."""
 
 logger = logging.getLogger(__name__)
 
 
 def modes_of(root_mode: int) -> tuple[int, int]:
     """The one place the modes of what a writer creates are decided: (directories,
-    files) for a root of mode ``root_mode``. Group-readable (a team root): group may read,
-    nobody else; otherwise private. Never writable by anyone but the writer."""
-    return TEAM_MODES if root_mode & stat.S_IRGRP else PRIVATE_MODES
+    files) for a root of mode ``root_mode``. A team root is exactly 02750 (setgid, the
+    group reads, others nothing: what ``serve --team`` and its tmpfiles.d line make): the
+    group may read what is made in it. Any other root is private, whatever its mode (a
+    0755 directory a user made as ``$SHMCACHE_ROOT`` keeps 0700/0600 entries, as before).
+    Nothing is ever writable by anyone but the writer."""
+    return TEAM_MODES if stat.S_IMODE(root_mode) == TEAM_ROOT_MODE else PRIVATE_MODES
 
 
 def default_root() -> Path:

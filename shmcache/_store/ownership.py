@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from .._units import human_bytes
-from ..errors import NotPermittedError, QuotaExceededError
+from ..errors import QuotaExceededError
 from .records import EntryInfo
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "current_owner",
     "fair_order",
     "owner_name",
-    "refuse_member_write",
     "usage_by_owner",
 ]
 
@@ -105,14 +104,3 @@ def fair_order(entries: list[EntryInfo], share: int | None) -> list[EntryInfo]:
     over = {uid for uid, use in usage.items() if use.bytes > share}
     return [e for e in by_lru if e.owner_uid in over] + [e for e in by_lru if e.owner_uid not in over]
 
-
-def refuse_member_write(team: str | None, owner: tuple[int, int] | None) -> None:
-    """Refuse (:class:`NotPermittedError`) writing a team's root in place: only its
-    daemon's account does; members put through the daemon (``team=`` on the module
-    functions, ``shmcache put --team``)."""
-    if team is None or owner is None or os.geteuid() == owner[0]:
-        return
-    raise NotPermittedError(
-        f"team {team}'s root is written only by its daemon: put with shmcache.put_array(..., "
-        f"team={team!r}) (put_file, share, cache likewise) or `shmcache put PATH --key KEY --team {team}`"
-    )

@@ -46,10 +46,12 @@ from .._disk.layout import ARRAY_FILE, Layout, default_root, prepare_root
 from .._disk.meta import read_entry_meta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
+from .._disk.trust import describe_uid
 from .._disk.urls import is_url, local_path_of, redact_url
 from .._disk.writer import VersionWriter
 from .._team.config import checked_team, team_of
 from ..errors import (
+    CacheRootError,
     InvalidRequestError,
     KeyExistsError,
     KeyNotFoundError,
@@ -62,7 +64,6 @@ from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
 from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
-from .ownership import refuse_member_write
 from .planned import write_container
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
@@ -666,7 +667,6 @@ class Store:
 
     @contextmanager
     def _writer(self) -> Iterator[VersionWriter]:
-        refuse_member_write(self.team, self.layout.owner)  # a team's root: its daemon writes
         self._check_root_identity()
         self._prepare()
         try:
@@ -680,7 +680,14 @@ class Store:
 
     def _prepare(self) -> None:
         if not self._prepared:
-            prepare_root(self.root, self.layout.owner)
+            owner = self.layout.owner
+            if owner is not None and owner[0] != os.geteuid():
+                raise CacheRootError(
+                    f"team {self.team}'s root {self._root_str} is written by its daemon alone (it runs as "
+                    f"{describe_uid(owner[0])}); members put through it: put_array(..., team={self.team!r}), "
+                    f"`shmcache --team {self.team} put KEY PATH`"
+                )
+            prepare_root(self.root, owner)
             self._prepared = True
 
     def _key_lock(self, key: str, timeout: float | StoreTimeout | None) -> AbstractContextManager[None]:
