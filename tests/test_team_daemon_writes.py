@@ -179,6 +179,18 @@ def test_members_put_what_they_can_read_and_nothing_else(team: Team, daemon: Tea
     assert not Store(team=team.name).exists("a/stolen")
 
 
+def test_a_load_the_daemon_runs_from_allow_sources_is_owned_by_the_member_who_asked(
+    team: Team, daemon: TeamDaemon, data_dir: Path
+) -> None:
+    shared = data_dir / "shared.npy"
+    np.save(shared, np.arange(100))
+    os.chmod(shared, 0o644)
+    as_user(team.a, _ask_daemon_to_load, team.name, "a/loaded", shared)
+    assert Store(team=team.name).info("a/loaded").owner_uid == team.a.uid
+    with pytest.raises(NotPermittedError, match="replace"):
+        as_user(team.b, _ask_daemon_to_load, team.name, "a/loaded", shared)
+
+
 def test_over_quota_is_a_typed_error_and_survives_a_restart(
     team: Team, daemon: TeamDaemon, homes: Path
 ) -> None:
