@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shmcache import Store
+from shmcache import EntryInfo, Store
 from shmcache._disk.checksum import crc_of_range
 from shmcache._disk.fs import raise_if_full
 from shmcache._disk.keys import validate_key
@@ -116,7 +116,9 @@ def start_fd_channel(
             return refusal(uid)
         return None if uid in own else "not the daemon's user"
 
-    channel = FdChannel(service.store, service.policy, refuse, on_put=service.metrics.member_put)
+    channel = FdChannel(
+        service.store, service.policy, refuse, on_put=service.metrics.member_put, entries=service.entries
+    )
     channel.start(settings.socket_path)
     return channel
 
@@ -130,6 +132,7 @@ class FdChannel:
         policy: MemberPolicy,
         refusal: Callable[[int], str | None],
         on_put: Callable[[int, int], None] | None = None,
+        entries: Callable[[], list[EntryInfo]] | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -137,6 +140,8 @@ class FdChannel:
         """``uid -> why not``: None if a peer may use the channel (the HTTP socket's rule)."""
         self.on_put = on_put
         """Called with ``(uid, bytes)`` after each published put (metrics)."""
+        self.entries = entries if entries is not None else lambda: list(iter_infos(store.layout))
+        """The root's entries now (the daemon's cached view: no re-read of every ``meta.json``)."""
         self._listener: socket.socket | None = None
         self._sessions = threading.BoundedSemaphore(_MAX_SESSIONS)
         self._quota = threading.Lock()
@@ -226,9 +231,7 @@ class FdChannel:
         if self.policy.user_quota is None:
             return
         with self._quota:
-            used = sum(
-                e.size for e in iter_infos(self.store.layout) if e.owner_uid == uid and e.key not in replacing
-            )
+            used = sum(e.size for e in self.entries() if e.owner_uid == uid and e.key not in replacing)
             check_quota(uid, self.policy.user_quota, used, self._pending.get(uid, 0), nbytes)
             self._pending[uid] = self._pending.get(uid, 0) + nbytes
 
