@@ -48,9 +48,11 @@ from shmcache._disk.writer import VersionWriter
 from shmcache._store.catalog import iter_infos
 from shmcache._store.fd_messages import FDS_SOCKET, error_body, recv_message, send_message
 from shmcache._store.ownership import acting_for, check_quota, owner_name
+from shmcache._store.records import entry_info
 from shmcache._store.space import reserve
 from shmcache._store.writing import ITEM_TYPES, publish, version_meta
 from shmcache.errors import (
+    CacheRootError,
     CorruptSourceError,
     InvalidRequestError,
     KeyExistsError,
@@ -290,7 +292,10 @@ class _Put:
                         raise InvalidRequestError(
                             f"unknown request {str(op)[:40]!r} (begin, file, commit; evict outside a put)"
                         )
-                except ShmCacheError as exc:
+                except (ShmCacheError, OSError) as exc:
+                    if not isinstance(exc, ShmCacheError):  # the daemon's own trouble: logged, told
+                        logger.warning("put by uid %d: %s failed: %s", self.uid, op, exc)
+                        exc = ShmCacheError(f"the daemon could not serve {op}: {exc}")
                     answer = error_body(exc)
                     if op in ("begin", "commit"):
                         self.abandon()  # nothing of this put survives a failed begin or commit
@@ -451,7 +456,7 @@ class _Put:
             where = f"{entry.key}/{name}.npy"
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if has_writers(fd):
+                if _has_writers(fd):
                     raise InvalidRequestError(
                         f"{where} is still open for writing: close every descriptor of it before commit"
                     )
@@ -477,9 +482,20 @@ class _Put:
         return meta
 
 
-def _info(meta: dict[str, Any]) -> Any:
-    from shmcache._store.records import entry_info
+def _has_writers(fd: int) -> bool:
+    """:func:`has_writers`, or the refusal of a kernel without file leases (the daemon
+    could not prove that the member let go of the file: it publishes nothing)."""
+    try:
+        return has_writers(fd)
+    except OSError as exc:
+        raise CacheRootError(
+            f"this kernel refuses file leases ({exc.strerror}; is fs.leases-enable 0?): the daemon "
+            "cannot prove that a member's file is no longer open for writing, so it publishes nothing; "
+            "enable leases (sysctl fs.leases-enable=1)"
+        ) from None
 
+
+def _info(meta: dict[str, Any]) -> EntryInfo:
     return entry_info(meta, meta["created"])
 
 
