@@ -34,6 +34,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from shmcache._disk.npy import read_source_header_fd
 from shmcache._disk.writer import VersionWriter
 from shmcache._store.catalog import iter_infos
 from shmcache._store.fd_messages import FDS_SOCKET, error_body, recv_message, send_message
+from shmcache._store.locks import DEFAULT_LOCK_TIMEOUT, key_lock
 from shmcache._store.ownership import acting_for, check_quota, owner_name
 from shmcache._store.records import entry_info
 from shmcache._store.space import reserve
@@ -215,12 +217,14 @@ class FdChannel:
     def _serve(self, conn: socket.socket, uid: int) -> None:
         with self._conns_lock:
             self._conns.add(conn)
+        locks: list[AbstractContextManager[None]] = []  # key locks this connection holds
         try:
-            while _Put(self, conn, uid).run():
+            while _Put(self, conn, uid, locks).run():
                 pass
         except OSError as exc:
             logger.info("write connection of uid %d ended: %s", uid, exc)
         finally:
+            _release(locks)  # in this thread: key locks are held per thread
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
@@ -251,11 +255,14 @@ class FdChannel:
 class _Put:
     """One put over a connection: ``begin``, ``file``..., ``commit``."""
 
-    def __init__(self, channel: FdChannel, conn: socket.socket, uid: int) -> None:
+    def __init__(
+        self, channel: FdChannel, conn: socket.socket, uid: int, locks: list[AbstractContextManager[None]]
+    ) -> None:
         self.channel = channel
         self.store = channel.store
         self.conn = conn
         self.uid = uid
+        self.locks = locks
         self.entries: list[_Entry] = []
         self.writer: VersionWriter | None = None
         self.held = 0
@@ -288,6 +295,8 @@ class _Put:
                         answer = self.commit(body)
                     elif op == "evict" and self.writer is None:
                         answer = self.evict(body)
+                    elif op == "lock" and self.writer is None:
+                        answer = self.lock(body)
                     else:
                         raise InvalidRequestError(
                             f"unknown request {str(op)[:40]!r} (begin, file, commit; evict outside a put)"
@@ -319,6 +328,18 @@ class _Put:
         self.entries = []
 
     # ------------------------------------------------------------------ requests
+
+    def lock(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Take a key's lock for the connection (a member's ``cache()``: one loader runs,
+        the others wait, then open what it put); held until the connection ends. Waits as
+        long as a loader may run (an hour), or until the holder's connection ends."""
+        key = validate_key(body.get("key"))
+        if self.locks:
+            raise InvalidRequestError("this connection holds a key lock already")
+        held = key_lock(self.store.layout, key, DEFAULT_LOCK_TIMEOUT)
+        held.__enter__()
+        self.locks.append(held)
+        return {"ok": True}
 
     def evict(self, body: dict[str, Any]) -> dict[str, Any]:
         """Evict a key for the member: their own entry (an admin: any)."""
@@ -480,6 +501,11 @@ class _Put:
             meta["shape"] = [meta.get("length", 0)]
             meta.setdefault("dtype", ITEM_TYPES.get(entry.kind))
         return meta
+
+
+def _release(locks: list[AbstractContextManager[None]]) -> None:
+    while locks:
+        locks.pop().__exit__(None, None, None)
 
 
 def _has_writers(fd: int) -> bool:

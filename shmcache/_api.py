@@ -162,8 +162,8 @@ def cache(
 ) -> np.ndarray:
     """Get-or-create ``key``: ``loader`` runs once across all processes. ``version`` (a str,
     an int, a file path or a tuple of those) is recorded: another version loads again.
-    In a team's root members share no lock: two members may both run ``loader`` (the
-    first put wins, the other opens it)."""
+    In a team's root the daemon holds the key's lock for the member who loads; the others
+    wait, then open its entry."""
     writer = _writer(root, team)
     if isinstance(writer, MemberWriter):
         store = get_store(root, team=team)

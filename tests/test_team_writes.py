@@ -112,6 +112,39 @@ def test_containers_share_and_cache_through_the_daemon(served: Path) -> None:
     assert calls == [1]
 
 
+_CACHE_CALLER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    from shmcache import Store
+    from shmcache._store.member_writes import MemberWriter
+
+    root, marks = sys.argv[1], sys.argv[2]
+
+    def loader():
+        with open(marks, "a") as fp:
+            fp.write("loaded\\n")
+        time.sleep(1.0)  # the other caller arrives meanwhile and waits on the key's lock
+        return np.arange(5)
+
+    print(MemberWriter(root).cache("rt/once", loader, Store(root).open_array, None).tolist())
+    """
+)
+
+
+def test_members_cache_calls_at_once_run_the_loader_once(served: Path, tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    callers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CACHE_CALLER, str(served), str(marks)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outputs = [caller.communicate(timeout=120)[0].strip() for caller in callers]
+    assert outputs == ["[0, 1, 2, 3, 4]"] * 3
+    assert marks.read_text().splitlines() == ["loaded"]
+
+
 def test_put_file_is_read_by_the_member_and_copied_into_the_daemons_file(
     served: Path, tmp_path: Path
 ) -> None:

@@ -154,30 +154,34 @@ class MemberWriter:
         """Publish ``entries`` at once through the daemon; nothing if anything fails."""
         sock = self._connect()
         try:
-            begin = {
-                "op": "begin",
-                "overwrite": overwrite,
-                "pin": pin,
-                "entries": [
-                    {"key": e.key, "kind": e.kind, "files": {n: _file_size(f) for n, f in e.files.items()}}
-                    for e in entries
-                ],
-            }
-            self._ask(sock, begin)
-            for index, entry in enumerate(entries):
-                for name, fill in entry.files.items():
-                    _, fd = self._ask(sock, {"op": "file", "entry": index, "name": name})
-                    if fd is None:
-                        raise DaemonUnavailableError(
-                            "the daemon answered a file request without a descriptor"
-                        )
-                    try:
-                        _fill(fd, fill, f"{entry.key}/{name}.npy")
-                    finally:
-                        os.close(fd)
-            answer, _ = self._ask(sock, {"op": "commit", "extra": [_jsonable(e.extra) for e in entries]})
+            return self._put_on(sock, entries, overwrite, pin)
         finally:
             sock.close()
+
+    def _put_on(
+        self, sock: socket.socket, entries: list[Pending], overwrite: bool, pin: bool
+    ) -> list[EntryInfo]:
+        """One put over an open connection: begin, fill each file, commit."""
+        begin = {
+            "op": "begin",
+            "overwrite": overwrite,
+            "pin": pin,
+            "entries": [
+                {"key": e.key, "kind": e.kind, "files": {n: _file_size(f) for n, f in e.files.items()}}
+                for e in entries
+            ],
+        }
+        self._ask(sock, begin)
+        for index, entry in enumerate(entries):
+            for name, fill in entry.files.items():
+                _, fd = self._ask(sock, {"op": "file", "entry": index, "name": name})
+                if fd is None:
+                    raise DaemonUnavailableError("the daemon answered a file request without a descriptor")
+                try:
+                    _fill(fd, fill, f"{entry.key}/{name}.npy")
+                finally:
+                    os.close(fd)
+        answer, _ = self._ask(sock, {"op": "commit", "extra": [_jsonable(e.extra) for e in entries]})
         return [_entry_info(item) for item in answer["entries"]]
 
     def evict(self, key: str) -> int:
@@ -276,18 +280,23 @@ class MemberWriter:
         self, key: str, loader: Callable[[], Any], opener: Callable[[str], np.ndarray], wanted: str | None
     ) -> np.ndarray:
         """Get-or-create through the daemon: ``opener(key)`` if the key holds version
-        ``wanted`` (any, if None), else run ``loader`` and put its result. Members do not
-        share a lock (only the daemon writes the root), so two may both run the loader;
-        the first put wins and the other opens it."""
+        ``wanted`` (any, if None), else, holding the key's lock in the daemon (so that of
+        members calling at once one loads and the others wait, then open its entry), run
+        ``loader`` and put its result."""
         found = self._cached(key, opener, wanted)
         if found is not None:
             return found
-        array = _storable(loader(), f"the value that cache()'s loader returned for {key!r}")
-        extra = {} if wanted is None else {"cache_version": wanted}
+        sock = self._connect()
         try:
-            self.put([Pending(key, "array", {"data": array}, extra)], overwrite=wanted is not None)
-        except KeyExistsError:
-            pass
+            self._ask(sock, {"op": "lock", "key": validate_key(key)})
+            found = self._cached(key, opener, wanted)
+            if found is not None:
+                return found
+            array = _storable(loader(), f"the value that cache()'s loader returned for {key!r}")
+            extra = {} if wanted is None else {"cache_version": wanted}
+            self._put_on(sock, [Pending(key, "array", {"data": array}, extra)], wanted is not None, False)
+        finally:
+            sock.close()
         return opener(key)
 
     def _cached(self, key: str, opener: Callable[[str], np.ndarray], wanted: str | None) -> np.ndarray | None:
