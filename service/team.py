@@ -23,6 +23,7 @@ from pathlib import Path
 
 from shmcache._disk.layout import TEAM_ROOT_MODE
 from shmcache._disk.trust import describe_uid
+from shmcache._disk.urls import is_url, local_path_of
 from shmcache._team.config import TeamConfig, check_team_root, load_team
 from shmcache.errors import CacheRootError, TeamConfigError
 
@@ -106,8 +107,6 @@ def _make_root(config: TeamConfig) -> None:
 
 def _allowed(config: TeamConfig) -> list[Path | str]:
     """The team's ``allow_sources`` as the daemon's ``--allow-source`` takes them."""
-    from shmcache._disk.urls import is_url, local_path_of
-
     allowed: list[Path | str] = []
     for source in config.allow_sources:
         local = local_path_of(source) if is_url(source) else source

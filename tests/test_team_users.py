@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 import shmcache
 import shmcache._diagnose.doctor
 import shmcache.torch
-from shmcache import KeyNotFoundError, UnauthorizedError
+from shmcache import KeyNotFoundError, UnauthorizedError, UntrustedDaemonError
 from shmcache._cli.app import app
 from shmcache._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE, SHM_DIR
 
@@ -287,6 +287,26 @@ def test_a_peer_outside_the_group_gets_a_403_saying_why(team: Team, daemon: Team
     with pytest.raises(UnauthorizedError, match=f"not a member of team {team.name}"):
         as_user(team.outsider, _health, team.name, groups=[team.outsider.gid, team.gid])
     assert as_user(team.a, _health, team.name).pid == daemon.pid
+
+
+def _health_on(name: str, path: str) -> Any:
+    with Client(team=name, socket=path, timeout=10) as client:
+        return client.health()
+
+
+def test_a_team_client_talks_only_to_the_teams_account(
+    team: Team, daemon: TeamDaemon, data_dir: Path
+) -> None:
+    """Someone else listening where a member is pointed (``--socket``, ``$SHMCACHE_SOCKET``)
+    gets nothing: the listener must be the teams file's account, not even root."""
+    path = data_dir / f"fake-{uuid.uuid4().hex[:6]}.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        os.chmod(path, 0o666)
+        listener.listen(1)
+        with pytest.raises(UntrustedDaemonError, match="nothing was sent"):
+            as_user(team.b, _health_on, team.name, str(path))
+    path.unlink()
 
 
 # ---------------------------------------------------------------------- planted roots and files

@@ -31,6 +31,8 @@ _HELP = f"""Run the daemon: the HTTP control API of the cache, on <root>/{SOCKET
 
 Only processes of the daemon's user (or root) may use the socket. TCP (--host/--port)
 is opt-in and needs --allow-source; a non-loopback address also needs a token.
+--team NAME serves a team's root as its service account: the root, budget and sources
+come from /etc/shmcache/teams.toml, and the team's group may use the socket (0660).
 
 Settings: flags > SHMCACHE_* environment > config file > defaults. Stops on SIGTERM or
 SIGINT: running loads are cancelled (nothing partial is published), the socket and
@@ -78,7 +80,7 @@ def _run(**values: Any) -> None:
             raise
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    risk = removeipc_risk(settings.root)
+    risk = removeipc_risk(settings.root) if settings.team is None else None  # a team's root: see docs/team.md
     if risk is not None:  # before the daemon's own log: it is about where the cache will not last
         typer.echo(f"warning: {risk.summary}; fix: {risk.fix}", err=True)
     try:
