@@ -121,6 +121,7 @@ PARSERS: dict[str, Parser] = {
     "bench_api": _from_api,
     "bench_gpu": _from_own_report,
     "soak_api": _from_own_report,
+    "bench_team": _from_own_report,
 }
 
 
@@ -140,6 +141,7 @@ def steps() -> list[Step]:
         Step("bench_api", "bench_api.py", json=False),
         Step("bench_gpu", "bench_gpu.py"),  # "no GPU" in 2 s without one
         Step("soak_api", "soak_api.py"),
+        Step("bench_team", "bench_team.py"),
     ]
     return [s for s in found if (SCRIPTS / s.script).exists()]
 

@@ -14,6 +14,7 @@ client parses is its :meth:`~LoadJob.snapshot`, the shared record :class:`shmcac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from shmcache import Store
 from shmcache._control import ACTIVE_STATES, JOB_STATES, Job, JobError, JobState
 from shmcache._error_table import HTTP, fix, reword
+from shmcache._store.ownership import acting_for
 from shmcache.errors import ShmCacheError
 
 from .errors import JobCancelledError, JobConflictError, JobFinishedError, JobNotFoundError
@@ -69,6 +71,8 @@ class LoadJob:
     overwrite: bool
     as_: str = "auto"
     dtype: str | None = None
+    owner: int | None = None
+    """The uid of the member who asked (recorded as the entries' owner); None: the daemon's."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     state: JobState = "queued"
     bytes_done: int = 0
@@ -167,6 +171,7 @@ class JobManager:
         overwrite: bool = False,
         as_: str = "auto",
         dtype: str | None = None,
+        owner: int | None = None,
     ) -> tuple[LoadJob, bool]:
         """Queue a load; returns ``(job, created)``. A queued or running load of the same
         key and source is returned instead of starting another one."""
@@ -181,7 +186,9 @@ class JobManager:
                         f"wait for it, or cancel it ({fix('cancel', HTTP, job=current.id)}) first"
                     )
                 return current, False
-            job = LoadJob(key=key, source=source, pin=pin, overwrite=overwrite, as_=as_, dtype=dtype)
+            job = LoadJob(
+                key=key, source=source, pin=pin, overwrite=overwrite, as_=as_, dtype=dtype, owner=owner
+            )
             self._jobs[job.id] = job
             self._active_by_key[key] = job
             self._counts["queued"] += 1
@@ -229,16 +236,17 @@ class JobManager:
             job.started = time.time()
         start = time.monotonic()
         try:
-            job.keys = self.store.put_file(
-                job.key,
-                job.source,
-                overwrite=job.overwrite,
-                pin=job.pin,
-                progress=self._progress_of(job, start),
-                allowed_dirs=self._confinement(job.source),
-                as_=job.as_,
-                dtype=job.dtype,
-            )
+            with acting_for(job.owner) if job.owner is not None else contextlib.nullcontext():
+                job.keys = self.store.put_file(
+                    job.key,
+                    job.source,
+                    overwrite=job.overwrite,
+                    pin=job.pin,
+                    progress=self._progress_of(job, start),
+                    allowed_dirs=self._confinement(job.source),
+                    as_=job.as_,
+                    dtype=job.dtype,
+                )
         except JobCancelledError as exc:
             self._finish_locked(job, "cancelled", type(exc).__name__, str(exc))
             logger.warning(

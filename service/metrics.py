@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shmcache import StoreStats
+from shmcache import EntryInfo, StoreStats
+from shmcache._store.ownership import owner_name, usage_by_owner
 
 __all__ = ["ServiceMetrics"]
 
@@ -55,6 +56,28 @@ class _CacheCollector(Collector):
         yield jobs
 
 
+class _UserCollector(Collector):
+    """Per-user gauges read when scraped: each owner's entries and bytes (``user`` is the
+    owner's name, the uid where it has none)."""
+
+    def __init__(self, entries: Callable[[], list[EntryInfo]]) -> None:
+        self.entries = entries
+
+    def collect(self) -> Iterator[Metric]:
+        usage = usage_by_owner(self.entries())
+        count = GaugeMetricFamily(
+            "shmcache_user_entries", "Published entries, by who loaded them.", labels=["user"]
+        )
+        size = GaugeMetricFamily(
+            "shmcache_user_bytes", "Bytes held by entries, by who loaded them.", labels=["user"]
+        )
+        for uid, use in sorted(usage.items(), key=lambda item: -1 if item[0] is None else item[0]):
+            count.add_metric([owner_name(uid)], use.entries)
+            size.add_metric([owner_name(uid)], use.bytes)
+        yield count
+        yield size
+
+
 class ServiceMetrics:
     """Counters the service updates plus gauges read at scrape time: ``space()`` (the
     store's stats), ``held_by_readers()`` (bytes) and ``job_counts()`` (jobs by state)."""
@@ -64,6 +87,7 @@ class ServiceMetrics:
         space: Callable[[], StoreStats],
         held_by_readers: Callable[[], int],
         job_counts: Callable[[], Mapping[str, int]],
+        entries: Callable[[], list[EntryInfo]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.loads = Counter(
@@ -94,3 +118,19 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self.registry.register(_CacheCollector(space, held_by_readers, job_counts))
+        self.member_puts = Counter(
+            "shmcache_member_puts", "Puts through the write channel, by user.", ["user"],
+            registry=self.registry,
+        )
+        self.member_put_bytes = Counter(
+            "shmcache_member_put_bytes", "Bytes put through the write channel, by user.", ["user"],
+            registry=self.registry,
+        )
+        if entries is not None:
+            self.registry.register(_UserCollector(entries))
+
+    def member_put(self, uid: int, nbytes: int) -> None:
+        """Count one put a member made through the write channel."""
+        user = owner_name(uid)
+        self.member_puts.labels(user=user).inc()
+        self.member_put_bytes.labels(user=user).inc(nbytes)

@@ -35,7 +35,17 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-__all__ = ["MAX_HEAD_BYTES", "ConnectionGuard", "error_answer", "guarded_protocol", "peer_credentials"]
+__all__ = [
+    "MAX_HEAD_BYTES",
+    "PEER_UID",
+    "ConnectionGuard",
+    "error_answer",
+    "guarded_protocol",
+    "peer_credentials",
+]
+
+PEER_UID = "shmcache_peer_uid"
+"""``request.state`` attribute: the uid of the Unix-socket peer that sent the request (None: TCP)."""
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +202,8 @@ def guarded_protocol(
         _parsed = 0
         """The current head's parsed parts, in bytes: a lower bound of its size."""
         _refused = False
+        _peer_uid: int | None = None
+        """The uid of a Unix-socket peer (``SO_PEERCRED``); None over TCP."""
         _pending: bytes | None = None
         """An error answer that waits for the responses to the requests before it."""
         _forbidden: str | None = None
@@ -205,6 +217,7 @@ def guarded_protocol(
                     pid, uid, _ = peer_credentials(sock)
                 except OSError:
                     pid, uid = -1, -1
+                self._peer_uid = uid
                 if refusal is not None:
                     why = refusal(uid)
                     if why is not None:
@@ -290,6 +303,7 @@ def guarded_protocol(
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self.scope["state"][PEER_UID] = self._peer_uid  # routes authorize members by it
             self._begins += 1
             self._phase, self._parsed = _HEAD, _MIN_HEAD
             self._head_known = self._begins == 1 and self._read_from_idle

@@ -22,6 +22,7 @@ from shmcache._control import Job
 from shmcache._store.budget import read_budget
 
 from .errors import short
+from .protocol import PEER_UID
 from .schemas import (
     Budget,
     BudgetRequest,
@@ -83,6 +84,12 @@ async def get_service(request: Request) -> Service:
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]
+
+
+def peer_uid(request: Request) -> int | None:
+    """The uid of the Unix-socket peer that sent ``request`` (None: TCP, where the token decides)."""
+    uid = getattr(request.state, PEER_UID, None)
+    return uid if isinstance(uid, int) and uid >= 0 else None
 KeyPath = Annotated[str, "a key: segments of [A-Za-z0-9._-] joined by '/'"]
 
 
@@ -138,7 +145,8 @@ async def get_budget(service: ServiceDep) -> Budget:
     responses=_errors(400),
     summary="Record the root's byte budget (null: none); kept by every writer from now on",
 )
-async def set_budget(body: BudgetRequest, service: ServiceDep) -> Budget:
+async def set_budget(body: BudgetRequest, service: ServiceDep, request: Request) -> Budget:
+    service.policy.check_admin(peer_uid(request), "set the root's budget")
     await asyncio.to_thread(service.store.set_budget, body.max_bytes, set_by="PUT /v1/budget")
     return await _budget(service)
 
@@ -192,16 +200,21 @@ def get_entry(key: KeyPath, service: ServiceDep) -> EntryDetail:
     responses=_errors(400, 404, 409, 415, 507),
     summary="Load a file or directory under the key in the background (answers with a job)",
 )
-def load_entry(key: KeyPath, body: LoadRequest, service: ServiceDep, response: Response) -> Job:
+def load_entry(
+    key: KeyPath, body: LoadRequest, service: ServiceDep, response: Response, request: Request
+) -> Job:
     validate_key(key)
+    uid = peer_uid(request)
+    service.policy.check_source(body.source, service.settings.allow_source)
     source = resolve_source(body.source, service.settings.allow_source)
     current = service.jobs.active_for(key)
     if current is None or current.source != source:
-        check_loadable(
-            service.store, key, source, body.overwrite, service.settings.allow_source, body.as_, body.dtype
-        )
+        allowed = service.settings.allow_source
+        keys = check_loadable(service.store, key, source, body.overwrite, allowed, body.as_, body.dtype)
+        if uid is not None:
+            service.policy.check_load(uid, service.store, key, keys, body.overwrite, source)
     job, _ = service.jobs.submit(
-        key, source, pin=body.pin, overwrite=body.overwrite, as_=body.as_, dtype=body.dtype
+        key, source, pin=body.pin, overwrite=body.overwrite, as_=body.as_, dtype=body.dtype, owner=uid
     )
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return job.snapshot()
@@ -213,8 +226,12 @@ def load_entry(key: KeyPath, body: LoadRequest, service: ServiceDep, response: R
     responses=_errors(404, 503),
     summary="Evict an entry (processes that map it keep reading their version)",
 )
-def evict_entry(key: KeyPath, service: ServiceDep) -> Evicted:
-    freed = service.store.evict(key)  # the generation it bumps makes the next list catch up
+def evict_entry(key: KeyPath, service: ServiceDep, request: Request) -> Evicted:
+    uid = peer_uid(request)
+    if uid is None or service.policy.is_admin(uid):
+        freed = service.store.evict(key)  # the generation it bumps makes the next list catch up
+    else:
+        freed = service.policy.evict_own(uid, service.store, key)
     service.metrics.evictions.inc()
     service.metrics.evicted_bytes.inc(freed)
     return Evicted(key=key, freed_bytes=freed)

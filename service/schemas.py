@@ -76,6 +76,7 @@ class Entry(BaseModel):
     version: str
     source_fingerprint: dict[str, int] | None = None
     checksum: str | None = None
+    owner_uid: int | None = Field(default=None, description="The uid of the user who loaded it.")
 
 
 class EntryDetail(Entry):

@@ -34,6 +34,7 @@ from shmcache._disk.layout import Layout
 
 from .app import create_app
 from .errors import DaemonRunningError
+from .fd_channel import FdChannel, start_fd_channel
 from .protocol import MAX_HEAD_BYTES, ConnectionGuard, guarded_protocol, peer_credentials
 from .settings import Settings, is_loopback
 from .state import RootWatch
@@ -273,11 +274,13 @@ def _serve_locked(
 ) -> int:
     sockets: list[socket.socket] = []
     bound: os.stat_result | None = None
+    channel: FdChannel | None = None
     failures: list[str] = []
     try:
         app = create_app(settings)
         sockets.append(_unix_listener(settings.socket_path, 0o600 if peers is None else TEAM_SOCKET_MODE))
         bound = os.lstat(settings.socket_path)
+        channel = start_fd_channel(app.state.service, settings, None if peers is None else peers.refusal)
         where = [f"unix:{settings.socket_path}"]
         if settings.host is not None and settings.port is not None:
             tcp = _tcp_listener(settings.host, settings.port)
@@ -308,6 +311,8 @@ def _serve_locked(
             return 1
         return 0 if server.started or stop_requested else 1
     finally:
+        if channel is not None:
+            channel.close()
         for sock in sockets:
             sock.close()
         if bound is not None:

@@ -39,6 +39,7 @@ from shmcache._store.budget import read_budget
 from shmcache._store.catalog import info_of
 
 from .jobs import JobManager, LoadJob
+from .members import policy_of
 from .metrics import ServiceMetrics
 from .schemas import Entry
 from .settings import Settings
@@ -301,6 +302,8 @@ class Service:
     def __init__(self, settings: Settings, store: Store | None = None) -> None:
         limit_malloc_arenas()
         self.settings = settings
+        self.policy = policy_of(settings)
+        """What each member may do (a team's rules; none for a personal root)."""
         Store(settings.root).prepare()
         if store is None:
             # Requests wait at most 5 s on another process's lock (then 503); loads lock_timeout.
@@ -314,6 +317,7 @@ class Service:
             space=self.space,
             held_by_readers=lambda: self.readers.deleted_bytes(),
             job_counts=lambda: self.jobs.counts(),
+            entries=lambda: self.entries(),
         )
         self.jobs = JobManager(
             self.load_store,

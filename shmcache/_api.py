@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,9 @@ from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, Shared
 from ._containers.table import SharedTable
 from ._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE
 from ._store import EntryInfo, Store, StoreStats
+from ._store.loading import cache_version_token
 from ._store.locks import STORE_TIMEOUT, StoreTimeout
+from ._store.member_writes import MemberWriter
 from ._team.config import team_of
 
 Root = str | os.PathLike[str] | None
@@ -56,6 +59,7 @@ __all__ = [
 _stores: dict[str | None, Store] = {}
 _default_by_env: dict[str | None, Store] = {}
 _teams: dict[tuple[str, str | None], Store] = {}
+_members: dict[Path, MemberWriter] = {}
 _ENVIRON_DATA = getattr(os.environ, "_data", None)
 """CPython's bytes-keyed dict behind ``os.environ`` (kept in step with it): looking up a
 missing name there costs a dict miss, where ``os.environ.get`` raises and catches a
@@ -117,11 +121,13 @@ def put_array(
     array: Any,
     *,
     root: str | os.PathLike[str] | None = None,
+    team: str | None = None,
     overwrite: bool = False,
     pin: bool = False,
 ) -> EntryInfo:
-    """Publish ``array`` under ``key`` atomically."""
-    return get_store(root).put_array(key, array, overwrite=overwrite, pin=pin)
+    """Publish ``array`` under ``key`` atomically (into a team's root through its daemon:
+    the member writes the bytes once, into the file the daemon made)."""
+    return _writer(root, team).put_array(key, array, overwrite=overwrite, pin=pin)
 
 
 def put_file(
@@ -129,6 +135,7 @@ def put_file(
     path: str | os.PathLike[str],
     *,
     root: str | os.PathLike[str] | None = None,
+    team: str | None = None,
     overwrite: bool = False,
     pin: bool = False,
     as_: str = "auto",
@@ -140,8 +147,14 @@ def put_file(
     (or any directory with ``as_="blobs"``) becomes one blobs entry. ``path`` may be an
     fsspec URL (``s3://bucket/prefix/``...), with ``storage_options`` for its filesystem.
     ``dtype`` (e.g. ``"uint16"``): a raw token file as one 1-D array; a Megatron ``.bin``/
-    ``.idx`` pair: a ragged entry of its documents."""
-    return get_store(root).put_file(
+    ``.idx`` pair: a ragged entry of its documents.
+
+    With ``team``, this process reads the file (a file only you can read is fine) and
+    fills the entry's file the team's daemon made; the daemon never opens your path."""
+    writer = _writer(root, team)
+    if isinstance(writer, MemberWriter):
+        return writer.put_file(key, path, overwrite=overwrite, pin=pin, as_=as_, dtype=dtype)
+    return writer.put_file(
         key, path, overwrite=overwrite, pin=pin, as_=as_, storage_options=storage_options, dtype=dtype
     )
 
@@ -152,11 +165,19 @@ def cache(
     *,
     version: Any = None,
     root: str | os.PathLike[str] | None = None,
+    team: str | None = None,
     timeout: float | StoreTimeout | None = STORE_TIMEOUT,
 ) -> np.ndarray:
     """Get-or-create ``key``: ``loader`` runs once across all processes. ``version`` (a str,
-    an int, a file path or a tuple of those) is recorded: another version loads again."""
-    return get_store(root).cache(key, loader, version=version, timeout=timeout)
+    an int, a file path or a tuple of those) is recorded: another version loads again.
+    In a team's root the daemon holds the key's lock for the member who loads; the others
+    wait, then open its entry."""
+    writer = _writer(root, team)
+    if isinstance(writer, MemberWriter):
+        store = get_store(root, team=team)
+        wanted = None if version is None else cache_version_token(version)
+        return writer.cache(key, loader, store.open_array, wanted)
+    return writer.cache(key, loader, version=version, timeout=timeout)
 
 
 def cache_remote(
@@ -172,9 +193,10 @@ def cache_remote(
     return get_store(root).cache_remote(key, url, storage_options=storage_options, timeout=timeout)
 
 
-def evict(key: str, *, root: str | os.PathLike[str] | None = None) -> int:
-    """Remove ``key``; readers that mapped it keep their version."""
-    return get_store(root).evict(key)
+def evict(key: str, *, root: str | os.PathLike[str] | None = None, team: str | None = None) -> int:
+    """Remove ``key``; readers that mapped it keep their version. In a team's root, through
+    its daemon, and only your own entries (the team's admins: any)."""
+    return _writer(root, team).evict(key)
 
 
 def list_entries(
@@ -211,10 +233,16 @@ def open(key: str, *, root: Root = None, team: str | None = None) -> Any:
 
 
 def put_strings(
-    key: str, strings: Iterable[str], *, root: Root = None, overwrite: bool = False, pin: bool = False
+    key: str,
+    strings: Iterable[str],
+    *,
+    root: Root = None,
+    team: str | None = None,
+    overwrite: bool = False,
+    pin: bool = False,
 ) -> EntryInfo:
     """Publish a list of ``str``; ``open_strings(key)[i]`` gives them back."""
-    return get_store(root).put_strings(key, strings, overwrite=overwrite, pin=pin)
+    return _writer(root, team).put_strings(key, strings, overwrite=overwrite, pin=pin)
 
 
 def open_strings(key: str, *, root: Root = None, team: str | None = None) -> SharedStrings:
@@ -223,10 +251,16 @@ def open_strings(key: str, *, root: Root = None, team: str | None = None) -> Sha
 
 
 def put_ragged(
-    key: str, arrays: Iterable[Any], *, root: Root = None, overwrite: bool = False, pin: bool = False
+    key: str,
+    arrays: Iterable[Any],
+    *,
+    root: Root = None,
+    team: str | None = None,
+    overwrite: bool = False,
+    pin: bool = False,
 ) -> EntryInfo:
     """Publish arrays of one dtype with varying first dimension (boxes per image...)."""
-    return get_store(root).put_ragged(key, arrays, overwrite=overwrite, pin=pin)
+    return _writer(root, team).put_ragged(key, arrays, overwrite=overwrite, pin=pin)
 
 
 def open_ragged(key: str, *, root: Root = None, team: str | None = None) -> SharedRagged:
@@ -238,13 +272,13 @@ def put_records(
     key: str,
     records: Iterable[Any],
     *,
-    root: Root = None,
+    root: Root = None, team: str | None = None,
     overwrite: bool = False,
     pin: bool = False,
     allow_nan: bool = False,
 ) -> EntryInfo:
     """Publish JSON-compatible records (annotation dicts)."""
-    return get_store(root).put_records(key, records, overwrite=overwrite, pin=pin, allow_nan=allow_nan)
+    return _writer(root, team).put_records(key, records, overwrite=overwrite, pin=pin, allow_nan=allow_nan)
 
 
 def open_records(key: str, *, root: Root = None, team: str | None = None) -> SharedRecords:
@@ -253,10 +287,17 @@ def open_records(key: str, *, root: Root = None, team: str | None = None) -> Sha
 
 
 def put_mapping(
-    key: str, mapping: Mapping[str, Any], *, root: Root = None, overwrite: bool = False, pin: bool = False
+    key: str,
+    mapping: Mapping[str,
+    Any],
+    *,
+    root: Root = None,
+    team: str | None = None,
+    overwrite: bool = False,
+    pin: bool = False,
 ) -> EntryInfo:
     """Publish a ``dict`` from str to arrays/numbers, str, or records."""
-    return get_store(root).put_mapping(key, mapping, overwrite=overwrite, pin=pin)
+    return _writer(root, team).put_mapping(key, mapping, overwrite=overwrite, pin=pin)
 
 
 def open_mapping(key: str, *, root: Root = None, team: str | None = None) -> SharedMapping:
@@ -269,7 +310,7 @@ def open_group(prefix: str, *, root: Root = None, team: str | None = None) -> Sh
     return get_store(root, team=team).open_group(prefix)
 
 
-def share(key: str, obj: Any, *, root: Root = None, overwrite: bool = False) -> Any:
+def share(key: str, obj: Any, *, root: Root = None, team: str | None = None, overwrite: bool = False) -> Any:
     """Put ``obj`` in the shared form that fits it (reusing identical content) and open it;
     other content under ``key`` is a ``KeyExistsError`` unless ``overwrite=True``.
 
@@ -277,7 +318,11 @@ def share(key: str, obj: Any, *, root: Root = None, overwrite: bool = False) -> 
 
         self.paths = shmcache.share("paths", self.paths)
     """
-    return get_store(root).share(key, obj, overwrite=overwrite)
+    writer = _writer(root, team)
+    if isinstance(writer, MemberWriter):
+        writer.share(key, obj, overwrite=overwrite)
+        return get_store(root, team=team).open(key)
+    return writer.share(key, obj, overwrite=overwrite)
 
 
 def put_blobs(
@@ -297,13 +342,32 @@ def open_blobs(key: str, *, root: Root = None, team: str | None = None) -> Share
     """Read-only blobs: ``blobs[i]`` or ``blobs["dir/name.jpg"]`` is a zero-copy uint8 view."""
     return get_store(root, team=team).open_blobs(key)
 def put_table(
-    key: str, data: Any, *, root: Root = None, overwrite: bool = False, pin: bool = False
+    key: str,
+    data: Any,
+    *,
+    root: Root = None,
+    team: str | None = None,
+    overwrite: bool = False,
+    pin: bool = False,
 ) -> EntryInfo:
     """Publish a table (pyarrow Table, DataFrame, dict of columns, list of dicts, or a
     .parquet/.feather/.arrow/.csv/.jsonl path); ``open_table(key)`` gives it back."""
-    return get_store(root).put_table(key, data, overwrite=overwrite, pin=pin)
+    return _writer(root, team).put_table(key, data, overwrite=overwrite, pin=pin)
 
 
 def open_table(key: str, *, root: Root = None, team: str | None = None) -> SharedTable:
     """Read-only table: ``table[i]`` a fresh dict, ``column(name)`` zero-copy, ``to_arrow()``."""
     return get_store(root, team=team).open_table(key)
+
+
+def _writer(root: Root, team: str | None) -> Store | MemberWriter:
+    """Who writes into the root: this process (a personal root), or, for a team's root
+    (``team``, or ``$SHMCACHE_TEAM`` without a root), its daemon, with this process
+    filling the files it makes."""
+    store = get_store(root, team=team)
+    if store.team is None:
+        return store
+    writer = _members.get(store.root)
+    if writer is None:
+        writer = _members.setdefault(store.root, MemberWriter(store.root))
+    return writer

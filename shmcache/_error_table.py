@@ -29,6 +29,8 @@ from .errors import (
     KeyExistsError,
     KeyNotFoundError,
     LockTimeoutError,
+    NotPermittedError,
+    QuotaExceededError,
     ShmCacheError,
     TeamConfigError,
     TooManyOpenFilesError,
@@ -89,6 +91,8 @@ ERRORS: tuple[ErrorRow, ...] = (  # most specific first: the first matching row 
     ErrorRow(JobConflictError, 409),
     ErrorRow(JobFinishedError, 409),
     ErrorRow(UnauthorizedError, 401),
+    ErrorRow(NotPermittedError, 403),
+    ErrorRow(QuotaExceededError, 507),
     ErrorRow(CacheFullError, 507),
     ErrorRow(UnsupportedDataError, 415),
     ErrorRow(InvalidSourceError, 400),  # SourceNotFound, CorruptSource, SourceNotAllowed

@@ -14,6 +14,7 @@ The tree (built-in bases in brackets)::
     ├── InvalidKeyError             [ValueError]        not a valid key
     ├── UnsupportedDataError        [TypeError]         object dtypes, wrong entry kind...
     ├── CacheFullError              [OSError]           tmpfs or budget has no room
+    │   └── QuotaExceededError                          a team member's byte quota has no room
     ├── TooManyOpenFilesError       [OSError]           the descriptor limit is exhausted
     ├── MappingRefusedError         [MemoryError]       the kernel refused a private mapping
     ├── LockTimeoutError            [TimeoutError]      another process holds a lock too long
@@ -31,6 +32,7 @@ The tree (built-in bases in brackets)::
     ├── DaemonRunningError          [RuntimeError]      another daemon serves the root
     ├── UntrustedDaemonError        [PermissionError]   another user listens on the daemon's socket
     ├── UnauthorizedError           [PermissionError]   missing or wrong TCP token
+    ├── NotPermittedError           [PermissionError]   a team member acting on another's entry
     ├── InvalidRequestError         [ValueError]        the daemon could not parse a request
     ├── JobNotFoundError            [LookupError]
     ├── JobConflictError                                the key is being loaded from elsewhere
@@ -59,6 +61,8 @@ __all__ = [
     "KeyNotFoundError",
     "LockTimeoutError",
     "MappingRefusedError",
+    "NotPermittedError",
+    "QuotaExceededError",
     "ShmCacheError",
     "SourceNotAllowedError",
     "SourceNotFoundError",
@@ -97,6 +101,11 @@ class UnsupportedDataError(ShmCacheError, TypeError):
 
 class CacheFullError(ShmCacheError, OSError):
     """The tmpfs or the cache's byte budget has no room for the write."""
+
+
+class QuotaExceededError(CacheFullError):
+    """A put would take a team member past their byte quota (``user_quota`` of the team):
+    the message says "quota", the limit and the usage; nothing was written."""
 
 
 class TooManyOpenFilesError(ShmCacheError, OSError):
@@ -181,6 +190,11 @@ class JobFinishedError(ShmCacheError):
 
 class JobCancelledError(ShmCacheError):
     """The load was cancelled (on request, or because the daemon stopped); nothing was published."""
+
+
+class NotPermittedError(ShmCacheError, PermissionError):
+    """A team daemon refused an operation to this member: e.g. evicting an entry another
+    member loaded (only the team's ``admins`` may)."""
 
 
 class UntrustedDaemonError(ShmCacheError, PermissionError):

@@ -40,6 +40,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.SourceNotAllowedError: PermissionError,
     errors.TeamConfigError: ValueError,
     errors.UnknownTeamError: LookupError,
+    errors.NotPermittedError: PermissionError,
 }
 
 ERROR_CLASSES: list[type[Exception]] = [

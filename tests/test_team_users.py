@@ -101,7 +101,7 @@ def test_the_daemon_makes_a_root_only_the_team_can_read(team: Team, daemon: Team
             else:
                 assert mode == 0o640, f"{path} {mode:04o}"
                 seen["file"] += 1
-    assert seen["dir"] and seen["file"] and seen["sock"] == 1, seen
+    assert seen["dir"] and seen["file"] and seen["sock"] == 2, seen  # daemon.sock and daemon.fds
     for name in ("daemon.pid", "generation", "format", "budget.json"):
         assert stat.S_IMODE(os.lstat(team.root / name).st_mode) == 0o640, name
 

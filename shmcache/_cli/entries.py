@@ -24,8 +24,10 @@ from .._disk.keys import validate_key
 from .._error_table import CLI, fix
 from .._sources.files import PLANNERS
 from .._sources.urls import is_url
-from .._store import Store, StoreStats
+from .._store import EntryInfo, Store, StoreStats
 from .._store.maintenance import linked_keys
+from .._store.member_writes import MemberWriter
+from .._store.ownership import owner_name, usage_by_owner
 from .._units import human_bytes
 from ..errors import (
     CorruptEntryError,
@@ -36,8 +38,8 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
-from .backend import local_store, open_backend
-from .common import EXIT_INTERRUPTED, fail, failures_exit_1, print_table, warn_or_raise
+from .backend import command_team, local_store, open_backend
+from .common import EXIT_INTERRUPTED, fail, failures_exit_1, print_table, set_team, warn_or_raise
 from .daemon_put import interrupts_restored, put_through, report
 from .options import JsonOption, LocalOption, RootOption
 
@@ -126,6 +128,16 @@ def put(
             show_default=False,
         ),
     ] = None,
+    team: Annotated[
+        str | None,
+        typer.Option(
+            "--team",
+            show_default=False,
+            help="Put into this team's root (as `shmcache --team NAME put`): files are read by "
+            "this process with your rights and written into the files the team's daemon makes; "
+            "URLs are loaded by the daemon, from the team's allow_sources only.",
+        ),
+    ] = None,
 ) -> None:
     """Load PATH into the cache under KEY and print the keys published.
 
@@ -136,10 +148,20 @@ def put(
     else (or with --local) in this process, with a notice; the root's budget
     applies either way. Nothing partial is ever published.
     """
+    if team is not None:
+        set_team(team)
     try:
         with failures_exit_1():
             sources = _sources(path, key)
             options = _storage_options(storage_option or [])
+        if not local and (writer := _member_writer(root)) is not None:
+            with failures_exit_1():
+                files = [(k, s) for k, s in sources if isinstance(s, Path)]
+                for published_key in _put_as_member(writer, files, pin, overwrite, as_.value):
+                    typer.echo(published_key)
+            sources = [(k, s) for k, s in sources if not isinstance(s, Path)]  # URLs: the daemon's
+            if not sources:
+                return
         bar, title = _progress_bar(progress), f"put {key}"
         with open_backend(root, local) as control:
             if isinstance(control, Store):
@@ -254,6 +276,23 @@ def _progress_bar(enabled: bool | None) -> Progress:
     )
 
 
+def _member_writer(root: Path | None) -> MemberWriter | None:
+    """A team's root (``--team``): its daemon's write channel; None for a personal root."""
+    team = command_team(root)
+    return None if team is None else MemberWriter(team.root)
+
+
+def _put_as_member(
+    writer: MemberWriter, sources: Sequence[tuple[str, Path | str]], pin: bool, overwrite: bool, as_: str
+) -> list[str]:
+    """Put files into a team's root: read here, with this user's rights, written into the
+    files its daemon makes (the daemon never opens them)."""
+    published: list[str] = []
+    for key, source in sources:
+        published += writer.put_file(key, source, overwrite=overwrite, pin=pin, as_=as_)
+    return published
+
+
 def _put_here(
     store: Store,
     sources: list[tuple[str, Path | str]],
@@ -350,7 +389,8 @@ def list_command(
     as_json: JsonOption = False,
     local: LocalOption = False,
 ) -> None:
-    """List entries: key, kind, dtype, shape, size, pinned, mapped by (PIDs), age.
+    """List entries: key, kind, dtype, shape, size, owner (who loaded it), pinned, mapped by
+    (PIDs), age.
 
     PINNED says ``yes`` for an entry pinned in the cache (the budget never evicts it) and
     ``cuda PIDS`` for processes that pinned it with CUDA (``shmcache.torch.pin``)."""
@@ -365,11 +405,12 @@ def list_command(
     now = time.time()
     rows = [
         (e.key, e.kind, e.dtype or "", "x".join(map(str, e.shape or ())) or "()", human_bytes(e.size),
-         _pinned_cell(e.pinned, cuda.get(e.version, [])), _show_pids(mapped.get(e.version, [])),
+         owner_name(e.owner_uid), _pinned_cell(e.pinned, cuda.get(e.version, [])),
+         _show_pids(mapped.get(e.version, [])),
          _age(now - e.created))
         for e in entries
     ]
-    print_table(("KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "PINNED", "MAPPED BY", "AGE"), rows)
+    print_table(("KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "OWNER", "PINNED", "MAPPED BY", "AGE"), rows)
 
 
 def info(
@@ -423,11 +464,22 @@ def cleanup(root: RootOption = None, local: LocalOption = False) -> None:
     typer.echo(f"freed {human_bytes(freed)}")
 
 
-def stats(root: RootOption = None, as_json: JsonOption = False, local: LocalOption = False) -> None:
+def stats(
+    root: RootOption = None,
+    as_json: JsonOption = False,
+    local: LocalOption = False,
+    by_user: Annotated[
+        bool, typer.Option("--by-user", help="Each user's entries and bytes (who loaded them).")
+    ] = False,
+) -> None:
     """Capacity, use, budget and entry count of the cache root (and the daemon's jobs)."""
     with open_backend(root, local) as control, failures_exit_1():
         daemon = not isinstance(control, Store)
         result: StoreStats = control.stats()
+        entries = control.list() if by_user else []
+    if by_user:
+        _print_usage(entries, as_json)
+        return
     if as_json:
         warnings = [result.budget_warning] if result.budget_warning is not None else []
         body = {**asdict(result), "over_budget": result.over_budget, "daemon": daemon, "warnings": warnings}
@@ -452,6 +504,19 @@ def stats(root: RootOption = None, as_json: JsonOption = False, local: LocalOpti
         typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers")
         typer.echo(f"jobs:     {getattr(result, 'jobs_running', 0)} running, "
                    f"{getattr(result, 'jobs_queued', 0)} queued")
+
+
+def _print_usage(entries: Sequence[EntryInfo], as_json: bool) -> None:
+    """``stats --by-user``: one row per owner, most bytes first."""
+    usage = sorted(usage_by_owner(entries).values(), key=lambda u: (-u.bytes, owner_name(u.uid)))
+    if as_json:
+        typer.echo(json.dumps([
+            {"user": owner_name(u.uid), "uid": u.uid, "entries": u.entries, "bytes": u.bytes} for u in usage
+        ], indent=1))
+        return
+    rows = [(owner_name(u.uid), "" if u.uid is None else str(u.uid), str(u.entries), human_bytes(u.bytes))
+            for u in usage]
+    print_table(("USER", "UID", "ENTRIES", "SIZE"), rows)
 
 
 def verify(

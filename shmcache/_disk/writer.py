@@ -29,7 +29,7 @@ from .fs import full_is_cache_full, raise_if_full, remove_tree, write_all
 from .layout import META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
 
-__all__ = ["STAGING_SUFFIX", "VersionWriter", "writer_of"]
+__all__ = ["STAGING_SUFFIX", "VersionWriter", "write_npy", "writer_of"]
 
 STAGING_SUFFIX = ".lock.new"
 _ROWS_BYTES = 16 << 20  # chunk size when a non-contiguous array must be copied to write
@@ -106,23 +106,9 @@ class VersionWriter:
     def write_array(self, version: str, filename: str, array: np.ndarray) -> tuple[int, NpyHeader]:
         """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping);
         returns the CRC-32 of the file's bytes and its header as a reader will parse it."""
-        path = self.path(version, filename)
-        fortran = bool(array.flags.f_contiguous and not array.flags.c_contiguous)
         fd = self.create_file(version, filename)
         try:
-            header = build_header(array.dtype, array.shape, fortran)
-            parsed = NpyHeader(*parse_header_bytes(header, len(header), str(path)))
-            write_all(fd, header, path)
-            crc = crc32(header)
-            if array.size == 0 or array.dtype.itemsize == 0:
-                return crc, parsed
-            flat = array.T if fortran else array
-            if flat.ndim == 0 or flat.flags.c_contiguous:
-                chunks: Iterable[np.ndarray] = [flat]
-            else:
-                rows = max(1, _ROWS_BYTES // max(1, flat[0].nbytes))
-                chunks = (np.ascontiguousarray(flat[i : i + rows]) for i in range(0, flat.shape[0], rows))
-            return _write_chunks(fd, path, (c.reshape(-1).view(np.uint8) for c in chunks), crc), parsed
+            return write_npy(fd, self.path(version, filename), array)
         finally:
             os.close(fd)
 
@@ -226,6 +212,26 @@ class VersionWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def write_npy(fd: int, path: str | os.PathLike[str], array: np.ndarray) -> tuple[int, NpyHeader]:
+    """Write ``array`` as a whole ``.npy`` file at ``fd``'s position with ``write()``;
+    returns the CRC-32 of the bytes written and the header as a reader will parse it
+    (``path`` names the file in errors)."""
+    fortran = bool(array.flags.f_contiguous and not array.flags.c_contiguous)
+    header = build_header(array.dtype, array.shape, fortran)
+    parsed = NpyHeader(*parse_header_bytes(header, len(header), str(path)))
+    write_all(fd, header, Path(path))
+    crc = crc32(header)
+    if array.size == 0 or array.dtype.itemsize == 0:
+        return crc, parsed
+    flat = array.T if fortran else array
+    if flat.ndim == 0 or flat.flags.c_contiguous:
+        chunks: Iterable[np.ndarray] = [flat]
+    else:
+        rows = max(1, _ROWS_BYTES // max(1, flat[0].nbytes))
+        chunks = (np.ascontiguousarray(flat[i : i + rows]) for i in range(0, flat.shape[0], rows))
+    return _write_chunks(fd, Path(path), (c.reshape(-1).view(np.uint8) for c in chunks), crc), parsed
 
 
 def _write_chunks(fd: int, path: Path, chunks: Iterable[np.ndarray], crc: int) -> int:

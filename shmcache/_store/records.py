@@ -34,6 +34,8 @@ class EntryInfo:
     last_used: float
     source_fingerprint: dict[str, int] | None = None
     checksum: str | None = None
+    owner_uid: int | None = None
+    """The uid of the user who loaded it (None: loaded before owners were recorded)."""
 
 
 @dataclass(frozen=True)
@@ -91,4 +93,6 @@ def entry_info(meta: EntryMeta, last_used: float) -> EntryInfo:
         last_used=last_used,
         source_fingerprint=meta.source_fingerprint,
         checksum=meta.checksum,
+        owner_uid=meta.owner_uid,
     )
+

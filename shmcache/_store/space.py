@@ -25,13 +25,16 @@ from .budget import read_budget
 from .catalog import iter_infos, used_bytes
 from .locks import space_lock
 from .reading import forget_attachments
+from .records import EntryInfo
 
-__all__ = ["budget_in_force", "reserve"]
+__all__ = ["VictimOrder", "budget_in_force", "reserve"]
 
 logger = logging.getLogger(__name__)
 
 EvictVersion = Callable[[str, str], "int | None"]
 """``(key, version) -> bytes freed``, or None if the key changed or its lock is taken."""
+VictimOrder = Callable[[list[EntryInfo]], list[EntryInfo]]
+"""Entries that may be evicted (neither pinned nor mapped) -> the order to evict them in."""
 
 
 def reserve(
@@ -43,18 +46,21 @@ def reserve(
     lock_timeout: float | None,
     evict_version: EvictVersion,
     replacing: Collection[str] = (),
+    victim_order: VictimOrder | None = None,
 ) -> None:
     """Check room for ``nbytes`` (evicting for the budget if needed), then record it on
     the writer's lock file so that other writers count it.
 
     ``budget`` is the writer's own limit (None: the root's alone applies). Entries under
     ``replacing`` keys are about to be replaced: their bytes do not count against it.
+    ``victim_order`` orders the entries that may be evicted (default: least recently
+    used first; a team daemon puts the entries of members over their share first).
     """
     with full_is_cache_full(layout.space_lock), space_lock(layout, lock_timeout):
         others = _live_reservations(layout, writer)
         limit = budget_in_force(layout, budget)
         if limit is not None:
-            _make_room_in_budget(layout, nbytes, limit, set(replacing), evict_version, others)
+            _make_room_in_budget(layout, nbytes, limit, set(replacing), evict_version, others, victim_order)
         free = free_bytes(layout.root)
         pending = sum(max(0, reserved - written) for reserved, written in others)
         if nbytes > free - pending:
@@ -85,6 +91,7 @@ def _make_room_in_budget(
     replacing: set[str],
     evict_version: EvictVersion,
     others: list[tuple[int, int]],
+    victim_order: VictimOrder | None = None,
 ) -> None:
     budget, whose = limit
     reserved = sum(reserved for reserved, _ in others)
@@ -97,10 +104,11 @@ def _make_room_in_budget(
         return
     forget_attachments(layout.root)  # our own cache alone must not pin entries
     mapped = mapped_versions(layout.objects)
-    candidates = sorted(
-        (e for e in entries if not e.pinned and e.version not in mapped),
-        key=lambda e: e.last_used,
-    )
+    evictable = [e for e in entries if not e.pinned and e.version not in mapped]
+    if victim_order is None:
+        candidates = sorted(evictable, key=lambda e: e.last_used)
+    else:
+        candidates = victim_order(evictable)
     if sum(e.size for e in candidates) < excess:
         pinned = [e.key for e in entries if e.pinned]
         busy = [e.key for e in entries if e.version in mapped]

@@ -26,6 +26,7 @@ from .._sources.planned import Planned
 from .._sources.source_files import check_unchanged, reopen
 from ..errors import KeyExistsError
 from .locks import key_locks, publish_lock
+from .ownership import current_owner
 
 __all__ = ["ITEM_TYPES", "ensure_tree_format", "pack_blobs", "publish", "version_meta", "write_container"]
 
@@ -60,6 +61,7 @@ def version_meta(
         "source": None,
         "source_fingerprint": None,
         "checksum": format_checksums(dict(crcs)),
+        "owner_uid": current_owner(),
     }
     if kind == "array":
         data = headers["data"]

@@ -1,0 +1,382 @@
+"""A member's puts into a root only its daemon writes (a team root): the daemon hands out
+each new file's descriptor over ``ROOT/daemon.fds``, this process fills it, the daemon
+checks and publishes it (:mod:`.fd_messages` gives the exchange).
+
+The data is written once, straight into the file the entry will be: arrays with
+``write()``, ``put_file`` sources copied by the kernel (``copy_file_range``) from a file
+this process opened with its own rights. The daemon never opens a member's source, so a
+member can put a file only they can read, and cannot make the daemon read one they could
+not (no confused deputy).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._containers.encode import (
+    content_digest,
+    encode_any,
+    encode_mapping,
+    encode_ragged,
+    encode_records,
+    encode_strings,
+)
+from .._containers.table_arrow import encode_table
+from .._disk.keys import validate_key
+from .._disk.layout import Layout
+from .._disk.meta import read_meta
+from .._disk.npy import build_header
+from .._disk.writer import write_npy
+from .._sources.dispatch import classify_source
+from .._sources.files import copy_planned, plan_sources
+from .._sources.planned import Planned
+from .._sources.tables import is_table_file, read_table_source
+from ..errors import (
+    DaemonUnavailableError,
+    InvalidSourceError,
+    KeyExistsError,
+    KeyNotFoundError,
+    UnsupportedDataError,
+    UntrustedDaemonError,
+)
+from .fd_messages import FDS_SOCKET, raise_error, recv_message, send_message
+from .putting import _as_storable_array
+from .records import EntryInfo
+
+__all__ = ["MemberWriter", "Pending"]
+
+Fill = np.ndarray | Planned
+"""What fills one file: an array (its ``.npy`` is written), or a planned source (copied)."""
+
+
+@dataclass
+class Pending:
+    """One entry of a member's put: its key, kind, files (name without ``.npy``) and the
+    metadata only the member knows (container lengths, names, content hash, source)."""
+
+    key: str
+    kind: str
+    files: dict[str, Fill]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _file_size(fill: Fill) -> int:
+    if isinstance(fill, Planned):
+        return fill.header.file_size
+    fortran = bool(fill.flags.f_contiguous and not fill.flags.c_contiguous)
+    return len(build_header(fill.dtype, fill.shape, fortran)) + int(fill.nbytes)
+
+
+def _fill(fd: int, fill: Fill, where: str) -> None:
+    """Write ``fill`` into the daemon's file open as ``fd``. A large copy checksums what it
+    wrote by reading it back: through ``/proc/self/fd`` (the file is readable by the
+    members, its directory in ``tmp/`` is not)."""
+    if isinstance(fill, Planned):
+        copy_planned(fill, fd, Path(f"/proc/self/fd/{fd}"), lambda n: None, check_header=False)
+    else:
+        write_npy(fd, where, fill)
+
+
+def _entry_info(data: dict[str, Any]) -> EntryInfo:
+    names = {f.name for f in fields(EntryInfo)}
+    values = {k: v for k, v in data.items() if k in names}
+    if values.get("shape") is not None:
+        values["shape"] = tuple(values["shape"])
+    return EntryInfo(**values)
+
+
+class MemberWriter:
+    """Puts into ``root`` through its daemon (``open``s go to the root directly)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(os.path.abspath(root))
+        self.layout = Layout(self.root)
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _connect(self) -> socket.socket:
+        path = self.root / FDS_SOCKET
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(path))
+            owner = os.stat(self.root).st_uid
+            _, uid, _ = socket_peer(sock)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonUnavailableError(
+                f"no daemon takes writes for {self.root} ({path}: {exc.strerror}); a team's root is "
+                "written only through its daemon: ask the administrator to start it "
+                "(`shmcache serve --team NAME`)"
+            ) from None
+        except PermissionError:
+            sock.close()
+            raise DaemonUnavailableError(
+                f"you may not connect to {path}: only the members of the root's group may write there"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        if uid not in (owner, 0):
+            sock.close()
+            raise UntrustedDaemonError(
+                f"the process listening on {path} runs as uid {uid}, not as the owner of {self.root} "
+                f"(uid {owner}); nothing was sent"
+            )
+        return sock
+
+    @staticmethod
+    def _ask(sock: socket.socket, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        try:
+            send_message(sock, body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon refused and hung up: its answer (why) is waiting to be read
+        got = recv_message(sock)
+        if got is None:
+            raise DaemonUnavailableError("the daemon closed the write connection before answering")
+        answer, fd = got
+        try:
+            raise_error(answer)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return answer, fd
+
+    def put(self, entries: list[Pending], *, overwrite: bool = False, pin: bool = False) -> list[EntryInfo]:
+        """Publish ``entries`` at once through the daemon; nothing if anything fails."""
+        sock = self._connect()
+        try:
+            return self._put_on(sock, entries, overwrite, pin)
+        finally:
+            sock.close()
+
+    def _put_on(
+        self, sock: socket.socket, entries: list[Pending], overwrite: bool, pin: bool
+    ) -> list[EntryInfo]:
+        """One put over an open connection: begin, fill each file, commit."""
+        begin = {
+            "op": "begin",
+            "overwrite": overwrite,
+            "pin": pin,
+            "entries": [
+                {"key": e.key, "kind": e.kind, "files": {n: _file_size(f) for n, f in e.files.items()}}
+                for e in entries
+            ],
+        }
+        self._ask(sock, begin)
+        for index, entry in enumerate(entries):
+            for name, fill in entry.files.items():
+                _, fd = self._ask(sock, {"op": "file", "entry": index, "name": name})
+                if fd is None:
+                    raise DaemonUnavailableError("the daemon answered a file request without a descriptor")
+                try:
+                    _fill(fd, fill, f"{entry.key}/{name}.npy")
+                finally:
+                    os.close(fd)
+        answer, _ = self._ask(sock, {"op": "commit", "extra": [_jsonable(e.extra) for e in entries]})
+        return [_entry_info(item) for item in answer["entries"]]
+
+    def evict(self, key: str) -> int:
+        """Evict ``key`` through the daemon (your own entry; a team admin: any); the bytes freed."""
+        validate_key(key)
+        sock = self._connect()
+        try:
+            answer, _ = self._ask(sock, {"op": "evict", "key": key})
+        finally:
+            sock.close()
+        return int(answer["freed"])
+
+    # ------------------------------------------------------------------ the put functions
+
+    def put_array(self, key: str, array: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
+        validate_key(key)
+        data = _as_storable_array(array, f"array for key {key!r}")
+        return self.put([Pending(key, "array", {"data": data})], overwrite=overwrite, pin=pin)[0]
+
+    def put_strings(
+        self, key: str, strings: Iterable[str], *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        validate_key(key)
+        files = encode_strings(strings, f"strings for key {key!r}")
+        extra = {"length": len(files["offsets"]) - 1}
+        return self.put([Pending(key, "strings", dict(files), extra)], overwrite=overwrite, pin=pin)[0]
+
+    def put_ragged(
+        self, key: str, arrays: Iterable[Any], *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        validate_key(key)
+        files, meta = encode_ragged(arrays, f"arrays for key {key!r}")
+        meta["length"] = len(files["offsets"]) - 1
+        return self.put([Pending(key, "ragged", dict(files), meta)], overwrite=overwrite, pin=pin)[0]
+
+    def put_records(
+        self,
+        key: str,
+        records: Iterable[Any],
+        *,
+        overwrite: bool = False,
+        pin: bool = False,
+        allow_nan: bool = False,
+    ) -> EntryInfo:
+        validate_key(key)
+        files = encode_records(records, f"records for key {key!r}", allow_nan=allow_nan)
+        extra = {"length": len(files["offsets"]) - 1}
+        return self.put([Pending(key, "records", dict(files), extra)], overwrite=overwrite, pin=pin)[0]
+
+    def put_mapping(
+        self, key: str, mapping: Mapping[str, Any], *, overwrite: bool = False, pin: bool = False
+    ) -> EntryInfo:
+        validate_key(key)
+        _, files, meta = encode_mapping(mapping, f"mapping for key {key!r}")
+        return self.put([Pending(key, "mapping", dict(files), meta)], overwrite=overwrite, pin=pin)[0]
+
+    def put_table(self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
+        validate_key(key)
+        if isinstance(data, (str, os.PathLike)):
+            if not is_table_file(data):
+                raise UnsupportedDataError(
+                    f"{data}: put_table reads .parquet, .feather, .arrow, .csv or .jsonl files"
+                )
+            files, meta = read_table_source(Path(data))
+        else:
+            files, meta = encode_table(data, f"table for key {key!r}")
+        return self.put([Pending(key, "table", dict(files), meta)], overwrite=overwrite, pin=pin)[0]
+
+    def share(self, key: str, obj: Any, *, overwrite: bool = False) -> str:
+        """Put ``obj`` in the form that fits it (as ``Store.share``) unless ``key`` already
+        holds the same content; returns the entry's kind (the caller opens it)."""
+        validate_key(key)
+        kind, files, meta = encode_any(obj, f"object for key {key!r}")
+        digest = content_digest(kind, files)
+        version = self.layout.entry_version(key)
+        if version is not None:
+            current = read_meta(self.layout, version)
+            if current is not None and current.content_hash == digest:
+                return current.kind
+            if not overwrite:
+                raise KeyExistsError(
+                    f"entry {key!r} in {self.root} holds other content than this object "
+                    "(share() reuses an entry only when the content is identical); pass "
+                    "overwrite=True to replace it, or share under another key"
+                )
+        meta["content_hash"] = digest
+        try:
+            self.put([Pending(key, kind, dict(files), meta)], overwrite=version is not None)
+        except KeyExistsError:  # another member shared it meanwhile: theirs if it is the same
+            version = self.layout.entry_version(key)
+            current = None if version is None else read_meta(self.layout, version)
+            if current is None or current.content_hash != digest:
+                raise
+        return kind
+
+    def cache(
+        self, key: str, loader: Callable[[], Any], opener: Callable[[str], np.ndarray], wanted: str | None
+    ) -> np.ndarray:
+        """Get-or-create through the daemon: ``opener(key)`` if the key holds version
+        ``wanted`` (any, if None), else, holding the key's lock in the daemon (so that of
+        members calling at once one loads and the others wait, then open its entry), run
+        ``loader`` and put its result."""
+        found = self._cached(key, opener, wanted)
+        if found is not None:
+            return found
+        sock = self._connect()
+        try:
+            self._ask(sock, {"op": "lock", "key": validate_key(key)})
+            found = self._cached(key, opener, wanted)
+            if found is not None:
+                return found
+            array = _as_storable_array(loader(), f"the value that cache()'s loader returned for {key!r}")
+            extra = {} if wanted is None else {"cache_version": wanted}
+            self._put_on(sock, [Pending(key, "array", {"data": array}, extra)], wanted is not None, False)
+        finally:
+            sock.close()
+        return opener(key)
+
+    def _cached(self, key: str, opener: Callable[[str], np.ndarray], wanted: str | None) -> np.ndarray | None:
+        try:
+            array = opener(key)
+        except KeyNotFoundError:
+            return None
+        if wanted is None:
+            return array
+        version = self.layout.entry_version(key)
+        meta = None if version is None else read_meta(self.layout, version)
+        if meta is None or meta.cache_version != wanted:
+            return None
+        return array
+
+    def put_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        pin: bool = False,
+        as_: str = "auto",
+        dtype: Any = None,
+    ) -> list[str]:
+        """``Store.put_file`` of a local file or directory, read with this process's rights
+        (a file only you can read is fine). URLs are the daemon's to load, with its own
+        credentials, from the prefixes the team allows: ``shmcache put --team``."""
+        validate_key(key)
+        try:
+            source = classify_source(path, as_, dtype)
+            if source.kind == "remote":
+                raise InvalidSourceError(
+                    f"{path}: a team's daemon loads URLs itself, with its own credentials and only "
+                    "from the team's allow_sources: `shmcache put KEY URL --team NAME`"
+                )
+            location = Path(os.path.abspath(source.location))
+            return self._put_file(key, source.kind, location, overwrite, pin, dtype)
+        except PermissionError as exc:  # a directory on the way that this user may not enter
+            raise InvalidSourceError(
+                f"source {path} cannot be read: Permission denied ({exc.filename}); you may put "
+                "only files you can read yourself"
+            ) from None
+
+    def _put_file(
+        self, key: str, kind: str, source: Path, overwrite: bool, pin: bool, dtype: Any
+    ) -> list[str]:
+        if kind == "blobs":
+            raise UnsupportedDataError(
+                f"{source}: blobs entries cannot be put into a team root yet; put the files' arrays "
+                "(.npy, .npz, .safetensors, ...) or tables instead"
+            )
+        if kind == "table":
+            files, meta = read_table_source(source)
+            self.put([Pending(key, "table", dict(files), meta)], overwrite=overwrite, pin=pin)
+            return [key]
+        entries = []
+        for item in plan_sources(key, source, [], dtype):
+            extra = {"source": item.source, "source_fingerprint": item.fingerprint}
+            if item.container is not None:
+                container = item.container
+                extra |= dict(container.extra)
+                fills: dict[str, Fill] = {**container.files, **container.copied}
+                entries.append(Pending(item.key, container.kind, fills, extra))
+            else:
+                entries.append(Pending(item.key, "array", {"data": item}, extra))
+        return [info.key for info in self.put(entries, overwrite=overwrite, pin=pin)]
+
+
+def socket_peer(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _jsonable(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra`` with numpy scalars as Python numbers (what ``json`` can write)."""
+    out = {}
+    for name, value in extra.items():
+        out[name] = value.item() if isinstance(value, np.generic) else value
+    return out

@@ -1,0 +1,260 @@
+"""Members of a team writing through its daemon, as real users (``useradd``; skipped where
+users cannot be made): ownership is the kernel's word (``SO_PEERCRED``), a member evicts
+or replaces only their own entries (an admin: any), a member reads sources with their own
+rights only (no confused deputy), quotas are per user.
+
+The daemon side is a write channel served by this process (running as root, the service
+account here) on a root its members may reach; ``shmcache serve --team``'s own tests
+cover the daemon's start-up, modes and group checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from service_helpers import clean_env, temporary_root
+from shmcache.service.fd_channel import FdChannel
+from shmcache.service.members import MemberPolicy
+from user_helpers import User, as_user, made_users
+
+from shmcache import InvalidSourceError, NotPermittedError, QuotaExceededError, Store
+from shmcache._disk.layout import SHM_DIR
+from shmcache._store.member_writes import MemberWriter
+
+QUOTA = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def team() -> Iterator[dict[str, User]]:
+    with made_users("alice", "bob", "admin") as users:
+        yield users
+
+
+@pytest.fixture
+def served(team: dict[str, User], tmp_path: Path) -> Iterator[Path]:
+    """A root only this process writes, with a write channel every local user may reach
+    (the members' group does that for a real team), admin ``admin``, a 256 KiB quota."""
+    with temporary_root() as root:
+        Store(root).prepare()
+        os.chmod(root, 0o755)
+        like_path = tmp_path / "like.sock"
+        like = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        like.bind(str(like_path))
+        os.chmod(like_path, 0o666)
+        policy = MemberPolicy(user_quota=QUOTA, admins=frozenset({team["admin"].uid}), team=True)
+        channel = FdChannel(Store(root), policy, refusal=lambda uid: None)
+        channel.start(like_path)
+        try:
+            yield root
+        finally:
+            channel.close()
+            like.close()
+
+
+@pytest.fixture
+def budget_served(team: dict[str, User], tmp_path: Path) -> Iterator[Path]:
+    """As ``served``, without quotas, with a 450 KiB budget recorded in the root."""
+    with temporary_root() as root:
+        Store(root).prepare()
+        Store(root).set_budget(450 << 10)
+        os.chmod(root, 0o755)
+        like_path = tmp_path / "like.sock"
+        like = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        like.bind(str(like_path))
+        os.chmod(like_path, 0o666)
+        channel = FdChannel(Store(root), MemberPolicy(team=True), refusal=lambda uid: None)
+        channel.start(like_path)
+        try:
+            yield root
+        finally:
+            channel.close()
+            like.close()
+
+
+@pytest.fixture
+def sources(team: dict[str, User]) -> Iterator[Path]:
+    """A directory every user may traverse, for files each user owns."""
+    path = Path(SHM_DIR) / f"shmcache-test-src-{uuid.uuid4().hex[:12]}"
+    path.mkdir(mode=0o755)
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _own_file(path: Path, owner: User | None, array: np.ndarray) -> Path:
+    """``array`` saved at ``path``, mode 0600, owned by ``owner`` (None: this account only)."""
+    np.save(path, array)
+    os.chmod(path, 0o600)
+    if owner is not None:
+        os.chown(path, owner.uid, owner.gid)
+    return path
+
+
+def _put(root: Path, key: str, value: int, overwrite: bool = False) -> int | None:
+    return MemberWriter(root).put_array(key, np.full(8, value), overwrite=overwrite).owner_uid
+
+
+def _evict(root: Path, key: str) -> int:
+    return MemberWriter(root).evict(key)
+
+
+def _put_file(root: Path, key: str, path: Path) -> list[str]:
+    return MemberWriter(root).put_file(key, path)
+
+
+def test_each_entry_records_the_member_who_put_it(served: Path, team: dict[str, User]) -> None:
+    assert as_user(team["alice"], _put, served, "a/x", 1) == team["alice"].uid
+    assert as_user(team["bob"], _put, served, "b/x", 2) == team["bob"].uid
+    owners = {e.key: e.owner_uid for e in Store(served).list()}
+    assert owners == {"a/x": team["alice"].uid, "b/x": team["bob"].uid}
+
+
+def test_a_member_cannot_evict_or_replace_anothers_entry_and_an_admin_can(
+    served: Path, team: dict[str, User]
+) -> None:
+    as_user(team["alice"], _put, served, "a/mine", 1)
+    with pytest.raises(NotPermittedError, match=f"{team['alice'].name} loaded it"):
+        as_user(team["bob"], _evict, served, "a/mine")
+    with pytest.raises(NotPermittedError, match="replace"):
+        as_user(team["bob"], _put, served, "a/mine", 666, True)
+    assert Store(served).open_array("a/mine").tolist() == [1] * 8
+    assert as_user(team["alice"], _put, served, "a/mine", 2, True) == team["alice"].uid  # her own: fine
+    assert as_user(team["admin"], _evict, served, "a/mine") > 0
+    assert not Store(served).exists("a/mine")
+
+
+def test_a_member_cannot_load_another_members_private_file_nor_the_service_accounts(
+    served: Path, sources: Path, team: dict[str, User]
+) -> None:
+    bobs = _own_file(sources / "bob.npy", team["bob"], np.arange(4))
+    service_only = _own_file(sources / "service.npy", None, np.arange(4))
+    for path in (bobs, service_only):
+        with pytest.raises(InvalidSourceError, match="cannot be read: Permission denied"):
+            as_user(team["alice"], _put_file, served, "stolen", path)
+    assert not Store(served).exists("stolen")
+    assert Store(served).list() == []
+
+
+def test_a_member_can_put_a_file_only_they_can_read(
+    served: Path, sources: Path, team: dict[str, User]
+) -> None:
+    alices = _own_file(sources / "alice.npy", team["alice"], np.arange(6.0))
+    assert as_user(team["alice"], _put_file, served, "a/private", alices) == ["a/private"]
+    assert Store(served).open_array("a/private").tolist() == list(np.arange(6.0))
+    assert Store(served).info("a/private").owner_uid == team["alice"].uid
+
+
+def test_quotas_are_per_member(served: Path, team: dict[str, User]) -> None:
+    def put_big(root: Path, key: str) -> None:
+        MemberWriter(root).put_array(key, np.zeros(200 << 10, dtype=np.uint8))
+
+    as_user(team["alice"], put_big, served, "a/big")
+    with pytest.raises(QuotaExceededError, match=r"quota is 256\.0 KiB"):
+        as_user(team["alice"], put_big, served, "a/big2")
+    as_user(team["bob"], put_big, served, "b/big")  # bob's quota is his own
+    assert sorted(e.key for e in Store(served).list()) == ["a/big", "b/big"]
+
+
+def test_ls_and_stats_name_the_owners(served: Path, team: dict[str, User]) -> None:
+    as_user(team["alice"], _put, served, "a/x", 1)
+    as_user(team["bob"], _put, served, "b/x", 2)
+    as_user(team["bob"], _put, served, "b/y", 3)
+    env = clean_env()
+    command = [sys.executable, "-m", "shmcache"]
+    listed = subprocess.run(
+        [*command, "ls", "--root", str(served), "--local"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    header, *rows = listed.stdout.splitlines()
+    assert "OWNER" in header.split()
+    assert any(team["alice"].name in row and row.startswith("a/x") for row in rows)
+    usage = subprocess.run(
+        [*command, "stats", "--by-user", "--json", "--root", str(served), "--local"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    by_user = {row["user"]: row for row in json.loads(usage.stdout)}
+    assert by_user[team["bob"].name]["entries"] == 2 and by_user[team["alice"].name]["entries"] == 1
+    assert by_user[team["bob"].name]["uid"] == team["bob"].uid
+
+
+def _put_kib(root: Path, key: str, kib: int) -> None:
+    MemberWriter(root).put_array(key, np.zeros(kib << 10, dtype=np.uint8))
+
+
+def test_budget_eviction_takes_the_lru_entries_of_a_member_over_their_share_first(
+    budget_served: Path, team: dict[str, User]
+) -> None:
+    as_user(team["bob"], _put_kib, budget_served, "b/oldest", 100)
+    for name in ("a/1", "a/2", "a/3"):
+        as_user(team["alice"], _put_kib, budget_served, name, 100)
+    as_user(team["bob"], _put_kib, budget_served, "b/new", 100)  # over the budget: one must go
+    left = sorted(e.key for e in Store(budget_served).list())
+    assert left == ["a/2", "a/3", "b/new", "b/oldest"]  # alice's oldest, not bob's older one
+
+
+def _map_for(path: str, ready_w: int, release_r: int) -> None:
+    import mmap
+
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    os.close(fd)
+    os.write(ready_w, b"1")
+    os.read(release_r, 1)
+    mapping.close()
+
+
+def test_the_daemon_sees_another_users_mapping_of_an_entry(served: Path, team: dict[str, User]) -> None:
+    """Budget eviction never takes a mapped entry; the daemon may not read another user's
+    /proc/<pid>/maps, so a lease probe tells it (file leases are the owner's to ask)."""
+    from shmcache._disk.leases import in_use
+
+    Store(served).put_array("mapped", np.arange(1000))
+    path = Store(served).layout.object_file(Store(served).info("mapped").version, "data.npy")
+    for directory in (Path(path).parent.parent, Path(path).parent):  # a team root: group-readable
+        os.chmod(directory, 0o755)
+    os.chmod(path, 0o644)
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child process
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(release_w)
+            os.setgroups([])
+            os.setgid(team["bob"].gid)
+            os.setuid(team["bob"].uid)
+            _map_for(path, ready_w, release_r)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(release_r)
+    try:
+        assert os.read(ready_r, 1) == b"1", "the child could not map the entry"
+        assert in_use(path)
+        os.write(release_w, b"1")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not in_use(path)
+    finally:
+        os.close(ready_r)
+        os.close(release_w)
