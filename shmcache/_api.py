@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._containers.group import SharedGroup
 from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
 from ._containers.table import SharedTable
-from ._disk.layout import ENV_ROOT
-from ._store import EntryInfo, Store, StoreStats
-from ._store.locks import STORE_TIMEOUT, StoreTimeout
+from ._disk.layout import ENV_ROOT, Layout, default_root
+from ._store.reading import Reader, reader_of
+from ._store.records import EntryInfo, StoreStats
+from ._store.timeouts import STORE_TIMEOUT, StoreTimeout
+
+if TYPE_CHECKING:  # the open path of a fresh process imports the read side alone, not the store
+    from ._store.store import Store
 
 Root = str | os.PathLike[str] | None
 
@@ -52,6 +57,8 @@ __all__ = [
 
 _stores: dict[str | None, Store] = {}
 _default_by_env: dict[str | None, Store] = {}
+_readers: dict[str, Reader] = {}
+_default_readers: dict[str | None, Reader] = {}
 
 
 def get_store(root: str | os.PathLike[str] | None = None) -> Store:
@@ -60,15 +67,33 @@ def get_store(root: str | os.PathLike[str] | None = None) -> Store:
         env = os.environ.get(ENV_ROOT)
         store = _default_by_env.get(env)
         if store is None:
-            store = _default_by_env[env] = get_store(Store(None).root)
+            store = _default_by_env[env] = get_store(default_root())
         return store
     name = os.fspath(root)
     store = _stores.get(name)
     if store is None:
+        from ._store.store import Store  # the write side: loaded by the first call that needs it
+
         store = Store(name)
         store = _stores.setdefault(str(store.root), store)
         _stores[name] = store
     return store
+
+
+def _reader(root: str | os.PathLike[str] | None) -> Reader:
+    """The per-process reader of ``root`` (the one its ``Store`` uses too): opens need
+    neither the store nor its write side."""
+    if root is None:
+        env = os.environ.get(ENV_ROOT)
+        reader = _default_readers.get(env)
+        if reader is None:
+            reader = _default_readers[env] = _reader(default_root())
+        return reader
+    name = os.fspath(root)
+    reader = _readers.get(name)
+    if reader is None:
+        reader = _readers[name] = reader_of(Layout(Path(os.path.abspath(name))))
+    return reader
 
 
 def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.ndarray:
@@ -80,7 +105,7 @@ def open_array(key: str, *, root: str | os.PathLike[str] | None = None) -> np.nd
     For tensors use ``shmcache.torch.as_tensor(key)``: the same shared pages, with
     writes private to the tensor.
     """
-    return get_store(root).open_array(key)
+    return _reader(root).open_array(key)
 
 
 def put_array(
@@ -175,7 +200,7 @@ def cleanup(*, root: str | os.PathLike[str] | None = None) -> int:
 
 def open(key: str, *, root: Root = None) -> Any:
     """Open an entry of any kind (array, strings, ragged, records or mapping)."""
-    return get_store(root).open(key)
+    return _reader(root).open(key)
 
 
 def put_strings(
@@ -187,7 +212,7 @@ def put_strings(
 
 def open_strings(key: str, *, root: Root = None) -> SharedStrings:
     """Read-only ``Sequence[str]`` (with hash ``index``/``in``) over shared memory."""
-    return get_store(root).open_strings(key)
+    return _reader(root).open(key, "strings")  # type: ignore[no-any-return]
 
 
 def put_ragged(
@@ -199,7 +224,7 @@ def put_ragged(
 
 def open_ragged(key: str, *, root: Root = None) -> SharedRagged:
     """Read-only sequence of read-only array views over shared memory."""
-    return get_store(root).open_ragged(key)
+    return _reader(root).open(key, "ragged")  # type: ignore[no-any-return]
 
 
 def put_records(
@@ -217,7 +242,7 @@ def put_records(
 
 def open_records(key: str, *, root: Root = None) -> SharedRecords:
     """Read-only sequence whose items are decoded fresh on every access."""
-    return get_store(root).open_records(key)
+    return _reader(root).open(key, "records")  # type: ignore[no-any-return]
 
 
 def put_mapping(
@@ -229,7 +254,7 @@ def put_mapping(
 
 def open_mapping(key: str, *, root: Root = None) -> SharedMapping:
     """Read-only ``Mapping[str, X]`` with hash lookup in shared memory."""
-    return get_store(root).open_mapping(key)
+    return _reader(root).open(key, "mapping")  # type: ignore[no-any-return]
 
 
 def open_group(prefix: str, *, root: Root = None) -> SharedGroup:
@@ -263,7 +288,7 @@ def put_blobs(
 
 def open_blobs(key: str, *, root: Root = None) -> SharedBlobs:
     """Read-only blobs: ``blobs[i]`` or ``blobs["dir/name.jpg"]`` is a zero-copy uint8 view."""
-    return get_store(root).open_blobs(key)
+    return _reader(root).open(key, "blobs")  # type: ignore[no-any-return]
 def put_table(
     key: str, data: Any, *, root: Root = None, overwrite: bool = False, pin: bool = False
 ) -> EntryInfo:
@@ -274,4 +299,4 @@ def put_table(
 
 def open_table(key: str, *, root: Root = None) -> SharedTable:
     """Read-only table: ``table[i]`` a fresh dict, ``column(name)`` zero-copy, ``to_arrow()``."""
-    return get_store(root).open_table(key)
+    return _reader(root).open(key, "table")  # type: ignore[no-any-return]

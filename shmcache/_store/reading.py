@@ -30,7 +30,7 @@ from .._disk.meta import damaged, read_entry_meta, read_meta
 from .._disk.trust import check_root
 from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError, UnsupportedDataError
 
-__all__ = ["Reader", "forget_attachments", "release_version"]
+__all__ = ["Reader", "forget_attachments", "reader_of", "release_version"]
 
 _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
@@ -287,6 +287,18 @@ def _raise_if_damaged(layout: Layout, key: str, version: str, exc: BaseException
 
 
 _READERS: weakref.WeakSet[Reader] = weakref.WeakSet()
+_BY_ROOT: weakref.WeakValueDictionary[str, Reader] = weakref.WeakValueDictionary()
+
+
+def reader_of(layout: Layout) -> Reader:
+    """The one reader of ``layout``'s root in this process (while anything holds it): the
+    module functions' open path and every ``Store`` of the root share its attachments, so
+    ``shmcache.open_array(k) is get_store().open_array(k)`` without loading the store."""
+    name = str(layout.root)
+    reader = _BY_ROOT.get(name)
+    if reader is None:
+        reader = _BY_ROOT.setdefault(name, Reader(layout))
+    return reader
 
 
 def release_version(root: Path, key: str, version: str) -> None:

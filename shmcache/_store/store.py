@@ -62,7 +62,7 @@ from .loading import CacheVersion, cache_version_token, last_failure, recording_
 from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .planned import write_container
-from .reading import Reader, release_version
+from .reading import reader_of, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
 from .space import budget_in_force, reserve
@@ -111,7 +111,7 @@ class Store:
         self.layout = Layout(self.root)
         self._root_str = str(self.root)
         self._prepared = False
-        self._reader = Reader(self.layout)
+        self._reader = reader_of(self.layout)
         # The warm open is the hot path of every DataLoader worker: no extra call frame.
         self.open_array = self._reader.open_array  # type: ignore[method-assign]
 
