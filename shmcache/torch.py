@@ -46,7 +46,7 @@ from ._cuda import (
     recorded_event,
     to_cuda,
 )
-from ._disk.attach import private_view
+from ._disk.attach import prefault, private_view
 from .errors import MappingRefusedError, UnsupportedDataError
 
 __all__ = [
@@ -123,6 +123,18 @@ def collate(batch: Any) -> Any:
     return default_collate(batch)
 
 
+_forks = 0
+"""How many forks led to this process: a dataset maps its columns again when it changes."""
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class CachedDataset(Dataset[Any]):
     """Rows of cached arrays of equal length, as tensors.
 
@@ -143,7 +155,7 @@ class CachedDataset(Dataset[Any]):
         else:
             raise TypeError("CachedDataset takes keys as strings, or one mapping of name -> key")
         self._root = None if root is None else os.fspath(root)
-        self._pid = -1
+        self._fork = -1
         self._tensors: list[torch.Tensor] = []
         self._copy_rows = False
         lengths = {len(get_store(self._root).open_array(k)) for k in self._keys}
@@ -152,21 +164,25 @@ class CachedDataset(Dataset[Any]):
         self._length = lengths.pop()
 
     def _columns(self) -> list[torch.Tensor]:
-        if self._pid != os.getpid():  # first use in this process (or a fresh worker)
+        # First use in this process (or a fresh worker): a fork count, not os.getpid(),
+        # which is a system call on every row.
+        if self._fork != _forks:
             store = get_store(self._root)
             self._copy_rows = False
             self._tensors = [self._column(store, k) for k in self._keys]
-            self._pid = os.getpid()
+            self._fork = _forks
         return self._tensors
 
     def _column(self, store: Any, key: str) -> torch.Tensor:
         try:
-            return torch.from_numpy(store.open_private_array(key))
+            array = store.open_private_array(key)
         except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
             self._copy_rows = True
-            with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
-                warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(store.open_array(key))
+            array = store.open_array(key)
+        prefault(array)  # random rows without a page fault each (see prefault)
+        with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(array)
 
     def _pack(self, values: Sequence[torch.Tensor]) -> Any:
         if self._names is not None:
@@ -192,7 +208,7 @@ class CachedDataset(Dataset[Any]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._pid = -1
+        self._fork = -1
         self._tensors = []
         self._copy_rows = False
 
