@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._containers.group import SharedGroup
-from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
-from ._containers.table import SharedTable
 from ._disk.layout import ENV_ROOT, Layout, default_root
 from ._store.reading import Reader, reader_of
-from ._store.records import EntryInfo, StoreStats
 from ._store.timeouts import STORE_TIMEOUT, StoreTimeout
 
-if TYPE_CHECKING:  # the open path of a fresh process imports the read side alone, not the store
+if TYPE_CHECKING:  # the open path of a fresh process imports what reading needs, no more
+    from ._containers.group import SharedGroup
+    from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
+    from ._containers.table import SharedTable
+    from ._store.records import EntryInfo, StoreStats
     from ._store.store import Store
 
 Root = str | os.PathLike[str] | None

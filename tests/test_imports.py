@@ -46,6 +46,8 @@ WRITE_SIDE = [
     "shmcache._disk.torch_zip", "shmcache._containers.encode", "shmcache._containers.table_encode",
     "shmcache._containers.table_pack", "shmcache._containers.table_arrow",
     "hashlib", "zipfile", "shutil", "fcntl", "filelock", "orjson",
+    # nor what only other calls need
+    "logging", "shmcache._containers.group", "shmcache._store.records",
 ]
 
 

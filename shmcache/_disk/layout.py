@@ -37,7 +37,6 @@ explicit root.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import warnings
 import zlib
@@ -102,8 +101,6 @@ _IN_OBJECTS = "/objects/"
 (one name today; issue 22's entries inside a directory put's version may be ``<v>/<name>``)."""
 ENTRY_FORMAT = "2"
 """What ``<root>/format`` holds once the root's entries are a tree (see above)."""
-
-logger = logging.getLogger(__name__)
 
 
 def default_root() -> Path:
