@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from .._containers.shared import open_version, wrong_kind
 from .._disk.attach import WRITABLE, attach_array
 from .._disk.generations import CHANGING, map_generations
 from .._disk.keys import validate_key
@@ -117,6 +116,8 @@ class Reader:
         """Raise if ``version`` has no array file for a reason other than a race."""
         kind = read_meta(self.layout, version).get("kind")
         if kind is not None and kind != "array":
+            from .._containers.shared import wrong_kind
+
             raise wrong_kind(key, str(kind), "array")
         if self.layout.entry_version(key) == version:
             where = self.layout.version_dir(version)
@@ -158,6 +159,10 @@ class Reader:
             if hit is not None and hit[1][hit[2]] == hit[0]:
                 return hit[4]
         validate_key(key)
+        # The containers' read side: imported by the first open of a non-array kind, so
+        # that a process that opens arrays alone never loads it (nor json, bisect).
+        from .._containers.shared import open_version, wrong_kind
+
         table, slot, _ = self._start_resolving(key, self._handles)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0
