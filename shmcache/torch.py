@@ -46,7 +46,7 @@ from ._cuda import (
     recorded_event,
     to_cuda,
 )
-from ._disk.attach import prefault, private_view
+from ._disk.attach import private_view
 from .errors import MappingRefusedError, UnsupportedDataError
 
 __all__ = [
@@ -175,14 +175,12 @@ class CachedDataset(Dataset[Any]):
 
     def _column(self, store: Any, key: str) -> torch.Tensor:
         try:
-            array = store.open_private_array(key)
+            return torch.from_numpy(store.open_private_array(key))
         except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
             self._copy_rows = True
-            array = store.open_array(key)
-        prefault(array)  # random rows without a page fault each (see prefault)
-        with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(array)
+            with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(store.open_array(key))
 
     def _pack(self, values: Sequence[torch.Tensor]) -> Any:
         if self._names is not None:

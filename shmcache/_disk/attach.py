@@ -62,7 +62,6 @@ __all__ = [
     "map_entry_file",
     "mapped_base",
     "overcommit_is_strict",
-    "prefault",
     "private_view",
 ]
 
@@ -163,41 +162,6 @@ def attach_array(
     if mode != WRITABLE:
         array.setflags(write=False)
     return array
-
-
-# madvise(2) advice that Python's mmap module may not name: map every page of the range
-# readable now (Linux 5.14+), without breaking copy-on-write (MAP_POPULATE would, on a
-# private writable mapping: it write-faults every page into a private copy).
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-PREFAULT_LIMIT = 1 << 30
-"""Bytes of one mapping :func:`prefault` maps in at once (about 45 ms per GiB here); a
-bigger entry is left to page faults, so that a worker's first batch stays quick."""
-
-
-def prefault(array: np.ndarray, limit: int = PREFAULT_LIMIT) -> bool:
-    """Map the pages of ``array``'s entry mapping into this process now, read-only.
-
-    A fresh mapping (each DataLoader worker's) otherwise takes a page fault per 64 KiB
-    (the kernel's fault-around) of random rows, each one a trip through the kernel while
-    a batch is gathered: the in-memory array a worker inherits over ``fork`` has its page
-    tables already. ``MADV_HUGEPAGE`` comes first, so that where tmpfs may hold huge pages
-    (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` ``advise``, or a ``huge=`` mount)
-    they are mapped as such (fewer TLB misses on random rows). Returns whether the pages
-    were mapped: False for a mapping over ``limit`` bytes, one not of an entry, or a
-    kernel without ``MADV_POPULATE_READ``."""
-    base = mapped_base(array)
-    if not isinstance(base, mmap.mmap) or len(base) > limit or not len(base):
-        return False
-    try:
-        base.madvise(_MADV_HUGEPAGE)
-    except OSError:  # no transparent huge pages in this kernel: nothing to ask for
-        pass
-    try:
-        base.madvise(_MADV_POPULATE_READ)
-    except OSError:  # EINVAL: before Linux 5.14; EFAULT: a hole (the file shrank) stays a fault
-        return False
-    return True
 
 
 def is_shared_read_only(array: np.ndarray) -> bool:
