@@ -5,7 +5,7 @@ asks with ``madvise``); an entry on tmpfs sits on 4 KiB pages unless the tmpfs m
 ``huge=within_size`` (or ``always``), or the kernel forces it
 (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` ``force``). On 4 KiB pages, random
 rows of a big entry miss the TLB more: random batches of 256 rows from a 256 MiB entry
-gathered at about 0.8x the speed of the in-memory array here, 1.0x or more on a
+gathered at about 0.8x the speed of the in-memory array here, 0.9-1.0x on a
 ``huge=within_size`` tmpfs (BENCHMARKS.md, bench_loader). Entries written before the
 setting changed keep their small pages.
 """
