@@ -76,13 +76,14 @@ def get_store(root: str | os.PathLike[str] | None = None) -> Store:
 
         store = Store(name)
         store = _stores.setdefault(str(store.root), store)
+        store._share_reader(_reader(store.root))
         _stores[name] = store
     return store
 
 
 def _reader(root: str | os.PathLike[str] | None) -> Reader:
-    """The per-process reader of ``root`` (the one its ``Store`` uses too): opens need
-    neither the store nor its write side."""
+    """The per-process reader of ``root`` (the one ``get_store(root)`` uses too): opens
+    need neither the store nor its write side."""
     if root is None:
         env = os.environ.get(ENV_ROOT)
         reader = _default_readers.get(env)

@@ -75,7 +75,8 @@ def test_the_store_shares_the_module_functions_attachments(root: Path) -> None:
     shmcache.put_array("a", np.arange(3))
     code = (
         "import shmcache; a = shmcache.open_array('a'); s = shmcache.get_store(); "
-        "assert s.open_array('a') is a and shmcache.Store(s.root).open_array('a') is a; print('ok')"
+        "assert s.open_array('a') is a and shmcache.get_store(s.root).open_array('a') is a; "
+        "assert shmcache.Store(s.root).open_array('a') is not a; print('ok')"  # a Store of its own
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "ok"

@@ -296,9 +296,10 @@ _BY_ROOT: weakref.WeakValueDictionary[str, Reader] = weakref.WeakValueDictionary
 
 
 def reader_of(layout: Layout) -> Reader:
-    """The one reader of ``layout``'s root in this process (while anything holds it): the
-    module functions' open path and every ``Store`` of the root share its attachments, so
-    ``shmcache.open_array(k) is get_store().open_array(k)`` without loading the store."""
+    """The one reader of ``layout``'s root for the module functions in this process (while
+    anything holds it): their open path and ``get_store()``'s ``Store`` share its
+    attachments, so ``shmcache.open_array(k) is get_store().open_array(k)`` without loading
+    the store. A ``Store`` of your own keeps a reader of its own (dropping it drops them)."""
     name = str(layout.root)
     reader = _BY_ROOT.get(name)
     if reader is None:

@@ -62,7 +62,7 @@ from .loading import CacheVersion, cache_version_token, last_failure, recording_
 from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
 from .planned import write_container
-from .reading import reader_of, release_version
+from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, StoreStats, entry_info
 from .sources import copy_planned, plan_sources
 from .space import budget_in_force, reserve
@@ -111,9 +111,15 @@ class Store:
         self.layout = Layout(self.root)
         self._root_str = str(self.root)
         self._prepared = False
-        self._reader = reader_of(self.layout)
+        self._reader = Reader(self.layout)
         # The warm open is the hot path of every DataLoader worker: no extra call frame.
         self.open_array = self._reader.open_array  # type: ignore[method-assign]
+
+    def _share_reader(self, reader: Reader) -> None:
+        """Open through ``reader``, the module functions' one for this root (``get_store``):
+        ``shmcache.open_array(k) is get_store().open_array(k)``, one mapping per entry."""
+        self._reader = reader
+        self.open_array = reader.open_array  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return f"Store({self._root_str!r}, max_bytes={self.max_bytes!r})"
