@@ -10,19 +10,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._containers.group import SharedGroup
-from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
-from ._containers.table import SharedTable
-from ._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE
-from ._store import EntryInfo, Store, StoreStats
-from ._store.loading import cache_version_token
-from ._store.locks import STORE_TIMEOUT, StoreTimeout
-from ._store.member_writes import MemberWriter
+from ._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE, Layout, default_root
+from ._store.reading import Reader, reader_of
+from ._store.timeouts import STORE_TIMEOUT, StoreTimeout
 from ._team.config import team_of
+
+if TYPE_CHECKING:  # the open path of a fresh process imports what reading needs, no more
+    from ._containers.group import SharedGroup
+    from ._containers.shared import SharedBlobs, SharedMapping, SharedRagged, SharedRecords, SharedStrings
+    from ._containers.table import SharedTable
+    from ._store.member_writes import MemberWriter
+    from ._store.records import EntryInfo, StoreStats
+    from ._store.store import Store
 
 Root = str | os.PathLike[str] | None
 
@@ -65,6 +68,8 @@ _ENVIRON_DATA = getattr(os.environ, "_data", None)
 missing name there costs a dict miss, where ``os.environ.get`` raises and catches a
 KeyError (about 0.5 us, on every default-root open_array)."""
 _TEAM_KEY = os.fsencode(ENV_TEAM)
+_readers: dict[str, Reader] = {}
+_default_readers: dict[str | None, Reader] = {}
 
 
 def _team_variable_set() -> bool:
@@ -82,21 +87,45 @@ def get_store(root: str | os.PathLike[str] | None = None, *, team: str | None = 
         known = (team, os.environ.get(ENV_TEAMS_FILE))
         store = _teams.get(known)
         if store is None:
+            from ._store.store import Store
+
             store = _teams.setdefault(known, Store(team=team))
         return store
     if root is None:
         env = os.environ.get(ENV_ROOT)
         store = _default_by_env.get(env)
         if store is None:
-            store = _default_by_env[env] = get_store(Store(None).root)
+            store = _default_by_env[env] = get_store(default_root())
         return store
     name = os.fspath(root)
     store = _stores.get(name)
     if store is None:
+        from ._store.store import Store  # the write side: loaded by the first call that needs it
+
         store = Store(name)
         store = _stores.setdefault(str(store.root), store)
+        store._share_reader(_reader(store.root))
         _stores[name] = store
     return store
+
+
+def _reader(root: Root, team: str | None = None) -> Reader:
+    """The per-process reader of ``root`` (the one ``get_store(root)`` uses too): opens
+    need neither the store nor its write side. A team's root is read through its store,
+    which resolves it through the teams file only."""
+    if team is not None or (root is None and _team_variable_set()):
+        return get_store(root, team=team)._reader
+    if root is None:
+        env = os.environ.get(ENV_ROOT)
+        reader = _default_readers.get(env)
+        if reader is None:
+            reader = _default_readers[env] = _reader(default_root())
+        return reader
+    name = os.fspath(root)
+    reader = _readers.get(name)
+    if reader is None:
+        reader = _readers[name] = reader_of(Layout(Path(os.path.abspath(name))))
+    return reader
 
 
 def open_array(key: str, *, root: Root = None, team: str | None = None, raw: bool = False) -> np.ndarray:
@@ -112,8 +141,8 @@ def open_array(key: str, *, root: Root = None, team: str | None = None, raw: boo
     ``raw=True`` gives its raw bits (uint16/uint8) with or without it.
     """
     if raw:
-        return get_store(root, team=team).open_array(key, raw=True)
-    return get_store(root, team=team).open_array(key)
+        return _reader(root, team).open_array(key, raw=True)
+    return _reader(root, team).open_array(key)
 
 
 def put_array(
@@ -152,6 +181,8 @@ def put_file(
     With ``team``, this process reads the file (a file only you can read is fine) and
     fills the entry's file the team's daemon made; the daemon never opens your path."""
     writer = _writer(root, team)
+    from ._store.member_writes import MemberWriter  # write side: on first use
+
     if isinstance(writer, MemberWriter):
         return writer.put_file(key, path, overwrite=overwrite, pin=pin, as_=as_, dtype=dtype)
     return writer.put_file(
@@ -173,7 +204,11 @@ def cache(
     In a team's root the daemon holds the key's lock for the member who loads; the others
     wait, then open its entry."""
     writer = _writer(root, team)
+    from ._store.member_writes import MemberWriter  # write side: on first use
+
     if isinstance(writer, MemberWriter):
+        from ._store.loading import cache_version_token
+
         store = get_store(root, team=team)
         wanted = None if version is None else cache_version_token(version)
         return writer.cache(key, loader, store.open_array, wanted)
@@ -229,7 +264,7 @@ def cleanup(*, root: str | os.PathLike[str] | None = None) -> int:
 
 def open(key: str, *, root: Root = None, team: str | None = None) -> Any:
     """Open an entry of any kind (array, strings, ragged, records or mapping)."""
-    return get_store(root, team=team).open(key)
+    return _reader(root, team).open(key)
 
 
 def put_strings(
@@ -247,7 +282,7 @@ def put_strings(
 
 def open_strings(key: str, *, root: Root = None, team: str | None = None) -> SharedStrings:
     """Read-only ``Sequence[str]`` (with hash ``index``/``in``) over shared memory."""
-    return get_store(root, team=team).open_strings(key)
+    return _reader(root, team).open(key, "strings")  # type: ignore[no-any-return]
 
 
 def put_ragged(
@@ -265,7 +300,7 @@ def put_ragged(
 
 def open_ragged(key: str, *, root: Root = None, team: str | None = None) -> SharedRagged:
     """Read-only sequence of read-only array views over shared memory."""
-    return get_store(root, team=team).open_ragged(key)
+    return _reader(root, team).open(key, "ragged")  # type: ignore[no-any-return]
 
 
 def put_records(
@@ -283,7 +318,7 @@ def put_records(
 
 def open_records(key: str, *, root: Root = None, team: str | None = None) -> SharedRecords:
     """Read-only sequence whose items are decoded fresh on every access."""
-    return get_store(root, team=team).open_records(key)
+    return _reader(root, team).open(key, "records")  # type: ignore[no-any-return]
 
 
 def put_mapping(
@@ -302,7 +337,7 @@ def put_mapping(
 
 def open_mapping(key: str, *, root: Root = None, team: str | None = None) -> SharedMapping:
     """Read-only ``Mapping[str, X]`` with hash lookup in shared memory."""
-    return get_store(root, team=team).open_mapping(key)
+    return _reader(root, team).open(key, "mapping")  # type: ignore[no-any-return]
 
 
 def open_group(prefix: str, *, root: Root = None, team: str | None = None) -> SharedGroup:
@@ -319,6 +354,8 @@ def share(key: str, obj: Any, *, root: Root = None, team: str | None = None, ove
         self.paths = shmcache.share("paths", self.paths)
     """
     writer = _writer(root, team)
+    from ._store.member_writes import MemberWriter  # write side: on first use
+
     if isinstance(writer, MemberWriter):
         writer.share(key, obj, overwrite=overwrite)
         return get_store(root, team=team).open(key)
@@ -340,7 +377,7 @@ def put_blobs(
 
 def open_blobs(key: str, *, root: Root = None, team: str | None = None) -> SharedBlobs:
     """Read-only blobs: ``blobs[i]`` or ``blobs["dir/name.jpg"]`` is a zero-copy uint8 view."""
-    return get_store(root, team=team).open_blobs(key)
+    return _reader(root, team).open(key, "blobs")  # type: ignore[no-any-return]
 def put_table(
     key: str,
     data: Any,
@@ -357,7 +394,7 @@ def put_table(
 
 def open_table(key: str, *, root: Root = None, team: str | None = None) -> SharedTable:
     """Read-only table: ``table[i]`` a fresh dict, ``column(name)`` zero-copy, ``to_arrow()``."""
-    return get_store(root, team=team).open_table(key)
+    return _reader(root, team).open(key, "table")  # type: ignore[no-any-return]
 
 
 def _writer(root: Root, team: str | None) -> Store | MemberWriter:
@@ -369,5 +406,7 @@ def _writer(root: Root, team: str | None) -> Store | MemberWriter:
         return store
     writer = _members.get(store.root)
     if writer is None:
+        from ._store.member_writes import MemberWriter
+
         writer = _members.setdefault(store.root, MemberWriter(store.root))
     return writer

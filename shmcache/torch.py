@@ -105,6 +105,18 @@ class _RowsOf(Sequence[Any]):
         return self._dataset._pack([column[index] for column in self._gathered])
 
 
+_forks = 0
+"""How many forks led to this process: a dataset maps its columns again when it changes."""
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class CachedDataset(Dataset[Any]):
     """Rows of cached arrays of equal length, as tensors.
 
@@ -127,7 +139,7 @@ class CachedDataset(Dataset[Any]):
             raise TypeError("CachedDataset takes keys as strings, or one mapping of name -> key")
         self._root = None if root is None else os.fspath(root)
         self._team = team
-        self._pid = -1
+        self._fork = -1
         self._tensors: list[torch.Tensor] = []
         self._copy_rows = False
         lengths = {len(self._store().open_array(k, raw=True)) for k in self._keys}
@@ -139,11 +151,13 @@ class CachedDataset(Dataset[Any]):
         return get_store(self._root, team=self._team)
 
     def _columns(self) -> list[torch.Tensor]:
-        if self._pid != os.getpid():  # first use in this process (or a fresh worker)
+        # First use in this process (or a fresh worker): a fork count, not os.getpid(),
+        # which is a system call on every row.
+        if self._fork != _forks:
             store = self._store()
             self._copy_rows = False
             self._tensors = [self._column(store, k) for k in self._keys]
-            self._pid = os.getpid()
+            self._fork = _forks
         return self._tensors
 
     def _column(self, store: Any, key: str) -> torch.Tensor:
@@ -186,7 +200,7 @@ class CachedDataset(Dataset[Any]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._team = None  # pickled before teams existed
         self.__dict__.update(state)
-        self._pid = -1
+        self._fork = -1
         self._tensors = []
         self._copy_rows = False
 

@@ -128,6 +128,11 @@ def _classes_in(annotation: object) -> set[type]:
     return found
 
 
+def _public_namespace() -> dict[str, object]:
+    project = importlib.import_module(PROJECT)
+    return {name: getattr(project, name) for name in project.__all__}
+
+
 def _returned_classes(owner: object) -> dict[str, set[type]]:
     """Public callable name -> this project's classes in its return annotation."""
     returned = {}
@@ -135,7 +140,9 @@ def _returned_classes(owner: object) -> dict[str, set[type]]:
         target = member.fget if isinstance(member, property) else member
         if name.startswith("_") or not callable(target) or isinstance(target, type):
             continue
-        hint = typing.get_type_hints(target).get("return")
+        # Names a module imports for type checking only (the store, which the open path
+        # must not load) are the public ones of that name.
+        hint = typing.get_type_hints(target, localns=_public_namespace()).get("return")
         classes = {cls for cls in _classes_in(hint) if cls.__module__.split(".")[0] == PROJECT}
         if classes:
             returned[name] = classes

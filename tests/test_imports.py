@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
 
 import shmcache
 
@@ -29,6 +33,53 @@ def test_opening_an_array_loads_no_heavy_module(root: object) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+WRITE_SIDE = [
+    "shmcache._store.store", "shmcache._store.writing", "shmcache._store.sources", "shmcache._store.planned",
+    "shmcache._store.loading", "shmcache._store.remote", "shmcache._store.blobs", "shmcache._store.tables",
+    "shmcache._store.hdf5", "shmcache._store.array_files", "shmcache._store.space", "shmcache._store.budget",
+    "shmcache._store.locks", "shmcache._store.maintenance", "shmcache._store.catalog",
+    "shmcache._disk.writer", "shmcache._disk.fs", "shmcache._disk.checksum", "shmcache._disk.source_files",
+    "shmcache._disk.urls", "shmcache._disk.entry_tree", "shmcache._disk.procmaps",
+    "shmcache._disk.safetensors",
+    "shmcache._disk.torch_zip", "shmcache._containers.encode", "shmcache._containers.table_encode",
+    "shmcache._containers.table_pack", "shmcache._containers.table_arrow",
+    "hashlib", "zipfile", "shutil", "fcntl", "filelock", "orjson",
+    # nor what only other calls need
+    "logging", "shmcache._containers.group", "shmcache._store.records",
+]
+
+
+@pytest.mark.parametrize(
+    ("opener", "key"), [("open_array", "a"), ("open", "a"), ("open_strings", "s"), ("open_table", "t")]
+)
+def test_opening_an_entry_in_a_fresh_process_loads_no_write_side(root: Path, opener: str, key: str) -> None:
+    """Issue 22: a fresh process that opens one entry imports what reading needs and no
+    more (the store's write side, sources, remote loads, encoders, locks)."""
+    shmcache.put_array("a", np.arange(3))
+    shmcache.put_strings("s", ["x", "y"])
+    shmcache.put_table("t", {"n": [1, 2]})
+    code = (
+        "import json, sys, shmcache; "
+        f"got = shmcache.{opener}({key!r}); assert len(got) in (2, 3), got; "
+        f"print(json.dumps(sorted(m for m in {WRITE_SIDE!r} if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert json.loads(out.stdout) == []
+
+
+def test_the_store_shares_the_module_functions_attachments(root: Path) -> None:
+    """The Store-less open path and every Store of the root share one reader: the same
+    array object, one mapping per entry per process."""
+    shmcache.put_array("a", np.arange(3))
+    code = (
+        "import shmcache; a = shmcache.open_array('a'); s = shmcache.get_store(); "
+        "assert s.open_array('a') is a and shmcache.get_store(s.root).open_array('a') is a; "
+        "assert shmcache.Store(s.root).open_array('a') is not a; print('ok')"  # a Store of its own
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "ok"
 
 
 DEFERRED = ["filelock", "json", "zipfile", "logging", "tempfile", "dataclasses", "uuid", "hashlib", "secrets"]

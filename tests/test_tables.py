@@ -415,3 +415,24 @@ def test_daemon_loads_a_parquet_file(daemon: Daemon, data_dir: Path, tmp_path: P
         assert bad.status_code in (400, 422) and "CorruptSourceError" in bad.text, bad.text
         assert "bad.parquet" in bad.text
     assert list(shmcache.open_table(key, root=daemon.root)) == [{"x": 1.5, "s": "é"}, {"x": 2.5, "s": None}]
+
+
+def test_share_of_dicts_marshals_columns_never_the_whole_list(
+    store: shmcache.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22 item 5: deciding that a list of 1M dicts is no list of numbers took
+    ``marshal.dumps`` of the whole list (more than the rest of ``share()`` together)."""
+    from shmcache._containers import table_pack
+
+    dumped: list[Any] = []
+    real = table_pack.marshal.dumps
+
+    def recording(values: Any, version: int) -> bytes:
+        dumped.append(values)
+        return real(values, version)
+
+    monkeypatch.setattr(table_pack.marshal, "dumps", recording)
+    anns = [{"bbox": [1.0, 2.0, 3.0, 4.0], "label": i, "id": f"a{i}"} for i in range(100)]
+    table = store.share("anns", anns)
+    assert table[7] == anns[7]
+    assert dumped and all(type(values[0]) is not dict for values in dumped)  # columns only

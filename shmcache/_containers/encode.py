@@ -24,6 +24,7 @@ import numpy as np
 
 from .._disk.npy import check_storable_dtype
 from ..errors import UnsupportedDataError
+from .shared import fast_json, utf8  # the read side's, which must not import this module
 from .table_encode import NotTabular, encode_table_records
 from .table_pack import pack_numbers
 
@@ -42,11 +43,6 @@ __all__ = [
 Encoded = tuple[str, dict[str, np.ndarray], dict[str, Any]]
 """``(kind, files, meta)``: the arrays to store (file name without ``.npy``) and the
 extra metadata of an entry."""
-
-
-def utf8(text: str) -> bytes:
-    """UTF-8 that round-trips every Python ``str`` (lone surrogates included)."""
-    return text.encode("utf-8", "surrogatepass")
 
 
 def _offsets(lengths: Iterable[int], count: int) -> np.ndarray:
@@ -152,15 +148,6 @@ def _has_huge_int(value: Any) -> bool:
     if isinstance(value, list):
         return any(map(_has_huge_int, value))
     return False
-
-
-def fast_json() -> Any | None:
-    """orjson if installed (a base dependency; None falls back to ``json``)."""
-    try:
-        import orjson
-    except ImportError:
-        return None
-    return orjson
 
 
 def encode_records(

@@ -21,7 +21,6 @@ from .._disk.attach import MappedFile, attach_array, mapped_base
 from .._disk.layout import Layout
 from .._disk.meta import EntryMeta, read_meta
 from ..errors import KeyNotFoundError, UnsupportedDataError
-from .encode import fast_json, utf8
 
 __all__ = [
     "READERS",
@@ -32,7 +31,9 @@ __all__ = [
     "SharedRecords",
     "SharedStrings",
     "container_for",
+    "fast_json",
     "open_version",
+    "utf8",
     "wrong_kind",
 ]
 
@@ -73,6 +74,20 @@ def wrong_kind(key: str, kind: str, wanted: str) -> UnsupportedDataError:
     return UnsupportedDataError(
         f"entry {key!r} holds {kind}, not {wanted}; open it with shmcache.{opener} (or shmcache.open)"
     )
+
+
+def utf8(text: str) -> bytes:
+    """UTF-8 that round-trips every Python ``str`` (lone surrogates included)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def fast_json() -> Any | None:
+    """orjson if installed (a base dependency; None falls back to ``json``)."""
+    try:
+        import orjson
+    except ImportError:
+        return None
+    return orjson
 
 
 def _position(index: Any, length: int) -> int:
@@ -381,13 +396,21 @@ class SharedBlobs(_Shared, Sequence[np.ndarray]):
 
 READERS: dict[str, Callable[[EntryRef, Mapping[str, np.ndarray], Mapping[str, Any]], Any]] = {}
 """Reader classes of kinds defined in modules of their own (``table``), which register
-here when imported (the store imports them all; each pickles through a function of its own
+here when imported (``_READER_HOMES`` names them; each pickles through a function of its own
 module, so unpickling imports it), so this module needs no import of them."""
+
+_READER_HOMES = {"table": "shmcache._containers.table"}
+"""The module that registers each such kind: an open that meets one imports it then."""
 
 
 def container_for(ref: EntryRef, files: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Any:
     """The reader object of a non-array entry kind."""
     reader = READERS.get(ref.kind)
+    if reader is None and ref.kind in _READER_HOMES:
+        import importlib
+
+        importlib.import_module(_READER_HOMES[ref.kind])
+        reader = READERS.get(ref.kind)
     if reader is not None:
         return reader(ref, files, meta)
     if ref.kind == "strings":

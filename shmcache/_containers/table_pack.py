@@ -26,9 +26,11 @@ _FLOAT, _INT, _TRUE, _FALSE, _LIST = b"g"[0], b"i"[0], b"T"[0], b"F"[0], b"["[0]
 _PAYLOAD = {_FLOAT: ("<f8", 8, np.float64), _INT: ("<i4", 4, np.int64)}
 
 
-def _dumped(values: Any) -> np.ndarray | None:
-    """The marshalled bytes of a non-empty list after its header, or None."""
-    if type(values) is not list or not values:
+def _dumped(values: Any, first: tuple[type, ...]) -> np.ndarray | None:
+    """The marshalled bytes of a non-empty list after its header, or None; None at once
+    when the first value's exact type is not in ``first`` (a list of 1M dicts is not
+    marshalled just to learn that it is no column of numbers)."""
+    if type(values) is not list or not values or type(values[0]) not in first:
         return None
     try:
         data = marshal.dumps(values, 2)
@@ -40,7 +42,7 @@ def _dumped(values: Any) -> np.ndarray | None:
 def pack_numbers(values: Any) -> np.ndarray | None:
     """A list of exact floats -> float64, of exact ints in int32 range -> int64, of bools
     -> bool; None if the list is anything else."""
-    body = _dumped(values)
+    body = _dumped(values, (float, int, bool))
     if body is None:
         return None
     count, tag = len(values), int(body[0])
@@ -63,7 +65,7 @@ def pack_numbers(values: Any) -> np.ndarray | None:
 def pack_lists(values: Any) -> np.ndarray | None:
     """A list of exact lists, all of one non-zero length, of exact floats (float64) or
     of exact ints in int32 range (int64) -> a 2-D array; None if anything else."""
-    body = _dumped(values)
+    body = _dumped(values, (list,))
     if body is None or body.size < _HEADER + 2 or body[0] != _LIST:
         return None
     count, size, tag = len(values), int(body[1:_HEADER].view("<i4")[0]), int(body[_HEADER])

@@ -26,6 +26,7 @@ from .._store import Store, StoreStats
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
 from .gpu import gpu_report
+from .hugepages import huge_pages_report
 from .logind import removeipc_risk
 
 __all__ = ["Check", "Status", "run_checks"]
@@ -446,6 +447,7 @@ def run_checks(root: Path, socket_path: Path | None = None, team: str | None = N
         _check_start_method(),
         _check_open_files(len(entries)),
         _check_overcommit(),
+        Check("huge_pages", *huge_pages_report(store.root)),  # type: ignore[arg-type]
         _check_held(store),
         Check("gpu", *gpu_report(store.root)),  # type: ignore[arg-type]
     ]

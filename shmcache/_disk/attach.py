@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copyreg
 import errno
-import logging
 import mmap
 import os
 import resource
@@ -65,8 +64,6 @@ __all__ = [
     "overcommit_is_strict",
     "private_view",
 ]
-
-logger = logging.getLogger(__name__)
 
 MapMode = Literal["copy-on-write", "shared", "writable"]
 COPY_ON_WRITE: MapMode = "copy-on-write"
@@ -264,7 +261,9 @@ def _say_shared_once(reason: str) -> None:
     global _shared_fallback_logged
     if not _shared_fallback_logged:
         _shared_fallback_logged = True
-        logger.warning(
+        import logging  # deferred: said once at most, and the open path of a fresh process is lean
+
+        logging.getLogger(__name__).warning(
             "shmcache: %s; such entries are mapped shared read-only in this process instead "
             "(said once): numpy still refuses writes, but an in-place write through a torch "
             "tensor of one (torch.from_numpy, torch.as_tensor) kills the process with SIGSEGV: "

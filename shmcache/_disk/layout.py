@@ -43,7 +43,6 @@ else. :func:`modes_of` decides that, from the root's own mode, for every writer.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import stat
 import warnings
@@ -126,8 +125,6 @@ TEAM_MODES = (0o750, 0o640)
 """(directories, files) that the team daemon creates in a team root: the group reads."""
 TEAM_ROOT_MODE = 0o2750
 """A team root's own mode: setgid (all below gets the team's group), the group reads."""
-
-logger = logging.getLogger(__name__)
 
 
 def modes_of(root_mode: int) -> tuple[int, int]:

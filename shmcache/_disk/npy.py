@@ -55,6 +55,9 @@ _SOURCE_HEAD = 4096  # first read of a source: its whole header, nearly always
 _MEMO_LIMIT = 4096
 _DTYPES: dict[bytes, np.dtype] = {}  # descr text -> dtype
 _SHAPES: dict[bytes, tuple[int, ...]] = {}  # shape text -> shape
+# Whole header -> parsed (entries of one dataset share theirs): a cold open of another
+# key skips the regex. Only what parsed is kept; the buffer-size check stays per file.
+_HEADERS: dict[bytes, tuple[np.dtype, tuple[int, ...], bool, int]] = {}
 
 
 class NpyHeader(NamedTuple):
@@ -134,14 +137,22 @@ def parse_header_bytes(head: bytes, end: int, where: str) -> tuple[np.dtype, tup
     Returns ``(dtype, shape, fortran_order, data_offset)`` as a plain tuple (this is
     the attach hot path). Damage raises :class:`CorruptEntryError`.
     """
+    raw = head if len(head) == end else head[:end]
+    parsed = _HEADERS.get(raw)
+    if parsed is not None:  # the same header bytes parse the same (a pure function of them)
+        return parsed
     match = _CANONICAL_HEADER.match(head, 10 if head[6] == 1 else 12, end)
     if match is None:
-        return tuple(_parse_header_slowly(head[:end], where))  # type: ignore[return-value]
+        return tuple(_parse_header_slowly(raw, where))  # type: ignore[return-value]
     descr, fortran, dims = match.groups()
     shape = _SHAPES.get(dims)
     if shape is None:
         shape = _shape_from_text(dims)
-    return (_dtype_from_descr(descr, where), shape, fortran == b"True", end)
+    parsed = (_dtype_from_descr(descr, where), shape, fortran == b"True", end)
+    if len(_HEADERS) >= _MEMO_LIMIT:
+        _HEADERS.clear()
+    _HEADERS[raw] = parsed
+    return parsed
 
 
 def _shape_from_text(dims: bytes) -> tuple[int, ...]:

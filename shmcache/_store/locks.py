@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
-from enum import Enum
 
 from .._disk.fs import (
     raise_if_full,
@@ -56,6 +55,7 @@ from .._disk.fs import (
 )
 from .._disk.layout import Layout
 from .lock_holders import STOPPED_GRACE_S, LockWait
+from .timeouts import STORE_TIMEOUT, StoreTimeout
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
@@ -82,15 +82,6 @@ locks, whatever the number of keys."""
 
 _POLL_FIRST_S = 0.001
 _POLL_S = 0.05
-
-
-class StoreTimeout(Enum):
-    """``timeout=`` left out of ``cache()``: use the store's ``lock_timeout``."""
-
-    STORE = "the store's lock_timeout"
-
-
-STORE_TIMEOUT = StoreTimeout.STORE
 
 
 @dataclass

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from .._containers.shared import open_version, wrong_kind
 from .._disk.attach import WRITABLE, attach_array
 from .._disk.dtypes import for_numpy, raw_bits
 from .._disk.generations import CHANGING, map_generations
@@ -31,7 +30,7 @@ from .._disk.meta import damaged, read_entry_meta, read_meta
 from .._disk.trust import check_root
 from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError, UnsupportedDataError
 
-__all__ = ["Reader", "forget_attachments", "release_version"]
+__all__ = ["Reader", "forget_attachments", "reader_of", "release_version"]
 
 _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
@@ -124,6 +123,8 @@ class Reader:
         """Raise if ``version`` has no array file for a reason other than a race."""
         meta = read_meta(self.layout, version)
         if meta is not None and meta.kind != "array":
+            from .._containers.shared import wrong_kind
+
             raise wrong_kind(key, meta.kind, "array")
         if self.layout.entry_version(key) == version:
             where = self.layout.version_dir(version)
@@ -166,6 +167,10 @@ class Reader:
             if hit is not None and hit[1][hit[2]] == hit[0]:
                 return hit[4]
         validate_key(key)
+        # The containers' read side: imported by the first open of a non-array kind, so
+        # that a process that opens arrays alone never loads it (nor json, bisect).
+        from .._containers.shared import open_version, wrong_kind
+
         table, slot, _ = self._start_resolving(key, self._handles)
         for _ in range(_RESOLVE_RETRIES):
             generation = table[slot] if table is not None else 0
@@ -296,6 +301,19 @@ def _raise_if_damaged(layout: Layout, key: str, version: str, exc: BaseException
 
 
 _READERS: weakref.WeakSet[Reader] = weakref.WeakSet()
+_BY_ROOT: weakref.WeakValueDictionary[str, Reader] = weakref.WeakValueDictionary()
+
+
+def reader_of(layout: Layout) -> Reader:
+    """The one reader of ``layout``'s root for the module functions in this process (while
+    anything holds it): their open path and ``get_store()``'s ``Store`` share its
+    attachments, so ``shmcache.open_array(k) is get_store().open_array(k)`` without loading
+    the store. A ``Store`` of your own keeps a reader of its own (dropping it drops them)."""
+    name = str(layout.root)
+    reader = _BY_ROOT.get(name)
+    if reader is None:
+        reader = _BY_ROOT.setdefault(name, Reader(layout))
+    return reader
 
 
 def release_version(root: Path, key: str, version: str) -> None:

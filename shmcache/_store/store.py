@@ -102,6 +102,12 @@ class Store(Putting):
         # The warm open is the hot path of every DataLoader worker: no extra call frame.
         self.open_array = self._reader.open_array  # type: ignore[method-assign]
 
+    def _share_reader(self, reader: Reader) -> None:
+        """Open through ``reader``, the module functions' one for this root (``get_store``):
+        ``shmcache.open_array(k) is get_store().open_array(k)``, one mapping per entry."""
+        self._reader = reader
+        self.open_array = reader.open_array  # type: ignore[method-assign]
+
     def __repr__(self) -> str:
         return f"Store({self._root_str!r}, max_bytes={self.max_bytes!r})"
 
