@@ -8,6 +8,7 @@ status must match what ``shmcache ls`` then lists, wherever the interrupt lands.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,10 +35,14 @@ def _listed(root: Path, key: str) -> bool:
 
 
 def _startup_s() -> float:
-    """How long the command takes to import itself (before then, Ctrl+C is Python's)."""
-    started = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import shmcache.cli"], check=True)
-    return time.monotonic() - started
+    """How long the interpreter takes to reach ``shmcache.cli.main`` (before then, Ctrl+C
+    is Python's; from there on the command's own imports are covered): the slowest of three."""
+    times = []
+    for _ in range(3):
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import shmcache.cli"], check=True)
+        times.append(time.monotonic() - started)
+    return max(times)
 
 
 def test_ctrl_c_anywhere_in_a_daemon_put_reports_what_ls_shows(daemon: Daemon, data_dir: Path) -> None:
@@ -107,3 +112,34 @@ def test_an_interrupted_client_put_file_says_how_the_load_ended(
         assert note == f"the load of {key!r} ended cancelled: nothing published", note
     if fraction < 1.0:
         assert "nothing published" in note
+
+
+SLOW_IMPORT = """
+import importlib.abc, sys, time
+class Slow(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "shmcache._cli.app":
+            print("importing", flush=True)
+            time.sleep(30)
+        return None
+sys.meta_path.insert(0, Slow())
+from shmcache.cli import main
+sys.argv = ["shmcache", "ls"]
+main()
+"""
+
+
+def test_ctrl_c_while_the_command_loads_its_modules_says_nothing_was_done(tmp_path: Path) -> None:
+    """A Ctrl+C that lands while the command imports Typer, rich and the store (slow on a
+    loaded machine) is the command's, not a traceback from inside an import."""
+    env = {**os.environ, "SHMCACHE_ROOT": str(tmp_path / "root")}
+    process = subprocess.Popen([sys.executable, "-c", SLOW_IMPORT], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "importing"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=HANG_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (process.returncode, err) == (130, "interrupted: nothing done\n"), (out, err)
