@@ -334,6 +334,11 @@ class MemberWriter:
                     f"{path}: a team's daemon loads URLs itself, with its own credentials and only "
                     "from the team's allow_sources: `shmcache put KEY URL --team NAME`"
                 )
+            if source.kind == "shards" or not isinstance(source.location, (str, os.PathLike)):
+                raise UnsupportedDataError(
+                    f"{path}: tar shards (blobs entries) cannot be put into a team root yet; put them "
+                    "into your own root, or put the files' arrays or tables instead"
+                )
             location = Path(os.path.abspath(source.location))
             return self._put_file(key, source.kind, location, overwrite, pin, dtype)
         except PermissionError as exc:  # a directory on the way that this user may not enter

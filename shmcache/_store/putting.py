@@ -26,10 +26,11 @@ from .._disk.meta import EntryMeta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.trust import describe_uid
 from .._disk.writer import VersionWriter
-from .._sources.blobs import BlobSource, plan_blobs
+from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources
 from .._sources.tables import is_table_file, read_table_source
+from .._sources.tar_shards import ShardSource, plan_shards
 from ..errors import CacheRootError, KeyExistsError, LockTimeoutError, UnsupportedDataError
 from .locks import STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock
 from .reading import Reader, release_version
@@ -135,6 +136,17 @@ class Putting:
         """
         validate_key(key)
         plan = plan_blobs(source, f"blobs for key {key!r}", builtins.list(allowed_dirs))
+        return self._put_blob_sources(key, plan, overwrite, pin, progress)
+
+    def _put_blob_sources(
+        self,
+        key: str,
+        plan: BlobSources,
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> EntryInfo:
+        """Write and publish the checked blobs ``plan`` (files, buffers or tar members)."""
         with plan, self._writer() as writer:
             self._refuse_existing([key], overwrite)
             self._reserve(writer, plan.size + _PAGE * (len(plan.arrays) + 2), [key] if overwrite else ())
@@ -196,7 +208,7 @@ class Putting:
     def put_file(
         self,
         key: str,
-        path: str | os.PathLike[str],
+        path: ShardSource,
         *,
         overwrite: bool = False,
         pin: bool = False,
@@ -222,6 +234,11 @@ class Putting:
         ``dtype`` (e.g. ``"uint16"``) makes a raw token file (nanoGPT's ``train.bin``) one 1-D
         array; a Megatron ``.bin``/``.idx`` pair becomes a ragged entry of its documents.
 
+        ``.tar`` shards (WebDataset's layout: one ``.tar``, a glob or brace pattern such as
+        ``"shards/{000..099}.tar"``, or a list of paths) become one blobs entry, a blob per
+        member with its name (``open_blobs(key).samples()`` groups them by basename), copied by
+        the kernel from the shards' byte ranges; see :mod:`shmcache._sources.tar_shards`.
+
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
         array files, and refuses one that mixes both; ``"arrays"`` takes the array files only.
@@ -239,6 +256,10 @@ class Putting:
         """
         validate_key(key)
         source = classify_source(path, as_, dtype)
+        if source.kind == "shards":
+            shards = plan_shards(source.location, f"tar shards for key {key!r}", builtins.list(allowed_dirs))
+            return [self._put_blob_sources(key, shards, overwrite, pin, progress).key]
+        assert isinstance(source.location, (str, os.PathLike)), "only shards come as a list"
         path = source.location
         if source.kind == "remote":
             return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
@@ -336,7 +357,7 @@ class Putting:
     def plan_file(
         self,
         key: str,
-        path: str | os.PathLike[str],
+        path: ShardSource,
         *,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",
