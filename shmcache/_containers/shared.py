@@ -13,7 +13,7 @@ import operator
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from .._disk.layout import Layout
 from .._disk.meta import EntryMeta, read_meta
 from ..errors import KeyNotFoundError, UnsupportedDataError
 from .encode import fast_json, utf8
+
+if TYPE_CHECKING:
+    from .samples import SharedSamples
 
 __all__ = [
     "READERS",
@@ -377,6 +380,14 @@ class SharedBlobs(_Shared, Sequence[np.ndarray]):
     def sizes(self) -> np.ndarray:
         """Size of every blob in bytes."""
         return np.diff(np.asarray(self._offsets))
+
+    def samples(self) -> SharedSamples:
+        """The blobs grouped by basename, as WebDataset groups a tar shard's members:
+        ``samples()[i]`` is ``{"__key__": "000017", "jpg": <bytes view>, "cls": ...}``
+        (see :mod:`shmcache._containers.samples`)."""
+        from .samples import SharedSamples
+
+        return SharedSamples(self)
 
 
 READERS: dict[str, Callable[[EntryRef, Mapping[str, np.ndarray], Mapping[str, Any]], Any]] = {}
