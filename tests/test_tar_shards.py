@@ -30,7 +30,9 @@ def _sample(i: int) -> dict[str, bytes]:
     }
 
 
-def write_shard(path: Path, members: dict[str, bytes], fmt: int = tarfile.GNU_FORMAT, prefix: str = "") -> Path:
+def write_shard(
+    path: Path, members: dict[str, bytes], fmt: int = tarfile.GNU_FORMAT, prefix: str = ""
+) -> Path:
     """A tar shard with ``members`` (regular files, in order); ``prefix`` as ``tar -C dir .`` writes."""
     with tarfile.open(path, "w", format=fmt) as tar:
         if prefix:
@@ -139,7 +141,9 @@ def _good_bytes(tmp: Path) -> bytes:
 END = bytes(1024)
 HOSTILE: dict[str, tuple[Callable[[Path], bytes], type[Exception], str]] = {
     "cut in a member's data": (lambda t: _good_bytes(t)[:512 + 1000], CorruptSourceError, "truncated"),
-    "end blocks missing": (lambda t: _good_bytes(t)[: 512 + 5120 + 1024], CorruptSourceError, "end-of-archive"),
+    "end blocks missing": (
+        lambda t: _good_bytes(t)[: 512 + 5120 + 1024], CorruptSourceError, "end-of-archive"
+    ),
     "size past the end": (
         lambda t: _raw_tar(_header("big.jpg", 10**9), bytes(512), END), CorruptSourceError, "past the end"
     ),
@@ -155,7 +159,9 @@ HOSTILE: dict[str, tuple[Callable[[Path], bytes], type[Exception], str]] = {
         "symbolic link",
     ),
     "hard link": (
-        lambda t: _raw_tar(_header("x.jpg", 0, tarfile.LNKTYPE, "y.jpg"), END), InvalidSourceError, "hard link"
+        lambda t: _raw_tar(_header("x.jpg", 0, tarfile.LNKTYPE, "y.jpg"), END),
+        InvalidSourceError,
+        "hard link",
     ),
     "device": (lambda t: _raw_tar(_header("x.jpg", 0, tarfile.CHRTYPE), END), InvalidSourceError, "device"),
     "fifo": (lambda t: _raw_tar(_header("x.jpg", 0, tarfile.FIFOTYPE), END), InvalidSourceError, "FIFO"),
@@ -217,11 +223,11 @@ def test_names_across_shards_must_be_unique(store: Store, tmp_path: Path) -> Non
 
 def test_a_missing_shard_of_a_pattern_is_an_error_not_skipped(store: Store, tmp_path: Path) -> None:
     make_shards(tmp_path, count=2)
-    with pytest.raises(SourceNotFoundError, match="shard-002.tar does not exist"):
+    with pytest.raises(SourceNotFoundError, match=r"shard-002\.tar does not exist"):
         store.put_file("k", str(tmp_path / "shard-{000..002}.tar"))
     with pytest.raises(SourceNotFoundError, match="no tar shard matches"):
         store.put_file("k", str(tmp_path / "nothing-*.tar"))
-    with pytest.raises(InvalidSourceError, match="list of .tar shards only"):
+    with pytest.raises(InvalidSourceError, match=r"list of \.tar shards only"):
         store.put_file("k", [tmp_path / "shard-000.tar", tmp_path / "x.npy"])
 
 
