@@ -9,12 +9,9 @@ field. A key that comes back after another one starts a new sample, as in WebDat
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, Protocol, overload
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .shared import SharedBlobs
 
 __all__ = ["SharedSamples", "sample_key"]
 
@@ -24,6 +21,15 @@ def sample_key(name: str) -> tuple[str, str]:
     folder, slash, base = name.rpartition("/")
     stem, _, field = base.partition(".")
     return folder + slash + stem, field
+
+
+class _Blobs(Protocol):
+    """What samples need of ``SharedBlobs`` (not imported: it imports this module)."""
+
+    @property
+    def names(self) -> Sequence[str]: ...
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Any: ...
 
 
 class SharedSamples(Sequence[dict[str, Any]]):
@@ -36,7 +42,7 @@ class SharedSamples(Sequence[dict[str, Any]]):
 
     __slots__ = ("_blobs", "_starts")
 
-    def __init__(self, blobs: SharedBlobs) -> None:
+    def __init__(self, blobs: _Blobs) -> None:
         self._blobs = blobs
         starts, previous = [], None
         for i, name in enumerate(blobs.names):
