@@ -1,9 +1,10 @@
 """One dispatch over every kind of source ``put_file`` takes: a URL (``remote``), a table
 file (``tables``), files packed as blobs (``blobs``), tar shards as blobs
-(``tar_shards``), or array files and directories of them (``files``, whose ``PLANNERS``
-name each suffix's planner). ``Store.put_file``, ``Store.plan_file`` (the dry run the
-daemon checks loads with) and the daemon's preloads (is what was loaded still current?)
-all decide here, so a new kind is decided once."""
+(``tar_shards``), ``datasets`` folders as tables (``hf_datasets``), or array files and
+directories of them (``files``, whose ``PLANNERS`` name each suffix's planner).
+``Store.put_file``, ``Store.plan_file`` (the dry run the daemon checks loads with) and the
+daemon's preloads (is what was loaded still current?) all decide here, so a new kind is
+decided once."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Literal
 from ..errors import InvalidSourceError
 from .blobs import directory_fingerprint, plan_blobs, put_kind
 from .files import array_files_under, plan_sources
+from .hf_datasets import hf_fingerprint, is_hf_folder, plan_hf_folder, planned_entries
 from .planned import PlannedEntry
 from .source_files import stat_fingerprint
 from .tables import is_table_file, plan_table_file
@@ -25,7 +27,7 @@ from .urls import is_url, local_path_of
 
 __all__ = ["Loaded", "Source", "classify_source", "is_current", "plan_source"]
 
-SourceKind = Literal["remote", "table", "blobs", "shards", "arrays"]
+SourceKind = Literal["remote", "table", "blobs", "shards", "hf", "arrays"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
         path = local
     if as_ == "auto" and dtype is None and is_shard_source(path):  # as_="blobs": the .tar file itself
         return Source("shards", path)
+    if as_ == "auto" and dtype is None and is_hf_folder(path):  # save_to_disk: tables, not 3 blobs
+        return Source("hf", path)
     kind = put_kind(Path(path), as_)
     if kind != "blobs" and is_table_file(path) and not os.path.isdir(path) and dtype is None:  # one table
         return Source("table", path)
@@ -90,6 +94,8 @@ def plan_source(
         shards = plan_shards(location, f"tar shards for key {key!r}", allowed)
         shown = shards.source or ", ".join(str(p) for p in location)  # type: ignore[union-attr]
         return [PlannedEntry(key, shown, shown, shards.size)]
+    if source.kind == "hf":
+        return planned_entries(plan_hf_folder(key, Path(_local(location)), allowed))
     if source.kind == "table":
         return [plan_table_file(key, Path(_local(location)), allowed)]
     if source.kind == "blobs":
@@ -129,6 +135,11 @@ def is_current(source: Path | str, loaded: Sequence[Loaded]) -> bool:
         if is_shard_source(source):
             return entry.source == str(source) and entry.fingerprint == shards_fingerprint(source)
         return entry.source == str(source) and entry.fingerprint == directory_fingerprint(source)
+    if is_hf_folder(source):  # a table per split, each fingerprinted by its data files
+        return all(
+            Path(e.source).is_relative_to(source) and e.fingerprint == hf_fingerprint(Path(e.source))
+            for e in loaded
+        ) and len(loaded) == len(plan_hf_folder("k", source))
     try:
         files = {str(p) for p in array_files_under(source)} if source.is_dir() else {str(source)}
     except OSError:  # a directory that cannot be listed: load again, and say why there

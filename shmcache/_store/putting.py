@@ -29,6 +29,7 @@ from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources
+from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
 from .._sources.tables import is_table_file, read_table_source
 from .._sources.tar_shards import ShardSource, plan_shards
 from ..errors import CacheRootError, KeyExistsError, LockTimeoutError, UnsupportedDataError
@@ -160,9 +161,12 @@ class Putting:
     def put_table(
         self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False
     ) -> EntryInfo:
-        """Publish a table: a pyarrow Table, a pandas DataFrame, a dict of columns, a list of
-        dicts with one set of keys, or a path to a .parquet/.feather/.arrow/.csv/.jsonl file."""
+        """Publish a table: a pyarrow Table, a pandas DataFrame, a ``datasets.Dataset`` (its
+        Arrow data, rows as selected), a dict of columns, a list of dicts with one set of
+        keys, or a path to a .parquet/.feather/.arrow/.csv/.jsonl file."""
         validate_key(key)
+        if type(data).__module__.partition(".")[0] == "datasets":
+            data = arrow_of_dataset(data, f"table for key {key!r}")
         if isinstance(data, (str, os.PathLike)):
             if not is_table_file(data):
                 raise UnsupportedDataError(
@@ -263,6 +267,8 @@ class Putting:
         path = source.location
         if source.kind == "remote":
             return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
+        if source.kind == "hf":
+            return self._put_hf_folder(key, Path(path), builtins.list(allowed_dirs), overwrite, pin, progress)
         if source.kind == "table":
             files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
             size = int(meta["source_fingerprint"]["size"])
@@ -311,6 +317,43 @@ class Putting:
                 lock_timeout=self.lock_timeout,
             )
         logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
+        return keys
+
+    def _put_hf_folder(
+        self,
+        key: str,
+        path: Path,
+        allowed: builtins.list[str | os.PathLike[str]],
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> builtins.list[str]:
+        """``put_file`` of a ``save_to_disk`` folder: a table per split, published together."""
+        splits = plan_hf_folder(key, path, allowed)
+        keys = [split.key for split in splits]
+        self._refuse_existing(keys, overwrite)
+        total = sum(split.size for split in splits)
+        advance = _progress_counter(progress, total)
+        if progress is not None:
+            progress(0, total)
+        with self._writer() as writer:
+            versions = []
+            for split in splits:
+                files, extra = read_hf_split(split, allowed)
+                nbytes = sum(int(a.nbytes) for a in files.values())
+                self._reserve(writer, nbytes + _PAGE * (len(files) + 1), [split.key] if overwrite else ())
+                version = writer.new_version()
+                crcs, headers = {}, {}
+                for name, array in files.items():
+                    crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
+                meta = version_meta(split.key, "table", version, headers, crcs, pin) | dict(extra)
+                meta["shape"] = [meta.get("length", 0)]
+                meta.setdefault("dtype", ITEM_TYPES.get("table"))
+                writer.write_meta(version, meta)
+                versions.append((split.key, version))
+                advance(split.size)
+            publish(self.layout, writer, versions, overwrite=overwrite, lock_timeout=self.lock_timeout)
+        logger.info("put %s from %s (%d tables)", key, path, len(keys))
         return keys
 
     def _put_remote(
