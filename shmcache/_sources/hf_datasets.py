@@ -25,7 +25,13 @@ import numpy as np
 
 from .._containers.table_arrow import encode_arrow, require_pyarrow
 from .._disk.keys import validate_key
-from ..errors import CorruptSourceError, InvalidKeyError, InvalidSourceError, UnsupportedDataError
+from ..errors import (
+    CorruptSourceError,
+    InvalidKeyError,
+    InvalidSourceError,
+    SourceNotFoundError,
+    UnsupportedDataError,
+)
 from .planned import PlannedEntry
 from .source_files import SourceFile, check_unchanged, open_checked
 
@@ -95,6 +101,8 @@ def _data_files(folder: Path, tops: tuple[str, ...]) -> tuple[Path, ...]:
             raise InvalidSourceError(
                 f"{folder}/state.json names data file {name!r}, not a file in its folder"
             )
+        if not (folder / name).is_file():
+            raise SourceNotFoundError(f"{folder}/state.json names data file {name}, which does not exist")
         files.append(folder / name)
     return tuple(files)
 
