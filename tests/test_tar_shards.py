@@ -92,6 +92,10 @@ def test_shards_become_one_blobs_entry_with_member_names_in_order(
 def test_one_tar_with_long_names_pax_headers_directories_and_dot_slash(store: Store, tmp_path: Path) -> None:
     gnu = write_shard(tmp_path / "gnu.tar", {f"{LONG}.jpg": b"gnu long", "a/b.txt": b"x"}, prefix="./")
     pax = write_shard(tmp_path / "pax.tar", {"é/" + "p" * 150 + ".cls": b"pax"}, fmt=tarfile.PAX_FORMAT)
+    ustar_name = "d" * 60 + "/" + "e" * 60 + "/000.jpg"  # over 100 bytes: ustar's prefix field
+    ustar = write_shard(tmp_path / "ustar.tar", {ustar_name: b"u", "000.cls": b"c"}, fmt=tarfile.USTAR_FORMAT)
+    store.put_file("u", ustar)
+    assert _contents(store, "u") == {ustar_name: b"u", "000.cls": b"c"}
     store.put_file("g", gnu)
     store.put_file("p", [pax])
     assert _contents(store, "g") == {f"{LONG}.jpg": b"gnu long", "a/b.txt": b"x"}
@@ -165,6 +169,11 @@ HOSTILE: dict[str, tuple[Callable[[Path], bytes], type[Exception], str]] = {
     ),
     "device": (lambda t: _raw_tar(_header("x.jpg", 0, tarfile.CHRTYPE), END), InvalidSourceError, "device"),
     "fifo": (lambda t: _raw_tar(_header("x.jpg", 0, tarfile.FIFOTYPE), END), InvalidSourceError, "FIFO"),
+    "bad checksum": (
+        lambda t: (lambda b: b[:5642] + b"\x01" + b[5643:])(_good_bytes(t)),  # in the 2nd header's name
+        CorruptSourceError,
+        "end-of-archive",
+    ),
     "not a tar": (lambda t: os.urandom(4096), CorruptSourceError, "not a tar"),
     "tiny": (lambda t: b"abc", CorruptSourceError, "shorter than one header"),
     "gzip inside": (lambda t: b"\x1f\x8b\x08" + bytes(2000), InvalidSourceError, "gunzip"),

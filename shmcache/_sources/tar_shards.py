@@ -251,7 +251,9 @@ class _HeaderReader:
 
 
 def _members(fd: int, file: SourceFile) -> Iterator[tuple[str, int, int]]:
-    """``(name, data offset, size)`` of every regular member of the shard open as ``fd``."""
+    """``(name, data offset, size)`` of every regular member of the shard open as ``fd``.
+    Plain ustar/GNU headers of files and directories are read here (a few struct fields);
+    anything else (long names, pax, links, devices, odd checksums) by ``tarfile``."""
     path = file.path
     magic = os.pread(fd, 8, 0)
     for prefix, codec, command in _COMPRESSED:
@@ -260,29 +262,42 @@ def _members(fd: int, file: SourceFile) -> Iterator[tuple[str, int, int]]:
     if file.size < _BLOCK:
         raise CorruptSourceError(f"{path} is not a tar archive ({file.size} bytes: shorter than one header)")
     reader = _HeaderReader(fd, file)
-    try:
-        archive = tarfile.open(fileobj=reader, mode="r:")  # type: ignore[call-overload]  # noqa: SIM115
-    except tarfile.ReadError as exc:
-        raise CorruptSourceError(f"{path} is not a tar archive ({exc})") from None
+    archive: tarfile.TarFile | None = None
     most = file.size // _BLOCK  # every member takes one header block at least
-    count, previous = 0, -1
+    count = offset = 0
     try:
         while True:
-            member = archive.next()
-            if member is None:
-                break
-            archive.members.clear()  # headers only, never kept: memory flat over any count
+            header = os.pread(fd, _BLOCK, offset)
+            plain = _plain_header(header) if archive is None or not archive.pax_headers else None
+            if plain is not None:
+                raw, is_dir, start, size = plain[0], plain[1], offset + _BLOCK, plain[2]
+                at, offset = offset, offset + _BLOCK + (0 if is_dir else -(-size // _BLOCK) * _BLOCK)
+            else:
+                reader.seek(offset)
+                if archive is None:  # parses (and keeps as firstmember) the header at offset
+                    try:
+                        archive = tarfile.TarFile(fileobj=reader, mode="r")  # type: ignore[arg-type]
+                    except tarfile.ReadError as exc:
+                        raise CorruptSourceError(f"{path} is not a tar archive ({exc})") from None
+                else:
+                    archive.offset = offset
+                member = archive.next()
+                if member is None:
+                    offset = archive.offset  # where the end block (or the damage) is
+                    break
+                archive.members.clear()  # type: ignore[attr-defined]  # headers only, never kept: memory flat over any count
+                if member.offset < offset:
+                    raise CorruptSourceError(f"{path}: tar headers loop back at byte {member.offset}")
+                raw, is_dir, start, size = member.name, member.isdir(), member.offset_data, member.size
+                at, offset = member.offset, archive.offset
+                if not is_dir:
+                    _check_kind(member, raw, path)
             count += 1
-            if count > most or member.offset <= previous:
-                raise CorruptSourceError(
-                    f"{path}: tar headers loop back at byte {member.offset}; not a valid shard"
-                )
-            previous = member.offset
-            if member.isdir():
+            if count > most or offset <= at:
+                raise CorruptSourceError(f"{path}: tar headers loop back at byte {at}; not a valid shard")
+            if is_dir:
                 continue
-            name = _member_name(member.name, path)
-            _check_kind(member, name, path)
-            start, size = member.offset_data, member.size
+            name = _member_name(raw, path)
             if size < 0 or start + size > file.size:
                 raise CorruptSourceError(
                     f"{path}: member {name!r} claims {size:,} bytes from byte {start:,}, past the end of the "
@@ -293,12 +308,40 @@ def _members(fd: int, file: SourceFile) -> Iterator[tuple[str, int, int]]:
         raise CorruptSourceError(
             f"{path}: {exc} (a truncated or damaged tar); nothing was published"
         ) from None
-    end = os.pread(fd, _BLOCK, archive.offset)
+    end = os.pread(fd, _BLOCK, offset)
     if len(end) < _BLOCK or end.count(0) != _BLOCK:
         raise CorruptSourceError(
-            f"{path}: no end-of-archive block after its last member (at byte {archive.offset:,}): the shard "
+            f"{path}: no end-of-archive block after its last member (at byte {offset:,}): the shard "
             "is truncated or damaged; nothing was published, fetch it again"
         )
+
+
+def _plain_header(block: bytes) -> tuple[str, bool, int] | None:
+    """``(name, is a directory, size)`` of a ustar or GNU header of a regular file or a
+    directory with a valid checksum and an octal size; None: ``tarfile`` reads it."""
+    if len(block) != _BLOCK or block[156:157] not in (b"0", b"\0", b"5"):
+        return None
+    magic = block[257:265]
+    if magic[:6] == b"ustar\0":
+        prefix = block[345:500].split(b"\0", 1)[0]
+    elif magic == b"ustar  \0":  # GNU: no prefix field there
+        prefix = b""
+    else:
+        return None
+    if block[124] & 0x80:  # base-256 size (over 8 GiB)
+        return None
+    try:
+        checksum = int(block[148:156].replace(b"\0", b" ").strip() or b"x", 8)
+        size = int(block[124:136].replace(b"\0", b" ").strip() or b"0", 8)
+    except ValueError:
+        return None
+    if checksum != sum(block[:148]) + 256 + sum(block[156:]):
+        return None
+    name = block[:100].split(b"\0", 1)[0]
+    if prefix:
+        name = prefix + b"/" + name
+    is_dir = block[156:157] == b"5" or (block[156:157] == b"\0" and name.endswith(b"/"))
+    return name.decode("utf-8", "surrogateescape"), is_dir, size
 
 
 def _member_name(raw: str, path: str) -> str:
