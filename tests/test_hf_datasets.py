@@ -143,3 +143,18 @@ def test_cli_puts_a_saved_folder_and_a_preload_sees_it_current(root: Path, tmp_p
     assert store.info("hfds").kind == "table" and is_up_to_date(store, "hfds", folder)
     _dataset(12).save_to_disk(str(folder))  # type: ignore[attr-defined]
     assert not is_up_to_date(store, "hfds", folder)
+
+
+def test_a_member_puts_a_folder_and_a_dataset_through_the_daemons_write_channel(tmp_path: Path) -> None:
+    from shmcache._store.member_writes import MemberWriter
+    from tests.service_helpers import running_daemon, temporary_root
+
+    ds = _dataset(20)
+    datasets.DatasetDict({"train": ds, "val": ds.select([1, 2])}).save_to_disk(str(tmp_path / "dd"))
+    with temporary_root() as root, running_daemon(root):
+        writer = MemberWriter(root)
+        assert writer.put_file("dd", tmp_path / "dd") == ["dd/train", "dd/val"]
+        writer.put_table("picked", ds.select([5, 1]))
+        store = Store(root)
+        _assert_table_equals(store, "dd/val", ds.select([1, 2]))
+        assert list(shmcache.open_table("picked", root=root).column("label")) == [5, 1]

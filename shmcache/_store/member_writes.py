@@ -37,6 +37,7 @@ from .._disk.npy import build_header
 from .._disk.writer import write_npy
 from .._sources.dispatch import classify_source
 from .._sources.files import copy_planned, plan_sources
+from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
 from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
 from ..errors import (
@@ -240,6 +241,8 @@ class MemberWriter:
 
     def put_table(self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
         validate_key(key)
+        if type(data).__module__.partition(".")[0] == "datasets":
+            data = arrow_of_dataset(data, f"table for key {key!r}")
         if isinstance(data, (str, os.PathLike)):
             if not is_table_file(data):
                 raise UnsupportedDataError(
@@ -355,6 +358,12 @@ class MemberWriter:
                 f"{source}: blobs entries cannot be put into a team root yet; put the files' arrays "
                 "(.npy, .npz, .safetensors, ...) or tables instead"
             )
+        if kind == "hf":  # a save_to_disk folder: a table per split, published together
+            pending = []
+            for split in plan_hf_folder(key, source):
+                files, meta = read_hf_split(split)
+                pending.append(Pending(split.key, "table", dict(files), meta))
+            return [info.key for info in self.put(pending, overwrite=overwrite, pin=pin)]
         if kind == "table":
             files, meta = read_table_source(source)
             self.put([Pending(key, "table", dict(files), meta)], overwrite=overwrite, pin=pin)
