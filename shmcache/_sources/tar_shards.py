@@ -24,14 +24,16 @@ from __future__ import annotations
 import glob
 import os
 import re
-import tarfile
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._disk.fs import out_of_descriptors, too_many_open_files
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotFoundError
 from .blobs import BlobSources, _check_name, _names_arrays
 from .source_files import SourceFile, open_checked
+
+if TYPE_CHECKING:
+    import tarfile
 
 __all__ = [
     "MAX_EXPANSIONS",
@@ -254,6 +256,8 @@ def _members(fd: int, file: SourceFile) -> Iterator[tuple[str, int, int]]:
     """``(name, data offset, size)`` of every regular member of the shard open as ``fd``.
     Plain ustar/GNU headers of files and directories are read here (a few struct fields);
     anything else (long names, pax, links, devices, odd checksums) by ``tarfile``."""
+    import tarfile  # here: a process that only reads entries never loads it
+
     path = file.path
     magic = os.pread(fd, 8, 0)
     for prefix, codec, command in _COMPRESSED:
