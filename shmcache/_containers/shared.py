@@ -315,7 +315,8 @@ class SharedBlobs(_Shared, Sequence[np.ndarray]):
 
     ``blobs[i]`` and ``blobs["relative/name.jpg"]`` are read-only ``uint8`` views of the
     shared bytes (no copy: decode them with ``PIL.Image.open(io.BytesIO(b))`` or
-    ``cv2.imdecode(b, ...)``). A Sequence: iterating yields the arrays in name order;
+    ``cv2.imdecode(b, ...)``). A Sequence: iterating yields the arrays in stored order (a
+    directory's sorted names; tar shards' members as in the shards);
     ``name in blobs`` looks a name up (hash index); ``.names`` are the names in order.
     """
 
