@@ -296,3 +296,17 @@ def test_daemon_loads_a_brace_pattern_of_shards(daemon: object, data_dir: Path) 
         assert refused.json()["error"] == "SourceNotAllowedError", refused.text
         missing = client.put("/v1/entries/m", json={"source": str(data_dir / "web" / "nope-{0..1}.tar")})
         assert missing.json()["error"] == "SourceNotFoundError", missing.text
+
+
+def test_a_shard_rewritten_while_loading_fails_the_put(store: Store, tmp_path: Path) -> None:
+    make_shards(tmp_path / "s", count=3)
+    victim = tmp_path / "s" / "shard-002.tar"
+
+    def rewrite_once(done: int, total: int, state: list[int] = [0]) -> None:  # noqa: B006
+        if state[0] == 0:  # after the check, before the copy reaches the last shard
+            state[0] = 1
+            write_shard(victim, _sample(99) | _sample(98))
+
+    with pytest.raises(CorruptSourceError, match=r"shard-002\.tar changed"):
+        store.put_file("k", str(tmp_path / "s" / "shard-*.tar"), progress=rewrite_once)
+    assert not store.exists("k")
