@@ -12,6 +12,13 @@ Rows (full size; ``--quick`` in brackets), methods alternated, medians over ``--
   of the checkpoint in RAM beside the cache.
 - ``put_file(..., dtype="uint16")`` of a 1 GiB nanoGPT-style token file [64 MiB] vs ``cp``
   to /dev/shm; target >= 0.9x.
+- ``put_file`` of WebDataset ``.tar`` shards (a brace pattern; 1 GiB of 100 KiB images +
+  labels, 64 MiB shards) [64 MiB] vs ``tar -xf`` of each shard into /dev/shm; target >= 0.9x.
+  The note gives the peak RSS growth of a process doing only the ``put_file`` (flat: members
+  are copied by the kernel, never read into Python).
+- ``put_file`` of a ``datasets`` ``save_to_disk`` folder (256 MiB of int64 labels, float32
+  embeddings, strings; 4 shards) [16 MiB] vs ``datasets.load_from_disk`` +
+  ``with_format("numpy")`` access to every column; target >= 0.9x.
 - random batches of 12 x 1024 token windows from ``TokenWindows`` vs nanoGPT's ``get_batch``
   over an ``np.memmap`` of the same tokens; target >= 0.9x its speed.
 
@@ -176,7 +183,105 @@ def row_token_windows(ctx: Context) -> Row | None:
     )
 
 
-ROWS: list[Callable[[Context], Row | None]] = [row_bf16_safetensors, row_token_file, row_token_windows]
+def _write_shards(top: Path, nbytes: int, shard_bytes: int) -> str:
+    """WebDataset shards of ``nbytes``: 100 KiB "images" and a label per sample; the brace pattern."""
+    import io
+    import tarfile
+
+    top.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    per_shard = max(1, shard_bytes // (100 * 1024))
+    shards = max(1, nbytes // shard_bytes)
+    sample = 0
+    for shard in range(shards):
+        with tarfile.open(top / f"shard-{shard:04d}.tar", "w") as tar:
+            for _ in range(per_shard):
+                for field, data in (("jpg", rng.bytes(100 * 1024)), ("cls", str(sample % 1000).encode())):
+                    member = tarfile.TarInfo(f"{sample:08d}.{field}")
+                    member.size = len(data)
+                    tar.addfile(member, io.BytesIO(data))
+                sample += 1
+    return str(top / f"shard-{{0000..{shards - 1:04d}}}.tar")
+
+
+def row_tar_shards(ctx: Context) -> Row:
+    nbytes = ctx.config.npy_bytes
+    pattern = _write_shards(ctx.src / "shards", nbytes, min(64 * MiB, max(MiB, nbytes // 4)))
+    shards = sorted((ctx.src / "shards").glob("*.tar"))
+
+    def untar() -> None:
+        target = ctx.shm / ctx.fresh("x")
+        target.mkdir()
+        for shard in shards:
+            subprocess.run(["tar", "-xf", str(shard), "-C", str(target)], check=True)
+
+    base, meth = timed_pair(
+        ctx, untar, lambda: ctx.store.put_file(ctx.fresh("s"), pattern), after=lambda: _clear(ctx)
+    )
+    peak = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, str(ctx.store.root), pattern],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    size, growth = sum(s.stat().st_size for s in shards), int(peak.stdout)
+    return Row(
+        f"put_file of {len(shards)} tar shards ({fmt_bytes(size)}, 100 KiB members)",
+        "Store.put_file(pattern)",
+        "tar -xf into /dev/shm",
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+        note=f"peak RSS of a put_file process: +{fmt_bytes(growth)} ({growth / size:.1%} of the shards)",
+        extra={"peak_rss_growth_bytes": growth},
+    )
+
+
+def row_hf_folder(ctx: Context) -> Row | None:
+    try:
+        import datasets
+    except ImportError:
+        return None
+    rows = max(1000, ctx.config.npy_bytes // 4 // (64 * 4 + 8 + 24))
+    rng = np.random.default_rng(0)
+    ds = datasets.Dataset.from_dict(
+        {
+            "label": rng.integers(0, 1000, rows),
+            "emb": rng.standard_normal((rows, 64), dtype=np.float32),
+            "text": [f"a caption of sample {i}" for i in range(rows)],
+        }
+    )
+    folder = ctx.src / "hf"
+    ds.save_to_disk(str(folder), num_shards=4)
+    size = sum(f.stat().st_size for f in folder.glob("*.arrow"))
+
+    def load_from_disk() -> None:
+        loaded = datasets.load_from_disk(str(folder)).with_format("numpy")
+        for column in ("label", "emb", "text"):
+            loaded[column]
+
+    base, meth = timed_pair(
+        ctx, load_from_disk, lambda: ctx.store.put_file(ctx.fresh("h"), folder), after=lambda: _clear(ctx)
+    )
+    return Row(
+        f"put_file of a save_to_disk folder ({fmt_bytes(size)}, {rows:,} rows)",
+        "Store.put_file(folder)",
+        'load_from_disk + with_format("numpy") columns',
+        meth,
+        base,
+        ">= 0.9x",
+        0.9,
+    )
+
+
+ROWS: list[Callable[[Context], Row | None]] = [
+    row_bf16_safetensors,
+    row_token_file,
+    row_tar_shards,
+    row_hf_folder,
+    row_token_windows,
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

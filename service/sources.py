@@ -20,6 +20,7 @@ from shmcache import Store
 from shmcache._disk.meta import read_meta
 from shmcache._error_table import HTTP, fix
 from shmcache._sources.dispatch import Loaded, is_current
+from shmcache._sources.tar_shards import is_shard_source
 from shmcache._sources.urls import is_url, local_path_of, redact_url, url_allowed
 from shmcache._units import human_bytes
 from shmcache.errors import (
@@ -76,10 +77,18 @@ def resolve_source(source: str, allowed: Sequence[Path | str]) -> Path | str:
             "Move the data there, or start the daemon with --allow-source for its directory"
         )
     try:
-        os.stat(real)
+        os.stat(_fixed_part(real) if is_shard_source(source) else real)
     except OSError as exc:
         raise _unusable(given, exc) from None
     return real
+
+
+def _fixed_part(pattern: Path) -> Path:
+    """The directory a shard pattern's names are in (``/data/shards`` of
+    ``/data/shards/{000..099}.tar``): what must exist before the load expands it."""
+    while any(c in pattern.name for c in "*?[{") and pattern != pattern.parent:
+        pattern = pattern.parent
+    return pattern
 
 
 def _allowed_url(url: str, prefixes: Sequence[str]) -> str:

@@ -52,6 +52,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "pillow": ("PIL",),
     "safetensors": ("safetensors",),
     "ml_dtypes": ("ml_dtypes",),
+    "datasets": ("datasets", "pyarrow"),
 }
 """What ``<!-- requires: NAME -->`` may name, and the modules each makes importable."""
 BASE_MODULES = {"numpy", "shmcache"}

@@ -23,6 +23,7 @@ import typer
 from .._disk.keys import validate_key
 from .._error_table import CLI, fix
 from .._sources.files import PLANNERS
+from .._sources.tar_shards import is_shard_source
 from .._sources.urls import is_url
 from .._store import EntryInfo, Store, StoreStats
 from .._store.maintenance import linked_keys
@@ -82,7 +83,8 @@ def put(
             help="A .npy, .npz, .safetensors, .pt/.pth (state dict) or .h5/.hdf5 file, a directory "
             "of them (or of any files: one blobs entry, see --as), or a quoted glob ('data/*.npy'): "
             "each match goes under KEY/<name without its suffix>; each array, tensor or dataset of a "
-            "multi-array file under KEY/<its name>.",
+            "multi-array file under KEY/<its name>. Tar shards ('shards/{000..099}.tar', "
+            "'shards/*.tar', one .tar) become ONE blobs entry, a blob per member.",
             show_default=False,
             metavar="PATH",
         ),
@@ -221,7 +223,7 @@ def _sources(path: str, key: str) -> list[tuple[str, Path | str]]:
     literal = Path(path).expanduser()
     if not literal.exists() and Path(f"{literal}.idx").is_file():
         literal = Path(f"{literal}.idx")  # a Megatron dataset named by its prefix (the daemon wants a file)
-    if literal.exists() or not glob.has_magic(path):
+    if literal.exists() or not glob.has_magic(path) or is_shard_source(path):  # shards: one entry
         return [(key, literal)]
     matches = sorted(glob.glob(os.path.expanduser(path)))
     if not matches:

@@ -13,7 +13,7 @@ import operator
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from .._disk.attach import MappedFile, attach_array, mapped_base
 from .._disk.layout import Layout
 from .._disk.meta import EntryMeta, read_meta
 from ..errors import KeyNotFoundError, UnsupportedDataError
+
+if TYPE_CHECKING:
+    from .samples import SharedSamples
 
 __all__ = [
     "READERS",
@@ -327,7 +330,8 @@ class SharedBlobs(_Shared, Sequence[np.ndarray]):
 
     ``blobs[i]`` and ``blobs["relative/name.jpg"]`` are read-only ``uint8`` views of the
     shared bytes (no copy: decode them with ``PIL.Image.open(io.BytesIO(b))`` or
-    ``cv2.imdecode(b, ...)``). A Sequence: iterating yields the arrays in name order;
+    ``cv2.imdecode(b, ...)``). A Sequence: iterating yields the arrays in stored order (a
+    directory's sorted names; tar shards' members as in the shards);
     ``name in blobs`` looks a name up (hash index); ``.names`` are the names in order.
     """
 
@@ -392,6 +396,14 @@ class SharedBlobs(_Shared, Sequence[np.ndarray]):
     def sizes(self) -> np.ndarray:
         """Size of every blob in bytes."""
         return np.diff(np.asarray(self._offsets))
+
+    def samples(self) -> SharedSamples:
+        """The blobs grouped by basename, as WebDataset groups a tar shard's members:
+        ``samples()[i]`` is ``{"__key__": "000017", "jpg": <bytes view>, "cls": ...}``
+        (see :mod:`shmcache._containers.samples`)."""
+        from .samples import SharedSamples
+
+        return SharedSamples(self)
 
 
 READERS: dict[str, Callable[[EntryRef, Mapping[str, np.ndarray], Mapping[str, Any]], Any]] = {}

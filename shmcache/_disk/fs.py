@@ -209,15 +209,19 @@ def copy_range(
         raise
 
 
-def copy_range_at(src_fd: int, dst_fd: int, dst_offset: int, count: int, path: str | Path) -> None:
-    """Copy the first ``count`` bytes of ``src_fd`` to ``dst_fd`` at ``dst_offset`` by the
-    kernel, leaving both file positions alone: several threads can fill one file at once.
-    A source shorter than ``count`` raises :class:`EOFError`."""
+def copy_range_at(
+    src_fd: int, dst_fd: int, dst_offset: int, count: int, path: str | Path, src_offset: int = 0
+) -> None:
+    """Copy ``count`` bytes of ``src_fd`` from ``src_offset`` (a tar member's data) to
+    ``dst_fd`` at ``dst_offset`` by the kernel, leaving both file positions alone: several
+    threads can fill one file at once. A source shorter than that raises :class:`EOFError`."""
     done = 0
     try:
         try:
             while done < count:
-                copied = os.copy_file_range(src_fd, dst_fd, count - done, done, dst_offset + done)
+                copied = os.copy_file_range(
+                    src_fd, dst_fd, count - done, src_offset + done, dst_offset + done
+                )
                 if copied == 0:
                     raise EOFError(f"source ended at byte {done}, expected {count}")
                 done += copied
@@ -226,7 +230,7 @@ def copy_range_at(src_fd: int, dst_fd: int, dst_offset: int, count: int, path: s
             if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
         while done < count:  # no kernel copy between these file systems: through a buffer
-            chunk = os.pread(src_fd, min(count - done, _COPY_CHUNK), done)
+            chunk = os.pread(src_fd, min(count - done, _COPY_CHUNK), src_offset + done)
             if not chunk:
                 raise EOFError(f"source ended at byte {done}, expected {count}")
             view = memoryview(chunk)

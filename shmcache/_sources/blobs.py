@@ -75,6 +75,9 @@ class BlobSources:
     held: list[int] = field(default_factory=list)
     """Descriptors of the first files as they were checked (-1 once used): copying from
     them costs no second open (opens dominate small files); :meth:`close` closes them."""
+    spans: list[int] | None = None
+    """Where each blob starts in its file (tar members: ``files[i]`` is then the shard, the
+    same object for every member of it); None: each blob is a whole file."""
 
     def close(self) -> None:
         for i, fd in enumerate(self.held):
@@ -352,6 +355,13 @@ class _FileCopy:
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         self.todo = iter(range(len(self.files)))
+        self.spans = plan.spans
+        self.open: dict[SourceFile, int] = {}
+        """Shards being copied from: opened once (checked as when planned), closed after their last member."""
+        self.members_left: dict[SourceFile, int] = {}
+        if self.spans is not None:
+            for file in self.files:
+                self.members_left[file] = self.members_left.get(file, 0) + 1
 
     def run(self, threads: int) -> None:
         workers = [threading.Thread(target=self._work, daemon=True) for _ in range(max(1, threads) - 1)]
@@ -360,6 +370,9 @@ class _FileCopy:
         self._work()
         for worker in workers:
             worker.join()
+        for fd in self.open.values():  # after a failure: shards left half copied
+            os.close(fd)
+        self.open.clear()
         if self.error is not None:
             raise self.error
 
@@ -377,6 +390,9 @@ class _FileCopy:
 
     def _copy(self, i: int) -> None:
         file = self.files[i]
+        if self.spans is not None:
+            self._copy_span(i, file)
+            return
         if i < len(self.held):  # the very descriptor that was checked: no second open
             src, self.held[i] = self.held[i], -1
         else:
@@ -390,6 +406,32 @@ class _FileCopy:
             ) from exc
         finally:
             os.close(src)
+
+    def _copy_span(self, i: int, file: SourceFile) -> None:
+        """Copy blob ``i``, a byte range of ``file`` (a tar member), from the shard's one
+        descriptor; after its last member, check the shard is unchanged and close it."""
+        assert self.spans is not None
+        with self.lock:
+            src = self.open.get(file)
+            if src is None:
+                src = self.open[file] = reopen(file)
+        try:
+            start, size = self.base + self.starts[i], self.sizes[i]
+            copy_range_at(src, self.dst, start, size, self.target, self.spans[i])
+        except EOFError as exc:
+            raise CorruptSourceError(
+                f"{file.path} changed while loading ({exc}); nothing was published"
+            ) from exc
+        with self.lock:
+            self.members_left[file] -= 1
+            last = self.members_left[file] == 0
+            if last:
+                del self.open[file]
+        if last:
+            try:
+                check_unchanged(src, file, same_path=False)  # src is the checked file (reopen compared it)
+            finally:
+                os.close(src)
 
     def _done(self, i: int) -> None:
         with self.lock:

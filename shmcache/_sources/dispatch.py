@@ -1,8 +1,10 @@
 """One dispatch over every kind of source ``put_file`` takes: a URL (``remote``), a table
-file (``tables``), files packed as blobs (``blobs``), or array files and directories of
-them (``files``, whose ``PLANNERS`` name each suffix's planner). ``Store.put_file``,
-``Store.plan_file`` (the dry run the daemon checks loads with) and the daemon's preloads
-(is what was loaded still current?) all decide here, so a new kind is decided once."""
+file (``tables``), files packed as blobs (``blobs``), tar shards as blobs
+(``tar_shards``), ``datasets`` folders as tables (``hf_datasets``), or array files and
+directories of them (``files``, whose ``PLANNERS`` name each suffix's planner).
+``Store.put_file``, ``Store.plan_file`` (the dry run the daemon checks loads with) and the
+daemon's preloads (is what was loaded still current?) all decide here, so a new kind is
+decided once."""
 
 from __future__ import annotations
 
@@ -12,46 +14,67 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..errors import InvalidSourceError
 from .blobs import directory_fingerprint, plan_blobs, put_kind
 from .files import array_files_under, plan_sources
+from .hf_datasets import hf_fingerprint, is_hf_folder, plan_hf_folder, planned_entries
 from .planned import PlannedEntry
 from .source_files import stat_fingerprint
 from .tables import is_table_file, plan_table_file
+from .tar_shards import ShardSource, is_shard_source, plan_shards, shards_fingerprint
 from .token_files import refuse_dtype_for
 from .urls import is_url, local_path_of
 
 __all__ = ["Loaded", "Source", "classify_source", "is_current", "plan_source"]
 
-SourceKind = Literal["remote", "table", "blobs", "arrays"]
+SourceKind = Literal["remote", "table", "blobs", "shards", "hf", "arrays"]
 
 
 @dataclass(frozen=True)
 class Source:
     """What ``put_file(key, location, as_=...)`` makes: ``kind``, and where it reads from
-    (a URL for ``remote``; a local path otherwise, ``file://`` URLs made paths)."""
+    (a URL for ``remote``; a local path otherwise, ``file://`` URLs made paths; for
+    ``shards``, a ``.tar`` path, a glob or brace pattern of them, or a list)."""
 
     kind: SourceKind
-    location: str | os.PathLike[str]
+    location: ShardSource
 
 
-def classify_source(path: str | os.PathLike[str], as_: str = "auto", dtype: Any = None) -> Source:
+def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> Source:
     """The kind of source ``path`` is: a URL, a table file, blobs (``as_``, or a directory
-    without array files) or array files (a raw token file when ``dtype`` is given)."""
+    without array files), tar shards (``.tar`` files, a pattern or a list of them: one blobs
+    entry) or array files (a raw token file when ``dtype`` is given)."""
+    if not isinstance(path, (str, os.PathLike)):
+        if as_ == "arrays" or dtype is not None or not is_shard_source(path):
+            raise InvalidSourceError(
+                "put_file takes a list of .tar shards only (one blobs entry, members as blobs); "
+                "put other files with put_blobs(key, paths), or one put_file per path"
+            )
+        return Source("shards", list(path))
     refuse_dtype_for(path, dtype)
     if is_url(path):
         local = local_path_of(str(path))
         if local is None:
             return Source("remote", str(path))
         path = local
+    if as_ == "auto" and dtype is None and is_shard_source(path):  # as_="blobs": the .tar file itself
+        return Source("shards", path)
+    if as_ == "auto" and dtype is None and is_hf_folder(path):  # save_to_disk: tables, not 3 blobs
+        return Source("hf", path)
     kind = put_kind(Path(path), as_)
     if kind != "blobs" and is_table_file(path) and not os.path.isdir(path) and dtype is None:  # one table
         return Source("table", path)
     return Source("blobs" if kind == "blobs" else "arrays", path)
 
 
+def _local(location: ShardSource) -> str | os.PathLike[str]:
+    assert isinstance(location, (str, os.PathLike)), "only shards come as a list"
+    return location
+
+
 def plan_source(
     key: str,
-    path: str | os.PathLike[str],
+    path: ShardSource,
     *,
     allowed: Sequence[str | os.PathLike[str]] = (),
     as_: str = "auto",
@@ -66,15 +89,22 @@ def plan_source(
 
         plan = plan_remote(key, str(source.location), storage_options)
         return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
+    location = source.location
+    if source.kind == "shards":
+        shards = plan_shards(location, f"tar shards for key {key!r}", allowed)
+        shown = shards.source or ", ".join(str(p) for p in location)  # type: ignore[union-attr]
+        return [PlannedEntry(key, shown, shown, shards.size)]
+    if source.kind == "hf":
+        return planned_entries(plan_hf_folder(key, Path(_local(location)), allowed))
     if source.kind == "table":
-        return [plan_table_file(key, Path(source.location), allowed)]
+        return [plan_table_file(key, Path(_local(location)), allowed)]
     if source.kind == "blobs":
-        with plan_blobs(source.location, f"blobs for key {key!r}", allowed) as blobs:
+        with plan_blobs(_local(location), f"blobs for key {key!r}", allowed) as blobs:
             pass
-        return [PlannedEntry(key, str(source.location), str(source.location), blobs.size)]
+        return [PlannedEntry(key, str(location), str(location), blobs.size)]
     return [
         PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
-        for p in plan_sources(key, Path(source.location), allowed, dtype)
+        for p in plan_sources(key, Path(_local(location)), allowed, dtype)
     ]
 
 
@@ -100,9 +130,16 @@ def is_current(source: Path | str, loaded: Sequence[Loaded]) -> bool:
 
         now = remote_identities(source)
         return {e.source: ((e.fingerprint or {}).get("size"), e.identity()) for e in loaded} == now
-    if len(loaded) == 1 and loaded[0].kind == "blobs":  # a packed directory: one fingerprint
+    if len(loaded) == 1 and loaded[0].kind == "blobs":  # a packed directory or shards: one fingerprint
         entry = loaded[0]
+        if is_shard_source(source):
+            return entry.source == str(source) and entry.fingerprint == shards_fingerprint(source)
         return entry.source == str(source) and entry.fingerprint == directory_fingerprint(source)
+    if is_hf_folder(source):  # a table per split, each fingerprinted by its data files
+        return all(
+            Path(e.source).is_relative_to(source) and e.fingerprint == hf_fingerprint(Path(e.source))
+            for e in loaded
+        ) and len(loaded) == len(plan_hf_folder("k", source))
     try:
         files = {str(p) for p in array_files_under(source)} if source.is_dir() else {str(source)}
     except OSError:  # a directory that cannot be listed: load again, and say why there

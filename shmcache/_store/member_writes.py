@@ -37,6 +37,7 @@ from .._disk.npy import build_header
 from .._disk.writer import write_npy
 from .._sources.dispatch import classify_source
 from .._sources.files import copy_planned, plan_sources
+from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
 from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
 from ..errors import (
@@ -240,6 +241,8 @@ class MemberWriter:
 
     def put_table(self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
         validate_key(key)
+        if type(data).__module__.partition(".")[0] == "datasets":
+            data = arrow_of_dataset(data, f"table for key {key!r}")
         if isinstance(data, (str, os.PathLike)):
             if not is_table_file(data):
                 raise UnsupportedDataError(
@@ -334,6 +337,11 @@ class MemberWriter:
                     f"{path}: a team's daemon loads URLs itself, with its own credentials and only "
                     "from the team's allow_sources: `shmcache put KEY URL --team NAME`"
                 )
+            if source.kind == "shards" or not isinstance(source.location, (str, os.PathLike)):
+                raise UnsupportedDataError(
+                    f"{path}: tar shards (blobs entries) cannot be put into a team root yet; put them "
+                    "into your own root, or put the files' arrays or tables instead"
+                )
             location = Path(os.path.abspath(source.location))
             return self._put_file(key, source.kind, location, overwrite, pin, dtype)
         except PermissionError as exc:  # a directory on the way that this user may not enter
@@ -350,6 +358,12 @@ class MemberWriter:
                 f"{source}: blobs entries cannot be put into a team root yet; put the files' arrays "
                 "(.npy, .npz, .safetensors, ...) or tables instead"
             )
+        if kind == "hf":  # a save_to_disk folder: a table per split, published together
+            pending = []
+            for split in plan_hf_folder(key, source):
+                files, meta = read_hf_split(split)
+                pending.append(Pending(split.key, "table", dict(files), meta))
+            return [info.key for info in self.put(pending, overwrite=overwrite, pin=pin)]
         if kind == "table":
             files, meta = read_table_source(source)
             self.put([Pending(key, "table", dict(files), meta)], overwrite=overwrite, pin=pin)

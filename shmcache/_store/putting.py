@@ -26,10 +26,12 @@ from .._disk.meta import EntryMeta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.trust import describe_uid
 from .._disk.writer import VersionWriter
-from .._sources.blobs import BlobSource, plan_blobs
+from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources
+from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
 from .._sources.tables import is_table_file, read_table_source
+from .._sources.tar_shards import ShardSource, plan_shards
 from ..errors import CacheRootError, KeyExistsError, LockTimeoutError, UnsupportedDataError
 from .locks import STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock
 from .reading import Reader, release_version
@@ -135,6 +137,17 @@ class Putting:
         """
         validate_key(key)
         plan = plan_blobs(source, f"blobs for key {key!r}", builtins.list(allowed_dirs))
+        return self._put_blob_sources(key, plan, overwrite, pin, progress)
+
+    def _put_blob_sources(
+        self,
+        key: str,
+        plan: BlobSources,
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> EntryInfo:
+        """Write and publish the checked blobs ``plan`` (files, buffers or tar members)."""
         with plan, self._writer() as writer:
             self._refuse_existing([key], overwrite)
             self._reserve(writer, plan.size + _PAGE * (len(plan.arrays) + 2), [key] if overwrite else ())
@@ -148,9 +161,12 @@ class Putting:
     def put_table(
         self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False
     ) -> EntryInfo:
-        """Publish a table: a pyarrow Table, a pandas DataFrame, a dict of columns, a list of
-        dicts with one set of keys, or a path to a .parquet/.feather/.arrow/.csv/.jsonl file."""
+        """Publish a table: a pyarrow Table, a pandas DataFrame, a ``datasets.Dataset`` (its
+        Arrow data, rows as selected), a dict of columns, a list of dicts with one set of
+        keys, or a path to a .parquet/.feather/.arrow/.csv/.jsonl file."""
         validate_key(key)
+        if type(data).__module__.partition(".")[0] == "datasets":
+            data = arrow_of_dataset(data, f"table for key {key!r}")
         if isinstance(data, (str, os.PathLike)):
             if not is_table_file(data):
                 raise UnsupportedDataError(
@@ -196,7 +212,7 @@ class Putting:
     def put_file(
         self,
         key: str,
-        path: str | os.PathLike[str],
+        path: ShardSource,
         *,
         overwrite: bool = False,
         pin: bool = False,
@@ -222,6 +238,11 @@ class Putting:
         ``dtype`` (e.g. ``"uint16"``) makes a raw token file (nanoGPT's ``train.bin``) one 1-D
         array; a Megatron ``.bin``/``.idx`` pair becomes a ragged entry of its documents.
 
+        ``.tar`` shards (WebDataset's layout: one ``.tar``, a glob or brace pattern such as
+        ``"shards/{000..099}.tar"``, or a list of paths) become one blobs entry, a blob per
+        member with its name (``open_blobs(key).samples()`` groups them by basename), copied by
+        the kernel from the shards' byte ranges; see :mod:`shmcache._sources.tar_shards`.
+
         ``as_="blobs"`` stores every file of a directory as bytes in one blobs entry (see
         :meth:`put_blobs`); ``"auto"`` (the default) does so for a directory that holds no
         array files, and refuses one that mixes both; ``"arrays"`` takes the array files only.
@@ -239,9 +260,15 @@ class Putting:
         """
         validate_key(key)
         source = classify_source(path, as_, dtype)
+        if source.kind == "shards":
+            shards = plan_shards(source.location, f"tar shards for key {key!r}", builtins.list(allowed_dirs))
+            return [self._put_blob_sources(key, shards, overwrite, pin, progress).key]
+        assert isinstance(source.location, (str, os.PathLike)), "only shards come as a list"
         path = source.location
         if source.kind == "remote":
             return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
+        if source.kind == "hf":
+            return self._put_hf_folder(key, Path(path), builtins.list(allowed_dirs), overwrite, pin, progress)
         if source.kind == "table":
             files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
             size = int(meta["source_fingerprint"]["size"])
@@ -292,6 +319,43 @@ class Putting:
         logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
         return keys
 
+    def _put_hf_folder(
+        self,
+        key: str,
+        path: Path,
+        allowed: builtins.list[str | os.PathLike[str]],
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> builtins.list[str]:
+        """``put_file`` of a ``save_to_disk`` folder: a table per split, published together."""
+        splits = plan_hf_folder(key, path, allowed)
+        keys = [split.key for split in splits]
+        self._refuse_existing(keys, overwrite)
+        total = sum(split.size for split in splits)
+        advance = _progress_counter(progress, total)
+        if progress is not None:
+            progress(0, total)
+        with self._writer() as writer:
+            versions = []
+            for split in splits:
+                files, extra = read_hf_split(split, allowed)
+                nbytes = sum(int(a.nbytes) for a in files.values())
+                self._reserve(writer, nbytes + _PAGE * (len(files) + 1), [split.key] if overwrite else ())
+                version = writer.new_version()
+                crcs, headers = {}, {}
+                for name, array in files.items():
+                    crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
+                meta = version_meta(split.key, "table", version, headers, crcs, pin) | dict(extra)
+                meta["shape"] = [meta.get("length", 0)]
+                meta.setdefault("dtype", ITEM_TYPES.get("table"))
+                writer.write_meta(version, meta)
+                versions.append((split.key, version))
+                advance(split.size)
+            publish(self.layout, writer, versions, overwrite=overwrite, lock_timeout=self.lock_timeout)
+        logger.info("put %s from %s (%d tables)", key, path, len(keys))
+        return keys
+
     def _put_remote(
         self,
         key: str,
@@ -336,7 +400,7 @@ class Putting:
     def plan_file(
         self,
         key: str,
-        path: str | os.PathLike[str],
+        path: ShardSource,
         *,
         allowed_dirs: Collection[str | os.PathLike[str]] = (),
         as_: str = "auto",

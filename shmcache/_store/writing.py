@@ -202,7 +202,8 @@ def pack_blobs(
     meta = version_meta(key, "blobs", version, headers, crcs, pin)
     meta |= {"length": len(plan.names), "shape": [len(plan.names)], "dtype": ITEM_TYPES["blobs"]}
     meta["source"] = plan.source
-    if plan.source is not None and plan.files is not None:
-        meta["source_fingerprint"] = tree_fingerprint(plan.files)
+    if plan.source is not None and plan.files is not None:  # a shard once, not once per member
+        files = plan.files if plan.spans is None else list(dict.fromkeys(plan.files))
+        meta["source_fingerprint"] = tree_fingerprint(files)
     writer.write_meta(version, meta)
     return meta
