@@ -477,8 +477,10 @@ def _alias(pinned: Pinned, resolved: torch.device) -> torch.Tensor:
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    from ._tensors import tensor_of  # bfloat16/float8 entries: their real dtype
+
     try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        return tensor_of(np.empty(0, dtype=dtype)).dtype
     except TypeError as exc:
         raise UnsupportedDataError(f"torch has no dtype for {dtype}: {exc}") from None
 
@@ -506,9 +508,11 @@ def _host_tensor(array: np.ndarray) -> torch.Tensor:
     write is made through it)."""
     import warnings
 
+    from ._tensors import tensor_of  # bfloat16/float8 entries: their real dtype, same bytes
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
+        return tensor_of(array)
 
 
 def _staged_copy(source: torch.Tensor, target: torch.Tensor) -> None:

@@ -49,6 +49,7 @@ from ._cuda import (
     to_cuda,
 )
 from ._disk.attach import private_view
+from ._disk.dtypes import ML_DTYPES
 from ._tensors import open_state_dict, tensor_of
 from ._tokens import TokenWindows
 from .errors import MappingRefusedError, UnsupportedDataError
@@ -248,7 +249,11 @@ class GPULoader:
         elif resolved.type != "cpu":
             raise ValueError(f"GPULoader runs on a CUDA device or on 'cpu', not {resolved}")
         store = dataset._store()
+        self._bits_columns = False
         for key in dataset._keys:
+            if store.info(key).dtype in ML_DTYPES:  # bfloat16/float8: its raw bits on disk
+                self._bits_columns = True
+                continue
             dtype = store.open_array(key).dtype
             if dtype.fields is not None or dtype.kind not in "biufc":
                 raise UnsupportedDataError(
@@ -289,7 +294,9 @@ class GPULoader:
             else:  # registered views; where any column cannot be registered: staging
                 views = None
                 # cuda_view takes a root: a team= dataset's columns go through the staging path
-                if self.dataset._team is None and read_only_registration_supported(self.device):
+                # bfloat16/float8 columns: gathered as tensors of their dtype, then staged
+                registrable = self.dataset._team is None and not self._bits_columns
+                if registrable and read_only_registration_supported(self.device):
                     views = cuda_views(self.dataset._keys, self.device, root=self.dataset._root)
                 self._staged = views is None
                 self._columns = self.dataset._columns() if views is None else views

@@ -197,3 +197,22 @@ def test_grid_search_loader_gpu_without_a_gpu_says_so_and_compares_on_cpu(root: 
     assert "## DataLoader (0 workers each)" in done.stdout
     compared = r"epoch \(median of 1\): GPULoader [\d.]+ s vs DataLoader \(0 workers\) [\d.]+ s on cpu"
     assert re.search(compared, done.stdout), done.stdout
+
+
+def test_bfloat16_and_float8_columns_come_in_their_own_dtype(store: shmcache.Store) -> None:
+    """A bfloat16 column (stored as its raw bits) is gathered as bfloat16, float8 as float8,
+    bit for bit; on CUDA such columns go through the staging path (no registered view of
+    a structured dtype)."""
+    weights = torch.randn(64, 8).to(torch.bfloat16)
+    acts = torch.randn(64, 4).to(torch.float8_e4m3fn)
+    store.put_array("lp/weights", weights)
+    store.put_array("lp/acts", acts)
+    dataset = st.CachedDataset("lp/weights", "lp/acts", root=store.root)
+    loader = st.GPULoader(dataset, batch_size=16, device="cpu")
+    assert loader._bits_columns
+    batches = list(loader)
+    got_w = torch.cat([w for w, _ in batches])
+    got_a = torch.cat([a for _, a in batches])
+    assert got_w.dtype == torch.bfloat16 and got_a.dtype == torch.float8_e4m3fn
+    assert torch.equal(got_w.view(torch.int16), weights.view(torch.int16))
+    assert torch.equal(got_a.view(torch.uint8), acts.view(torch.uint8))
