@@ -29,6 +29,7 @@ TINY = {
         "1",
     ],
     "train_images.py": ["--count", "16", "--steps", "2", "--workers", "1"],
+    "train_tokens.py": ["--count", "20000", "--steps", "2", "--workers", "1"],
 }
 """Every example, with the flags that make it tiny."""
 
@@ -81,4 +82,13 @@ def test_train_images_decodes_blobs_in_workers(root: Path, tmp_path: Path) -> No
     done = _run("train_images.py", root, tmp_path)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "16 images in 2 classes: ['blue', 'red']" in done.stdout
+    assert "step 2: loss" in done.stdout
+
+
+@pytest.mark.slow
+def test_train_tokens_reads_windows_in_workers(root: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    done = _run("train_tokens.py", root, tmp_path)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "20,000 tokens, 312 windows per epoch" in done.stdout, done.stdout
     assert "step 2: loss" in done.stdout
