@@ -63,9 +63,12 @@ def plan_source(
     source = classify_source(path, as_, dtype)
     if source.kind == "remote":
         from .remote import plan_remote  # here: threads and hashing only for URLs
+        from .remote_files import is_remote_table, plan_remote_table
 
-        plan = plan_remote(key, str(source.location), storage_options)
-        return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
+        if is_remote_table(str(source.location)):
+            return [plan_remote_table(key, str(source.location), storage_options)]
+        plan = plan_remote(key, str(source.location), storage_options, dtype=dtype)
+        return [PlannedEntry(i.key, i.source, i.url, i.checked_header.file_size) for i in plan.items]
     if source.kind == "table":
         return [plan_table_file(key, Path(source.location), allowed)]
     if source.kind == "blobs":
@@ -99,7 +102,8 @@ def is_current(source: Path | str, loaded: Sequence[Loaded]) -> bool:
         from .remote import remote_identities
 
         now = remote_identities(source)
-        return {e.source: ((e.fingerprint or {}).get("size"), e.identity()) for e in loaded} == now
+        objects = {e.source.rpartition("[")[0] if e.source.endswith("]") else e.source: e for e in loaded}
+        return {url: ((e.fingerprint or {}).get("size"), e.identity()) for url, e in objects.items()} == now
     if len(loaded) == 1 and loaded[0].kind == "blobs":  # a packed directory: one fingerprint
         entry = loaded[0]
         return entry.source == str(source) and entry.fingerprint == directory_fingerprint(source)

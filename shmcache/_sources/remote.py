@@ -94,6 +94,24 @@ class RemoteItem:
     version: str = ""
     crc: int = 0
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    prefix: bytes | None = None
+    """A byte range of the object rather than a ``.npy`` object: this built ``.npy`` header
+    (``header``'s, known from the object's index when planned) is written first, then the
+    header's ``nbytes`` from ``offset`` of the object (see ``remote_files``)."""
+    offset: int = 0
+    member: str | None = None
+    """The tensor or archive member the range holds (named in ``source``)."""
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the entry's data file: the object's (a ``.npy``: its tail cut later), or
+        the built header's and the range's."""
+        return self.size if self.prefix is None else self.checked_header.file_size
+
+    @property
+    def source(self) -> str:
+        """What ``meta.json`` records: the redacted URL, ``[member]`` after it for a range."""
+        return self.url if self.member is None else f"{self.url}[{self.member}]"
 
     @property
     def checked_header(self) -> NpyHeader:
@@ -114,8 +132,8 @@ class RemotePlan:
 
     @property
     def object_bytes(self) -> int:
-        """Bytes of the objects (at least the entries' sizes: a ``.npy`` may have a tail)."""
-        return sum(item.size for item in self.items)
+        """Bytes of the entries' data files (at most: a ``.npy`` object may have a tail)."""
+        return sum(item.file_bytes for item in self.items)
 
 
 def plan_remote(
@@ -125,11 +143,43 @@ def plan_remote(
     *,
     read_headers: bool = True,
     workers: int = DEFAULT_WORKERS,
+    dtype: Any = None,
 ) -> RemotePlan:
-    """List the objects under ``url`` (``key`` is valid already); with ``read_headers``, also
-    read and validate every header now (a dry run). Without, :func:`fetch_remote` validates
-    each header from the object's first part before writing a byte of it: one request
-    fewer per object."""
+    """List the objects under ``url`` (``key`` is valid already) and read the index of
+    every object that is not a ``.npy`` (``remote_files``: safetensors, torch, ``.npz``;
+    with ``dtype``, one raw token file). With ``read_headers``, also read and validate every
+    ``.npy`` header now (a dry run). Without, :func:`fetch_remote` validates each from the
+    object's first part before writing a byte of it: one request fewer per object."""
+    from .remote_files import plan_object
+
+    fs, shown, path, directory, objects, secrets = _objects(key, url, storage_options, dtype)
+    indexed = [obj for obj in objects if dtype is not None or not obj.path.endswith(".npy")]
+    items = [obj for obj in objects if not (dtype is not None or not obj.path.endswith(".npy"))]
+    if indexed:
+        with ThreadPoolExecutor(min(workers, len(indexed)), thread_name_prefix="shmcache-index") as pool:
+            for planned in pool.map(lambda obj: plan_object(fs, obj, secrets, dtype), indexed):
+                items += planned
+    items.sort(key=lambda item: item.key)
+    seen: dict[str, str] = {}
+    for item in items:
+        if item.key in seen:
+            raise InvalidSourceError(f"{seen[item.key]} and {item.source} would both become key {item.key!r}")
+        seen[item.key] = item.source
+    if read_headers:
+        unread = [item for item in items if item.header is None]
+        threads = max(1, min(workers, len(unread)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="shmcache-head") as pool:
+            headers = pool.map(lambda it: _read_header(fs, it, secrets), unread)
+            for item, header in zip(unread, headers, strict=True):
+                item.header = header
+    return RemotePlan(fs, shown, path, directory, items, secrets)
+
+
+def _objects(
+    key: str, url: str, storage_options: Mapping[str, Any] | None, dtype: Any = None
+) -> tuple[Any, str, str, bool, list[RemoteItem], list[str]]:
+    """The filesystem, the redacted URL, the path, whether it is a prefix, and one item per
+    object it takes (``key`` or ``key/<relative name without suffix>``), from one listing."""
     secrets = secret_strings(url, storage_options)
     shown = redact_url(url)
     fs, path = _filesystem(url, storage_options, secrets)
@@ -143,13 +193,12 @@ def plan_remote(
             info = fs.info(path)
             directory = info.get("type") == "directory"
             listing = _list_objects(fs, path) if directory else {path: info}
-    items = _items(key, shown, path, directory, listing)
-    if read_headers:
-        with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="shmcache-head") as pool:
-            headers = pool.map(lambda it: _read_header(fs, it, secrets), items)
-            for item, header in zip(items, headers, strict=True):
-                item.header = header
-    return RemotePlan(fs, shown, path, directory, items, secrets)
+    if dtype is not None and directory:
+        raise InvalidSourceError(
+            f"dtype= takes one raw token file (e.g. nanoGPT's train.bin); {shown} is a prefix: "
+            "put each token file with its own key"
+        )
+    return fs, shown, path, directory, _items(key, shown, path, directory, listing, dtype), secrets
 
 
 def auto_part_size(size: int, workers: int = DEFAULT_WORKERS) -> int:
@@ -164,8 +213,8 @@ def remote_identities(
 ) -> dict[str, tuple[int, str]]:
     """``{object URL (redacted): (size, identity)}`` of the ``.npy`` objects under ``url``,
     from one listing (no header read): whether loaded entries are still current."""
-    plan = plan_remote("k", url, storage_options, read_headers=False)
-    return {item.url: (item.size, item.identity) for item in plan.items}
+    objects = _objects("k", url, storage_options)[4]  # (no index read)
+    return {item.url: (item.size, item.identity) for item in objects}
 
 
 def fetch_remote(
@@ -199,21 +248,28 @@ def fetch_remote(
         target = writer.path(item.version, ARRAY_FILE)
         fd = writer.create_file(item.version, ARRAY_FILE)
         try:
-            if item.size:
+            if item.file_bytes:
                 with full_is_cache_full(target):  # a full tmpfs is an error now, never mid-fetch
-                    os.posix_fallocate(fd, 0, item.size)
+                    os.posix_fallocate(fd, 0, item.file_bytes)
         finally:
             os.close(fd)
-        hashers.append(_TrailingHash(target, item.md5 is not None))
+        hashers.append(_TrailingHash(target, item.md5 is not None and item.prefix is None))
+        if item.prefix is not None:  # a range: its header is known from the object's index
+            hashers[-1].size = item.file_bytes
+            item.ready.set()
     tasks = [
-        (item, hasher, start, min(start + part, item.size))
+        (item, hasher, start, min(start + part, item.file_bytes))
         for item, hasher in zip(plan.items, hashers, strict=True)
-        for part in [part_size or auto_part_size(item.size, workers)]
-        for start in range(0, max(item.size, 1), part)
+        for part in [part_size or auto_part_size(item.file_bytes, workers)]
+        for start in range(0, max(item.file_bytes, 1), part)
     ]
 
     def fetch(item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
-        if start == 0:
+        if item.prefix is not None:
+            if not stop.is_set():
+                with budget.holding(end - start):
+                    _fetch_range(plan, item, hasher, start, end)
+        elif start == 0:
             try:
                 if stop.is_set():
                     return
@@ -252,7 +308,7 @@ def fetch_remote(
     for item, hasher in zip(plan.items, hashers, strict=True):
         header = item.checked_header
         item.crc, md5 = hasher.result()
-        if item.md5 is not None and header.file_size == item.size:
+        if item.md5 is not None and item.prefix is None and header.file_size == item.size:
             if md5 != item.md5:
                 raise CorruptSourceError(
                     f"{item.url}: the bytes read do not match the object's MD5 (it changed while "
@@ -260,7 +316,7 @@ def fetch_remote(
                 )
         else:
             unproven.append(item)
-        if header.file_size < item.size:  # a tail beyond the array: not published
+        if item.prefix is None and header.file_size < item.size:  # a tail beyond the array: not published
             os.truncate(hasher.path, header.file_size)
         check_written_header(hasher.path, item.checked_header, item.url)
     # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
@@ -293,6 +349,25 @@ def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end:
     item.header = header
     hasher.size = header.file_size
     _write_part(item, hasher, data, 0, min(end, header.file_size))
+
+
+def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
+    """Bytes ``start:end`` of a range item's data file: its built header's, then the object's
+    from ``item.offset`` on (one ranged read)."""
+    assert item.prefix is not None
+    built = len(item.prefix)
+    data = item.prefix[start:end]
+    if end > built:
+        low, high = item.offset + max(start, built) - built, item.offset + end - built
+        with _remote_errors(item.url, plan.secrets):
+            fetched = plan.fs.cat_file(item.path, start=low, end=high)
+        if len(fetched) != high - low:
+            raise CorruptSourceError(
+                f"{item.source}: bytes {low}-{high} of the object came back as {len(fetched)} (it was "
+                "truncated or changed while loading); nothing was published, load it again"
+            )
+        data = data + fetched if data else fetched
+    _write_part(item, hasher, data, start, end)
 
 
 def _write_part(item: RemoteItem, hasher: _TrailingHash, data: bytes, start: int, end: int) -> None:
@@ -343,8 +418,11 @@ def _list_objects(fs: Any, path: str) -> dict[str, dict[str, Any]]:
 
 
 def _items(
-    key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]]
+    key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]], dtype: Any = None
 ) -> list[RemoteItem]:
+    from .._containers.table_arrow import TABLE_SUFFIXES
+    from .remote_files import REMOTE_SUFFIXES, remote_suffix
+
     base = path.rstrip("/")
     items: list[RemoteItem] = []
     seen: dict[str, str] = {}
@@ -355,18 +433,17 @@ def _items(
             url = f"{shown.rstrip('/')}/{relative}"
         else:  # the suffix of the URL's path (an HTTP path may end with a query)
             relative, url = urlsplit(shown).path, shown
-        if relative.endswith(".npz"):
-            raise InvalidSourceError(
-                f"{url}: remote .npz archives are not loaded (their members need the whole archive); "
-                "store the arrays as .npy objects, or download the archive and put the local file"
-            )
-        if not relative.endswith(".npy"):
+        suffix = remote_suffix(relative)
+        if dtype is None and suffix not in REMOTE_SUFFIXES and (directory or suffix not in TABLE_SUFFIXES):
             if directory:
                 continue
-            raise CorruptSourceError(f"{url}: not a .npy object (or a prefix of them)")
+            raise CorruptSourceError(
+                f"{url}: not a {', '.join(REMOTE_SUFFIXES)} or table object (or a prefix of them); "
+                "a raw token file needs its dtype (dtype='uint16', `--dtype uint16`)"
+            )
         child = key
         if directory:
-            child = f"{key}/{relative[: -len('.npy')]}"
+            child = f"{key}/{relative[: len(relative) - len(suffix)]}"
             try:
                 validate_key(child)
             except ShmCacheError as exc:
@@ -379,7 +456,9 @@ def _items(
             raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
         items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info)))
     if not items:
-        raise InvalidSourceError(f"{shown} holds no .npy objects")
+        raise InvalidSourceError(
+            f"{shown} holds no {', '.join(REMOTE_SUFFIXES)} objects (a table object is loaded by its own URL)"
+        )
     return items
 
 

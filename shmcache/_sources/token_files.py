@@ -66,16 +66,14 @@ def token_dtype(dtype: object) -> np.dtype:
 
 
 def refuse_dtype_for(path: str | os.PathLike[str], dtype: object | None) -> None:
-    """Refuse ``dtype`` for what cannot be a raw token file: a URL, a directory."""
+    """Refuse ``dtype`` for what cannot be a raw token file: a directory (a URL is checked
+    once listed: one object, not a prefix)."""
     if dtype is None:
         return
     token_dtype(dtype)
     text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        raise InvalidSourceError(
-            f"dtype= takes a local raw token file, not the URL {text.partition('?')[0]!r}; copy the "
-            "file to local disk first, or store it as a .npy"
-        )
+    if "://" in text:  # a URL: one object, checked when it is listed (``remote_files``)
+        return
     if os.path.isdir(text):
         raise InvalidSourceError(
             f"dtype= takes one raw token file (e.g. nanoGPT's train.bin); {text} is a directory: "

@@ -241,16 +241,12 @@ class Putting:
         source = classify_source(path, as_, dtype)
         path = source.location
         if source.kind == "remote":
-            return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
+            return self._put_remote(
+                key, str(path), overwrite, pin, progress, storage_options, part_size, dtype
+            )
         if source.kind == "table":
             files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
-            size = int(meta["source_fingerprint"]["size"])
-            if progress is not None:
-                progress(0, size)
-            self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
-            if progress is not None:
-                progress(size, size)
-            return [key]
+            return self._put_table_file(key, files, meta, overwrite, pin, progress)
         if source.kind == "blobs":
             info = self.put_blobs(
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
@@ -292,6 +288,24 @@ class Putting:
         logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
         return keys
 
+    def _put_table_file(
+        self,
+        key: str,
+        files: Mapping[str, np.ndarray],
+        meta: Mapping[str, Any],
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> list[str]:
+        """``put_file`` of a table file or object, read already (progress: the file's bytes)."""
+        size = int(meta["source_fingerprint"]["size"])
+        if progress is not None:
+            progress(0, size)
+        self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
+        if progress is not None:
+            progress(size, size)
+        return [key]
+
     def _put_remote(
         self,
         key: str,
@@ -301,11 +315,19 @@ class Putting:
         progress: Callable[[int, int], None] | None,
         storage_options: Mapping[str, Any] | None,
         part_size: int | None,
+        dtype: Any = None,
     ) -> list[str]:
-        """``put_file`` of a URL: every object planned and validated, then streamed in."""
+        """``put_file`` of a URL: every object planned and validated (a table object read),
+        then streamed in."""
         from .._sources.remote import fetch_remote, plan_remote  # here: threads and hashing only for URLs
+        from .._sources.remote_files import is_remote_table, read_remote_table
 
-        plan = plan_remote(key, url, storage_options, read_headers=False)  # validated as fetched
+        if is_remote_table(url):
+            self._refuse_existing([key], overwrite)
+            files, meta = read_remote_table(key, url, storage_options)
+            return self._put_table_file(key, files, meta, overwrite, pin, progress)
+        # .npy headers are validated as fetched; other formats' indexes are read now
+        plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype)
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
         total = plan.object_bytes
@@ -318,7 +340,7 @@ class Putting:
             for item in plan.items:
                 header = {"data": item.checked_header}
                 meta = version_meta(item.key, "array", item.version, header, {"data": item.crc}, pin)
-                meta["source"] = item.url  # redacted: no user information, no query
+                meta["source"] = item.source  # redacted: no user information, no query
                 meta["source_fingerprint"] = {"size": item.size}
                 meta["source_identity"] = item.identity
                 writer.write_meta(item.version, meta)

@@ -1,0 +1,188 @@
+"""Formats other than ``.npy`` from URLs: each remote object is opened through fsspec as a
+seekable file-like (``fs.open(path, "rb", block_size=...)``: every read a ranged GET) and
+handed to the same index readers a local file goes through, so each format is checked
+exactly as it is locally, before any byte of it is written.
+
+- ``.safetensors``, torch ``.pt``/``.pth`` (contiguous tensors), uncompressed ``.npz``
+  members, raw token files (``dtype=``): only the index is read here (the safetensors
+  header; the zip's central directory and pickle; the ``.npz`` members' headers). Each
+  tensor or member becomes a :class:`~shmcache._sources.remote.RemoteItem` holding a built
+  ``.npy`` header and the object's byte range, which ``remote.fetch_remote`` streams into
+  the version file at its offset in parallel parts, as it does ``.npy`` objects: memory
+  stays flat (no copy of the object in RAM beside the cache).
+- Table objects (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``): decoded by
+  pyarrow from the file-like. Parquet reads its footer, then the column chunks, by ranged
+  reads; the decoded table is in memory before it is written, as for a local table file.
+
+Every object's size and ETag listed at the start are looked up again after the load (the
+ranges of an object are not its whole bytes, so no MD5 can prove them): an object changed
+meanwhile fails the load and nothing is published.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from .._containers.table_arrow import TABLE_SUFFIXES, read_table_file, require_pyarrow
+from .._disk.keys import validate_key
+from .._disk.npy import NpyHeader, build_header, iter_npz_members
+from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, UnsupportedDataError
+from .planned import PlannedEntry
+from .remote import RemoteItem, RemotePlan, _check_unchanged, _objects, _remote_errors
+from .token_files import token_dtype
+
+__all__ = [
+    "BLOCK_SIZE",
+    "REMOTE_SUFFIXES",
+    "is_remote_table",
+    "plan_object",
+    "plan_remote_table",
+    "read_remote_table",
+    "remote_suffix",
+]
+
+REMOTE_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors")
+"""Object suffixes a remote put takes as arrays (a prefix collects these)."""
+BLOCK_SIZE = 1 << 20
+"""Bytes per ranged read of the file-like the index readers and pyarrow read through."""
+
+
+def remote_suffix(name: str) -> str:
+    """``name``'s suffix (lower case) as a remote put reads it."""
+    return posixpath.splitext(name)[1].lower()
+
+
+def is_remote_table(url: str) -> bool:
+    """Whether the URL names one table object (by its path's suffix)."""
+    return remote_suffix(urlsplit(url).path) in TABLE_SUFFIXES
+
+
+def open_object(fs: Any, item: RemoteItem, secrets: list[str]) -> BinaryIO:
+    """The object as a seekable file-like of the size it was listed with; a different size
+    now means it changed since it was listed."""
+    with _remote_errors(item.url, secrets):
+        fp = fs.open(item.path, "rb", block_size=BLOCK_SIZE, cache_type="readahead")
+    size = getattr(fp, "size", None)
+    if isinstance(size, int) and size != item.size:
+        fp.close()
+        raise CorruptSourceError(
+            f"{item.url} changed while loading (it was {item.size} bytes, now {size}); "
+            "nothing was published, load it again"
+        )
+    return fp  # type: ignore[no-any-return]
+
+
+def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None) -> list[RemoteItem]:
+    """The entries one listed object becomes, from its index alone (``obj.key`` is valid):
+    a raw token file with ``dtype``, else by its suffix."""
+    if dtype is not None:
+        token = token_dtype(dtype)
+        if obj.size % token.itemsize:
+            raise CorruptSourceError(
+                f"{obj.url} holds {obj.size} bytes, not a whole number of {token} tokens "
+                f"({token.itemsize} bytes each): wrong dtype, or a truncated object"
+            )
+        return [_range(obj, obj.key, None, token, (obj.size // token.itemsize,), 0)]
+    suffix = remote_suffix(obj.path)
+    with open_object(fs, obj, secrets) as fp, _remote_errors(obj.url, secrets):
+        if suffix == ".safetensors":
+            from .safetensors import read_safetensors_index
+
+            tensors = read_safetensors_index(fp, obj.size, obj.url)
+            return [
+                _range(obj, _member_key(obj, t.name), t.name, t.dtype, t.shape, t.offset) for t in tensors
+            ]
+        if suffix in (".pt", ".pth"):
+            from .torch_zip import read_torch_index
+
+            planned = []
+            for t in read_torch_index(fp, obj.url):
+                if not t.contiguous:
+                    raise UnsupportedDataError(
+                        f"{obj.url}[{t.name}] is a strided view of its storage, which is gathered from a "
+                        "local file only; save the checkpoint with contiguous tensors "
+                        "({k: v.contiguous() for k, v in state.items()}), or download it and put the file"
+                    )
+                planned.append(_range(obj, _member_key(obj, t.name), t.name, t.dtype, t.shape, t.start))
+            return planned
+        if suffix == ".npz":
+            members = []
+            for member in iter_npz_members(fp, obj.url):
+                if member.stored_offset is None:
+                    raise UnsupportedDataError(
+                        f"{obj.url}[{member.name}.npy] is compressed (np.savez_compressed); a remote "
+                        ".npz is streamed by byte ranges, so save it with np.savez, or download it "
+                        "and put the local file (its members are inflated then)"
+                    )
+                item = _range(obj, _member_key(obj, member.name), f"{member.name}.npy", None, (), 0)
+                item.header, item.prefix, item.offset = member.header, b"", member.stored_offset
+                members.append(item)
+            if not members:
+                raise InvalidSourceError(f"{obj.url}: the .npz archive holds no .npy arrays")
+            return members
+    raise AssertionError(f"no remote planner for {suffix}")  # _items takes REMOTE_SUFFIXES only
+
+
+def _member_key(obj: RemoteItem, name: str) -> str:
+    try:
+        return validate_key(f"{obj.key}/{name}")
+    except ShmCacheError as exc:
+        raise type(exc)(f"{obj.url}: {name!r} does not make a valid key ({exc})") from None
+
+
+def _range(
+    obj: RemoteItem,
+    key: str,
+    member: str | None,
+    dtype: np.dtype | None,
+    shape: tuple[int, ...],
+    offset: int,
+) -> RemoteItem:
+    """An entry of ``obj``: a built header for ``dtype``/``shape``, then bytes from ``offset``."""
+    item = RemoteItem(key, obj.path, obj.url, obj.size, obj.identity, None, member=member, offset=offset)
+    if dtype is not None:
+        item.prefix = build_header(dtype, shape, False)
+        item.header = NpyHeader(dtype, shape, False, len(item.prefix))
+    return item
+
+
+def _table_plan(key: str, url: str, options: Mapping[str, Any] | None) -> RemotePlan:
+    fs, shown, path, directory, objects, secrets = _objects(key, url, options, None)
+    if directory or len(objects) != 1:
+        raise InvalidSourceError(f"{shown} is not one table object")
+    return RemotePlan(fs, shown, path, False, objects, secrets)
+
+
+def plan_remote_table(key: str, url: str, options: Mapping[str, Any] | None = None) -> PlannedEntry:
+    """Check a table object without loading it: listed, and (Parquet) its footer readable."""
+    plan = _table_plan(key, url, options)
+    item = plan.items[0]
+    require_pyarrow(f"table object {item.url}")
+    if remote_suffix(item.path) == ".parquet":
+        import pyarrow.parquet as pq
+
+        with open_object(plan.fs, item, plan.secrets) as fp:
+            try:
+                pq.ParquetFile(fp)
+            except Exception as exc:  # pyarrow's errors for a bad footer vary by version
+                raise CorruptSourceError(f"{item.url} is not a readable parquet file: {exc}") from None
+    return PlannedEntry(key, item.url, item.url, item.size)
+
+
+def read_remote_table(
+    key: str, url: str, options: Mapping[str, Any] | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A table object as a table entry's files and meta (the redacted URL as its source,
+    its size and ETag); an object changed while it was read raises."""
+    plan = _table_plan(key, url, options)
+    item = plan.items[0]
+    with open_object(plan.fs, item, plan.secrets) as fp, _remote_errors(item.url, plan.secrets):
+        files, meta = read_table_file(fp, item.url, remote_suffix(item.path))
+    _check_unchanged(plan, [item])
+    extra = {"source": item.url, "source_fingerprint": {"size": item.size}, "source_identity": item.identity}
+    return files, meta | extra
