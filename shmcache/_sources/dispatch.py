@@ -62,8 +62,7 @@ def plan_source(
     without copying anything (``key`` is valid)."""
     source = classify_source(path, as_, dtype)
     if source.kind == "remote":
-        from .remote import plan_remote  # here: threads and hashing only for URLs
-        from .remote_files import is_remote_table, plan_remote_table
+        from .remote_files import is_remote_table, plan_remote, plan_remote_table  # threads: URLs only
 
         if is_remote_table(str(source.location)):
             return [plan_remote_table(key, str(source.location), storage_options)]

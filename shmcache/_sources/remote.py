@@ -28,6 +28,7 @@ import base64
 import hashlib
 import io
 import os
+import posixpath
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -55,12 +56,15 @@ from .urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 __all__ = [
     "DEFAULT_PART_SIZE",
     "DEFAULT_WORKERS",
+    "REMOTE_SUFFIXES",
     "RemoteItem",
     "RemotePlan",
     "auto_part_size",
     "fetch_remote",
-    "plan_remote",
+    "list_remote",
+    "read_npy_headers",
     "remote_identities",
+    "remote_suffix",
 ]
 
 DEFAULT_PART_SIZE = 8 << 20
@@ -72,6 +76,9 @@ MAX_PART_SIZE = 64 << 20
 IN_FLIGHT_BYTES = 256 << 20
 """Bytes of parts being fetched at once, at most (a part bigger than this goes alone): what
 bounds the loader's memory, whatever the objects' sizes."""
+REMOTE_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors")
+"""Object suffixes a remote put takes as arrays (a prefix collects these; ``.npy`` objects are
+fetched whole, the others planned by ``remote_files``)."""
 _HEAD = 4096  # the first read of every object: a numpy header is almost always shorter
 _HASH_CHUNK = 1 << 20
 
@@ -101,6 +108,8 @@ class RemoteItem:
     offset: int = 0
     member: str | None = None
     """The tensor or archive member the range holds (named in ``source``)."""
+    suffix: str = ".npy"
+    """The object's suffix (lower case), which says how it is read."""
 
     @property
     def file_bytes(self) -> int:
@@ -136,43 +145,24 @@ class RemotePlan:
         return sum(item.file_bytes for item in self.items)
 
 
-def plan_remote(
-    key: str,
-    url: str,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    read_headers: bool = True,
-    workers: int = DEFAULT_WORKERS,
-    dtype: Any = None,
+def list_remote(
+    key: str, url: str, storage_options: Mapping[str, Any] | None = None, dtype: Any = None
 ) -> RemotePlan:
-    """List the objects under ``url`` (``key`` is valid already) and read the index of
-    every object that is not a ``.npy`` (``remote_files``: safetensors, torch, ``.npz``;
-    with ``dtype``, one raw token file). With ``read_headers``, also read and validate every
-    ``.npy`` header now (a dry run). Without, :func:`fetch_remote` validates each from the
-    object's first part before writing a byte of it: one request fewer per object."""
-    from .remote_files import plan_object
-
+    """The objects under ``url`` a put takes, from one listing: one item per object (``key``,
+    or ``key/<relative name without suffix>`` under a prefix), nothing read from them yet
+    (``remote_files.plan_remote`` reads their headers and indexes)."""
     fs, shown, path, directory, objects, secrets = _objects(key, url, storage_options, dtype)
-    indexed = [obj for obj in objects if dtype is not None or not obj.path.endswith(".npy")]
-    items = [obj for obj in objects if not (dtype is not None or not obj.path.endswith(".npy"))]
-    if indexed:
-        with ThreadPoolExecutor(min(workers, len(indexed)), thread_name_prefix="shmcache-index") as pool:
-            for planned in pool.map(lambda obj: plan_object(fs, obj, secrets, dtype), indexed):
-                items += planned
-    items.sort(key=lambda item: item.key)
-    seen: dict[str, str] = {}
-    for item in items:
-        if item.key in seen:
-            raise InvalidSourceError(f"{seen[item.key]} and {item.source} would both become key {item.key!r}")
-        seen[item.key] = item.source
-    if read_headers:
-        unread = [item for item in items if item.header is None]
-        threads = max(1, min(workers, len(unread)))
-        with ThreadPoolExecutor(threads, thread_name_prefix="shmcache-head") as pool:
-            headers = pool.map(lambda it: _read_header(fs, it, secrets), unread)
-            for item, header in zip(unread, headers, strict=True):
-                item.header = header
-    return RemotePlan(fs, shown, path, directory, items, secrets)
+    return RemotePlan(fs, shown, path, directory, objects, secrets)
+
+
+def read_npy_headers(plan: RemotePlan, workers: int = DEFAULT_WORKERS) -> None:
+    """Read and validate the header of every ``.npy`` object of ``plan`` not read yet (one
+    ranged read each, in parallel): what a dry run checks."""
+    unread = [item for item in plan.items if item.header is None]
+    with ThreadPoolExecutor(max(1, min(workers, len(unread))), thread_name_prefix="shmcache-head") as pool:
+        headers = pool.map(lambda it: _read_header(plan.fs, it, plan.secrets), unread)
+        for item, header in zip(unread, headers, strict=True):
+            item.header = header
 
 
 def _objects(
@@ -199,6 +189,11 @@ def _objects(
             "put each token file with its own key"
         )
     return fs, shown, path, directory, _items(key, shown, path, directory, listing, dtype), secrets
+
+
+def remote_suffix(name: str) -> str:
+    """``name``'s suffix (lower case) as a remote put reads it."""
+    return posixpath.splitext(name)[1].lower()
 
 
 def auto_part_size(size: int, workers: int = DEFAULT_WORKERS) -> int:
@@ -421,7 +416,6 @@ def _items(
     key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]], dtype: Any = None
 ) -> list[RemoteItem]:
     from .._containers.table_arrow import TABLE_SUFFIXES
-    from .remote_files import REMOTE_SUFFIXES, remote_suffix
 
     base = path.rstrip("/")
     items: list[RemoteItem] = []
@@ -454,7 +448,7 @@ def _items(
         size = info.get("size")
         if not isinstance(size, int) or size < 0:
             raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
-        items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info)))
+        items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info), suffix=suffix))
     if not items:
         raise InvalidSourceError(
             f"{shown} holds no {', '.join(REMOTE_SUFFIXES)} objects (a table object is loaded by its own URL)"

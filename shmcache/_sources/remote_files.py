@@ -21,9 +21,10 @@ meanwhile fails the load and nothing is published.
 
 from __future__ import annotations
 
-import posixpath
+import io
 from collections.abc import Mapping
-from typing import Any, BinaryIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -33,33 +34,67 @@ from .._disk.keys import validate_key
 from .._disk.npy import NpyHeader, build_header, iter_npz_members
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, UnsupportedDataError
 from .planned import PlannedEntry
-from .remote import RemoteItem, RemotePlan, _check_unchanged, _objects, _remote_errors
+from .remote import (
+    DEFAULT_WORKERS,
+    RemoteItem,
+    RemotePlan,
+    _check_unchanged,
+    _remote_errors,
+    list_remote,
+    read_npy_headers,
+    remote_suffix,
+)
 from .token_files import token_dtype
 
 __all__ = [
     "BLOCK_SIZE",
-    "REMOTE_SUFFIXES",
     "is_remote_table",
     "plan_object",
+    "plan_remote",
     "plan_remote_table",
     "read_remote_table",
-    "remote_suffix",
 ]
 
-REMOTE_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors")
-"""Object suffixes a remote put takes as arrays (a prefix collects these)."""
 BLOCK_SIZE = 1 << 20
 """Bytes per ranged read of the file-like the index readers and pyarrow read through."""
-
-
-def remote_suffix(name: str) -> str:
-    """``name``'s suffix (lower case) as a remote put reads it."""
-    return posixpath.splitext(name)[1].lower()
 
 
 def is_remote_table(url: str) -> bool:
     """Whether the URL names one table object (by its path's suffix)."""
     return remote_suffix(urlsplit(url).path) in TABLE_SUFFIXES
+
+
+def plan_remote(
+    key: str,
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    read_headers: bool = True,
+    workers: int = DEFAULT_WORKERS,
+    dtype: Any = None,
+) -> RemotePlan:
+    """List the objects under ``url`` (``key`` is valid already) and read the index of every
+    object that is not a ``.npy`` (with ``dtype``: one raw token file), each in a thread.
+    With ``read_headers``, also read and validate every ``.npy`` header now (a dry run);
+    without, ``fetch_remote`` validates each from the object's first part before writing a
+    byte of it: one request fewer per object."""
+    plan = list_remote(key, url, storage_options, dtype)
+    indexed = [obj for obj in plan.items if dtype is not None or obj.suffix != ".npy"]
+    items = [obj for obj in plan.items if dtype is None and obj.suffix == ".npy"]
+    if indexed:
+        with ThreadPoolExecutor(min(workers, len(indexed)), thread_name_prefix="shmcache-index") as pool:
+            for planned in pool.map(lambda obj: plan_object(plan.fs, obj, plan.secrets, dtype), indexed):
+                items += planned
+    items.sort(key=lambda item: item.key)
+    seen: dict[str, str] = {}
+    for item in items:
+        if item.key in seen:
+            raise InvalidSourceError(f"{seen[item.key]} and {item.source} would both become key {item.key!r}")
+        seen[item.key] = item.source
+    plan.items = items
+    if read_headers:
+        read_npy_headers(plan, workers)
+    return plan
 
 
 def open_object(fs: Any, item: RemoteItem, secrets: list[str]) -> BinaryIO:
@@ -74,7 +109,43 @@ def open_object(fs: Any, item: RemoteItem, secrets: list[str]) -> BinaryIO:
             f"{item.url} changed while loading (it was {item.size} bytes, now {size}); "
             "nothing was published, load it again"
         )
-    return fp  # type: ignore[no-any-return]
+    return cast(BinaryIO, _ObjectFile(fp))  # a seekable binary file, as the readers take
+
+
+class _ObjectFile(io.RawIOBase):
+    """An fsspec file as the readers expect a file: a seek before its start is an
+    ``OSError`` (zipfile probes for a zip64 record so), not fsspec's ``ValueError``."""
+
+    def __init__(self, fp: Any) -> None:
+        super().__init__()
+        self._fp = fp
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        try:
+            return int(self._fp.seek(offset, whence))
+        except ValueError as exc:
+            raise OSError(str(exc)) from None
+
+    def tell(self) -> int:
+        return int(self._fp.tell())
+
+    def read(self, size: int | None = -1) -> bytes:
+        return bytes(self._fp.read(-1 if size is None else size))
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._fp.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._fp.close()
+        super().close()
 
 
 def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None) -> list[RemoteItem]:
@@ -88,7 +159,7 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
                 f"({token.itemsize} bytes each): wrong dtype, or a truncated object"
             )
         return [_range(obj, obj.key, None, token, (obj.size // token.itemsize,), 0)]
-    suffix = remote_suffix(obj.path)
+    suffix = obj.suffix
     with open_object(fs, obj, secrets) as fp, _remote_errors(obj.url, secrets):
         if suffix == ".safetensors":
             from .safetensors import read_safetensors_index
@@ -144,7 +215,9 @@ def _range(
     offset: int,
 ) -> RemoteItem:
     """An entry of ``obj``: a built header for ``dtype``/``shape``, then bytes from ``offset``."""
-    item = RemoteItem(key, obj.path, obj.url, obj.size, obj.identity, None, member=member, offset=offset)
+    item = RemoteItem(
+        key, obj.path, obj.url, obj.size, obj.identity, None, member=member, offset=offset, suffix=obj.suffix
+    )
     if dtype is not None:
         item.prefix = build_header(dtype, shape, False)
         item.header = NpyHeader(dtype, shape, False, len(item.prefix))
@@ -152,10 +225,10 @@ def _range(
 
 
 def _table_plan(key: str, url: str, options: Mapping[str, Any] | None) -> RemotePlan:
-    fs, shown, path, directory, objects, secrets = _objects(key, url, options, None)
-    if directory or len(objects) != 1:
-        raise InvalidSourceError(f"{shown} is not one table object")
-    return RemotePlan(fs, shown, path, False, objects, secrets)
+    plan = list_remote(key, url, options)
+    if plan.directory or len(plan.items) != 1:
+        raise InvalidSourceError(f"{plan.url} is not one table object")
+    return plan
 
 
 def plan_remote_table(key: str, url: str, options: Mapping[str, Any] | None = None) -> PlannedEntry:
@@ -163,7 +236,7 @@ def plan_remote_table(key: str, url: str, options: Mapping[str, Any] | None = No
     plan = _table_plan(key, url, options)
     item = plan.items[0]
     require_pyarrow(f"table object {item.url}")
-    if remote_suffix(item.path) == ".parquet":
+    if item.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         with open_object(plan.fs, item, plan.secrets) as fp:
@@ -182,7 +255,7 @@ def read_remote_table(
     plan = _table_plan(key, url, options)
     item = plan.items[0]
     with open_object(plan.fs, item, plan.secrets) as fp, _remote_errors(item.url, plan.secrets):
-        files, meta = read_table_file(fp, item.url, remote_suffix(item.path))
+        files, meta = read_table_file(fp, item.url, item.suffix)
     _check_unchanged(plan, [item])
     extra = {"source": item.url, "source_fingerprint": {"size": item.size}, "source_identity": item.identity}
     return files, meta | extra

@@ -319,8 +319,8 @@ class Putting:
     ) -> list[str]:
         """``put_file`` of a URL: every object planned and validated (a table object read),
         then streamed in."""
-        from .._sources.remote import fetch_remote, plan_remote  # here: threads and hashing only for URLs
-        from .._sources.remote_files import is_remote_table, read_remote_table
+        from .._sources.remote import fetch_remote  # here: threads and hashing only for URLs
+        from .._sources.remote_files import is_remote_table, plan_remote, read_remote_table
 
         if is_remote_table(url):
             self._refuse_existing([key], overwrite)
