@@ -99,6 +99,35 @@ def test_table_objects_load_as_tables(store: shmcache.Store, root: Path, s3: Mot
         assert meta["source_identity"].startswith("ETag=")
 
 
+def test_a_prefix_of_parquet_shards_is_one_table(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """A Hub dataset's layout (``hf://datasets/ORG/NAME/data/train-0000N-of-0000M.parquet``, read
+    through huggingface_hub's fsspec filesystem by this same code): the shards' rows in name order."""
+    table = _table()
+    for i, start in enumerate((0, 20, 35)):
+        shard = io.BytesIO()
+        pq.write_table(table.slice(start, {0: 20, 1: 15, 2: 15}[i]), shard)
+        _put_object(s3, bucket, f"ds/data/train-{i:05d}-of-00003.parquet", shard.getvalue())
+    _put_object(s3, bucket, "ds/README.md", b"a dataset card: skipped")
+    url = f"s3://{bucket}/ds/data/"
+    [planned] = store.plan_file("ds", url, storage_options=s3.options())
+    assert planned.key == "ds" and planned.source == url
+    assert store.put_file("ds", url, storage_options=s3.options()) == ["ds"]
+    _check_table(store, "ds")
+    assert _meta(store, root, "ds")["source"] == url
+    other = io.BytesIO()
+    pq.write_table(pa.table({"other": [1, 2]}), other)
+    _put_object(s3, bucket, "ds/data/train-00009-of-00003.parquet", other.getvalue())
+    with pytest.raises(InvalidSourceError, match="do not share one schema"):
+        store.put_file("ds2", url, storage_options=s3.options())
+    _put_object(s3, bucket, "mixed/a.parquet", other.getvalue())
+    _put_object(s3, bucket, "mixed/b.csv", b"other\n1\n")
+    with pytest.raises(InvalidSourceError, match=r"several formats \(\.csv, \.parquet\)"):
+        store.put_file("mixed", f"s3://{bucket}/mixed/", storage_options=s3.options())
+    assert not store.exists("ds2") and not store.exists("mixed")
+
+
 def test_safetensors_tensors_are_ranges_of_the_object(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:

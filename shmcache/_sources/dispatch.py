@@ -62,11 +62,11 @@ def plan_source(
     without copying anything (``key`` is valid)."""
     source = classify_source(path, as_, dtype)
     if source.kind == "remote":
-        from .remote_files import is_remote_table, plan_remote, plan_remote_table  # threads: URLs only
+        from .remote_files import plan_remote, plan_remote_table  # threads: URLs only
 
-        if is_remote_table(str(source.location)):
-            return [plan_remote_table(key, str(source.location), storage_options)]
         plan = plan_remote(key, str(source.location), storage_options, dtype=dtype)
+        if plan.is_table:
+            return plan_remote_table(key, plan)
         return [PlannedEntry(i.key, i.source, i.url, i.checked_header.file_size) for i in plan.items]
     if source.kind == "table":
         return [plan_table_file(key, Path(source.location), allowed)]

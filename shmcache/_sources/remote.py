@@ -140,6 +140,14 @@ class RemotePlan:
     secrets: list[str]
 
     @property
+    def is_table(self) -> bool:
+        """Whether the objects are table files (one object, or a prefix of them without
+        arrays): one table entry, read by ``remote_files.read_remote_table``."""
+        from .._containers.table_arrow import TABLE_SUFFIXES
+
+        return all(item.suffix in TABLE_SUFFIXES for item in self.items)
+
+    @property
     def object_bytes(self) -> int:
         """Bytes of the entries' data files (at most: a ``.npy`` object may have a tail)."""
         return sum(item.file_bytes for item in self.items)
@@ -419,6 +427,7 @@ def _items(
 
     base = path.rstrip("/")
     items: list[RemoteItem] = []
+    tables: list[RemoteItem] = []  # a prefix's table objects: one table, if it holds no arrays
     seen: dict[str, str] = {}
     for name in sorted(listing):
         info = listing[name]
@@ -428,6 +437,11 @@ def _items(
         else:  # the suffix of the URL's path (an HTTP path may end with a query)
             relative, url = urlsplit(shown).path, shown
         suffix = remote_suffix(relative)
+        if directory and dtype is None and suffix in TABLE_SUFFIXES:
+            size = info.get("size")
+            if isinstance(size, int) and size >= 0:
+                tables.append(RemoteItem(key, name, url, size, _identity(info), None, suffix=suffix))
+                continue
         if dtype is None and suffix not in REMOTE_SUFFIXES and (directory or suffix not in TABLE_SUFFIXES):
             if directory:
                 continue
@@ -449,10 +463,10 @@ def _items(
         if not isinstance(size, int) or size < 0:
             raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
         items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info), suffix=suffix))
+    if not items and tables:  # a prefix of table files (a Hub dataset's Parquet shards): one table
+        return tables
     if not items:
-        raise InvalidSourceError(
-            f"{shown} holds no {', '.join(REMOTE_SUFFIXES)} objects (a table object is loaded by its own URL)"
-        )
+        raise InvalidSourceError(f"{shown} holds no {', '.join(REMOTE_SUFFIXES)} or table objects")
     return items
 
 

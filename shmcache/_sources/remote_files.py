@@ -25,11 +25,10 @@ import io
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from .._containers.table_arrow import TABLE_SUFFIXES, read_table_file, require_pyarrow
+from .._containers.table_arrow import read_table_file, require_pyarrow
 from .._disk.keys import validate_key
 from .._disk.npy import NpyHeader, build_header, iter_npz_members
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, UnsupportedDataError
@@ -42,13 +41,11 @@ from .remote import (
     _remote_errors,
     list_remote,
     read_npy_headers,
-    remote_suffix,
 )
 from .token_files import token_dtype
 
 __all__ = [
     "BLOCK_SIZE",
-    "is_remote_table",
     "plan_object",
     "plan_remote",
     "plan_remote_table",
@@ -57,11 +54,6 @@ __all__ = [
 
 BLOCK_SIZE = 1 << 20
 """Bytes per ranged read of the file-like the index readers and pyarrow read through."""
-
-
-def is_remote_table(url: str) -> bool:
-    """Whether the URL names one table object (by its path's suffix)."""
-    return remote_suffix(urlsplit(url).path) in TABLE_SUFFIXES
 
 
 def plan_remote(
@@ -79,6 +71,9 @@ def plan_remote(
     without, ``fetch_remote`` validates each from the object's first part before writing a
     byte of it: one request fewer per object."""
     plan = list_remote(key, url, storage_options, dtype)
+    if plan.is_table:
+        _check_tables(plan)
+        return plan
     indexed = [obj for obj in plan.items if dtype is not None or obj.suffix != ".npy"]
     items = [obj for obj in plan.items if dtype is None and obj.suffix == ".npy"]
     if indexed:
@@ -224,38 +219,62 @@ def _range(
     return item
 
 
-def _table_plan(key: str, url: str, options: Mapping[str, Any] | None) -> RemotePlan:
-    plan = list_remote(key, url, options)
-    if plan.directory or len(plan.items) != 1:
-        raise InvalidSourceError(f"{plan.url} is not one table object")
-    return plan
+def _check_tables(plan: RemotePlan) -> None:
+    """A table plan's objects are all of one format (one table is made of them)."""
+    suffixes = sorted({item.suffix for item in plan.items})
+    if len(suffixes) > 1:
+        raise InvalidSourceError(
+            f"{plan.url} holds table objects of several formats ({', '.join(suffixes)}); one table "
+            "is made of one format: load each format's objects by a prefix of their own"
+        )
 
 
-def plan_remote_table(key: str, url: str, options: Mapping[str, Any] | None = None) -> PlannedEntry:
-    """Check a table object without loading it: listed, and (Parquet) its footer readable."""
-    plan = _table_plan(key, url, options)
-    item = plan.items[0]
-    require_pyarrow(f"table object {item.url}")
-    if item.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def plan_remote_table(key: str, plan: RemotePlan) -> list[PlannedEntry]:
+    """Check a table plan without loading it: pyarrow there, and (Parquet) every footer
+    readable; the size estimate is the objects'."""
+    require_pyarrow(f"table object {plan.url}")
+    for item in plan.items:
+        if item.suffix == ".parquet":
+            import pyarrow.parquet as pq
 
-        with open_object(plan.fs, item, plan.secrets) as fp:
-            try:
-                pq.ParquetFile(fp)
-            except Exception as exc:  # pyarrow's errors for a bad footer vary by version
-                raise CorruptSourceError(f"{item.url} is not a readable parquet file: {exc}") from None
-    return PlannedEntry(key, item.url, item.url, item.size)
+            with open_object(plan.fs, item, plan.secrets) as fp, _remote_errors(item.url, plan.secrets):
+                try:
+                    pq.ParquetFile(fp)
+                except (OSError, ValueError) as exc:  # pyarrow's errors for a bad footer vary by version
+                    raise CorruptSourceError(f"{item.url} is not a readable parquet file: {exc}") from None
+    return [PlannedEntry(key, plan.url, plan.url, plan.object_bytes)]
 
 
-def read_remote_table(
-    key: str, url: str, options: Mapping[str, Any] | None = None
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """A table object as a table entry's files and meta (the redacted URL as its source,
-    its size and ETag); an object changed while it was read raises."""
-    plan = _table_plan(key, url, options)
-    item = plan.items[0]
-    with open_object(plan.fs, item, plan.secrets) as fp, _remote_errors(item.url, plan.secrets):
-        files, meta = read_table_file(fp, item.url, item.suffix)
-    _check_unchanged(plan, [item])
-    extra = {"source": item.url, "source_fingerprint": {"size": item.size}, "source_identity": item.identity}
+def read_remote_table(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A table plan's objects as one table entry's files and meta (several objects: their
+    rows in name order, one schema); the redacted URL is its source, with the objects'
+    bytes and (one object) its ETag. An object changed while it was read raises."""
+    if len(plan.items) == 1:
+        item = plan.items[0]
+        with open_object(plan.fs, item, plan.secrets) as fp, _remote_errors(item.url, plan.secrets):
+            files, meta = read_table_file(fp, item.url, item.suffix)
+        identity = item.identity
+    else:
+        files, meta = _read_tables(plan)
+        identity = ""
+    _check_unchanged(plan, plan.items)
+    extra = {"source": plan.url, "source_fingerprint": {"size": plan.object_bytes}}
+    extra["source_identity"] = identity
     return files, meta | extra
+
+
+def _read_tables(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    from .._containers.table_arrow import encode_arrow, read_arrow_table
+
+    pa = require_pyarrow(f"table objects under {plan.url}")
+    tables = []
+    for item in plan.items:
+        with open_object(plan.fs, item, plan.secrets) as fp, _remote_errors(item.url, plan.secrets):
+            tables.append(read_arrow_table(fp, item.url, item.suffix))
+    try:
+        table = pa.concat_tables(tables)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise InvalidSourceError(
+            f"{plan.url}: its table objects do not share one schema ({exc}); load each by its own URL"
+        ) from None
+    return encode_arrow(table, plan.url)

@@ -320,14 +320,14 @@ class Putting:
         """``put_file`` of a URL: every object planned and validated (a table object read),
         then streamed in."""
         from .._sources.remote import fetch_remote  # here: threads and hashing only for URLs
-        from .._sources.remote_files import is_remote_table, plan_remote, read_remote_table
+        from .._sources.remote_files import plan_remote, read_remote_table
 
-        if is_remote_table(url):
-            self._refuse_existing([key], overwrite)
-            files, meta = read_remote_table(key, url, storage_options)
-            return self._put_table_file(key, files, meta, overwrite, pin, progress)
         # .npy headers are validated as fetched; other formats' indexes are read now
         plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype)
+        if plan.is_table:
+            self._refuse_existing([key], overwrite)
+            files, meta = read_remote_table(plan)
+            return self._put_table_file(key, files, meta, overwrite, pin, progress)
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
         total = plan.object_bytes
