@@ -175,22 +175,28 @@ def test_torch_checkpoints_load_their_contiguous_tensors(
     assert not store.exists("s/t")
 
 
-def test_npz_members_stored_uncompressed_load_and_compressed_ones_are_refused(
+def test_npz_members_stored_are_ranges_and_compressed_ones_are_inflated_from_the_object(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
-    arrays = {"x": np.arange(1000, dtype=np.int32), "y": np.eye(3)}
+    arrays = {"x": np.arange(300_000, dtype=np.int32), "y": np.eye(3)}
     plain, packed = io.BytesIO(), io.BytesIO()
     np.savez(plain, **arrays)  # type: ignore[arg-type]
     np.savez_compressed(packed, **arrays)  # type: ignore[arg-type]
     _put_object(s3, bucket, "a.npz", plain.getvalue())
     _put_object(s3, bucket, "z.npz", packed.getvalue())
-    assert sorted(store.put_file("a", f"s3://{bucket}/a.npz", storage_options=s3.options())) == ["a/x", "a/y"]
-    for name, array in arrays.items():
-        np.testing.assert_array_equal(store.open_array(f"a/{name}"), array)
-    assert _meta(store, root, "a/x")["source"] == f"s3://{bucket}/a.npz[x.npy]"
-    with pytest.raises(UnsupportedDataError, match=r"z.npz\[x.npy\] is compressed"):
-        store.put_file("z", f"s3://{bucket}/z.npz", storage_options=s3.options())
-    assert not store.exists("z/x") and not _staging(root)
+    for name in ("a", "z"):
+        keys = store.put_file(name, f"s3://{bucket}/{name}.npz", storage_options=s3.options())
+        assert sorted(keys) == [f"{name}/x", f"{name}/y"]
+        for member, array in arrays.items():
+            np.testing.assert_array_equal(store.open_array(f"{name}/{member}"), array)
+        assert all(store.verify(key) for key in keys)
+    assert _meta(store, root, "z/x")["source"] == f"s3://{bucket}/z.npz[x.npy]"
+    damaged = bytearray(packed.getvalue())
+    damaged[len(damaged) // 3] ^= 0xFF  # inside x's deflate stream: a zlib error or a CRC mismatch
+    _put_object(s3, bucket, "bad.npz", bytes(damaged))
+    with pytest.raises(CorruptSourceError, match=r"bad.npz\[x.npy\]"):
+        store.put_file("bad", f"s3://{bucket}/bad.npz", storage_options=s3.options())
+    assert not store.exists("bad/x") and not store.exists("bad/y") and not _staging(root)
 
 
 def test_a_raw_token_file_loads_with_its_dtype(

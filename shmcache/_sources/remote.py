@@ -110,6 +110,9 @@ class RemoteItem:
     """The tensor or archive member the range holds (named in ``source``)."""
     suffix: str = ".npy"
     """The object's suffix (lower case), which says how it is read."""
+    decoder: Callable[[], Iterator[bytes]] | None = None
+    """For a range whose bytes must be decoded (a compressed ``.npz`` member): the whole
+    ``.npy``, in order, in chunks (``prefix`` is empty then, and ``offset`` unused)."""
 
     @property
     def file_bytes(self) -> int:
@@ -265,9 +268,17 @@ def fetch_remote(
         for item, hasher in zip(plan.items, hashers, strict=True)
         for part in [part_size or auto_part_size(item.file_bytes, workers)]
         for start in range(0, max(item.file_bytes, 1), part)
+        if item.decoder is None or start == 0  # a decoder writes the whole file from one task
+    ]
+    tasks = [
+        (item, hasher, start, item.file_bytes if item.decoder is not None else end)
+        for item, hasher, start, end in tasks
     ]
 
     def fetch(item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
+        if item.decoder is not None:
+            _fetch_decoded(plan, item, hasher, budget, stop, progressed)
+            return
         if item.prefix is not None:
             if not stop.is_set():
                 with budget.holding(end - start):
@@ -352,6 +363,34 @@ def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end:
     item.header = header
     hasher.size = header.file_size
     _write_part(item, hasher, data, 0, min(end, header.file_size))
+
+
+def _fetch_decoded(
+    plan: RemotePlan,
+    item: RemoteItem,
+    hasher: _TrailingHash,
+    budget: _ByteBudget,
+    stop: threading.Event,
+    progressed: Callable[[int], None],
+) -> None:
+    """A decoded item's bytes, written in order as its decoder yields them."""
+    assert item.decoder is not None
+    done = 0
+    with _remote_errors(item.url, plan.secrets):
+        for chunk in item.decoder():
+            if stop.is_set():
+                return
+            end = done + len(chunk)
+            if end > item.file_bytes:
+                raise CorruptSourceError(f"{item.source}: longer than its header says; nothing was published")
+            with budget.holding(len(chunk)):
+                _write_part(item, hasher, chunk, done, end)
+            progressed(len(chunk))
+            done = end
+    if done != item.file_bytes:
+        raise CorruptSourceError(
+            f"{item.source}: ended at byte {done} of {item.file_bytes} (truncated); nothing was published"
+        )
 
 
 def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:

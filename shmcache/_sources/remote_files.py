@@ -3,13 +3,15 @@ seekable file-like (``fs.open(path, "rb", block_size=...)``: every read a ranged
 handed to the same index readers a local file goes through, so each format is checked
 exactly as it is locally, before any byte of it is written.
 
-- ``.safetensors``, torch ``.pt``/``.pth`` (contiguous tensors), uncompressed ``.npz``
-  members, raw token files (``dtype=``): only the index is read here (the safetensors
-  header; the zip's central directory and pickle; the ``.npz`` members' headers). Each
-  tensor or member becomes a :class:`~shmcache._sources.remote.RemoteItem` holding a built
-  ``.npy`` header and the object's byte range, which ``remote.fetch_remote`` streams into
-  the version file at its offset in parallel parts, as it does ``.npy`` objects: memory
-  stays flat (no copy of the object in RAM beside the cache).
+- ``.safetensors``, torch ``.pt``/``.pth`` (contiguous tensors), stored ``.npz`` members,
+  raw token files (``dtype=``): only the index is read here (the safetensors header; the
+  zip's central directory and pickle; the ``.npz`` members' headers). Each tensor or member
+  becomes a :class:`~shmcache._sources.remote.RemoteItem` holding a built ``.npy`` header
+  and the object's byte range, which ``remote.fetch_remote`` streams into the version file
+  at its offset in parallel parts, as it does ``.npy`` objects: memory stays flat (no copy
+  of the object in RAM beside the cache).
+- Compressed ``.npz`` members (``np.savez_compressed``): inflated by zipfile from the
+  remote file-like as it reads it, written in order (one stream per member, 4 MiB chunks).
 - Table objects (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``): decoded by
   pyarrow from the file-like. Parquet reads its footer, then the column chunks, by ranged
   reads; the decoded table is in memory before it is written, as for a local table file.
@@ -22,7 +24,9 @@ meanwhile fails the load and nothing is published.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+import zipfile
+import zlib
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
 
@@ -53,6 +57,7 @@ __all__ = [
 ]
 
 BLOCK_SIZE = 1 << 20
+_INFLATE_CHUNK = 4 << 20
 """Bytes per ranged read of the file-like the index readers and pyarrow read through."""
 
 
@@ -179,19 +184,36 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
         if suffix == ".npz":
             members = []
             for member in iter_npz_members(fp, obj.url):
-                if member.stored_offset is None:
-                    raise UnsupportedDataError(
-                        f"{obj.url}[{member.name}.npy] is compressed (np.savez_compressed); a remote "
-                        ".npz is streamed by byte ranges, so save it with np.savez, or download it "
-                        "and put the local file (its members are inflated then)"
-                    )
                 item = _range(obj, _member_key(obj, member.name), f"{member.name}.npy", None, (), 0)
-                item.header, item.prefix, item.offset = member.header, b"", member.stored_offset
+                item.header, item.prefix = member.header, b""
+                if member.stored_offset is None:  # compressed: inflated from the remote file-like
+                    item.decoder = _inflater(fs, obj, secrets, f"{member.name}.npy", item.source)
+                else:
+                    item.offset = member.stored_offset
                 members.append(item)
             if not members:
                 raise InvalidSourceError(f"{obj.url}: the .npz archive holds no .npy arrays")
             return members
     raise AssertionError(f"no remote planner for {suffix}")  # _items takes REMOTE_SUFFIXES only
+
+
+def _inflater(fs: Any, obj: RemoteItem, secrets: list[str], member: str, where: str) -> Any:
+    """The chunks of compressed ``.npz`` member ``member``, inflated from the remote file-like
+    as they are read (zipfile checks its CRC at the end): no local copy of the archive."""
+
+    def chunks() -> Iterator[bytes]:
+        try:
+            with (
+                open_object(fs, obj, secrets) as fp,
+                zipfile.ZipFile(fp) as archive,
+                archive.open(member) as stream,
+            ):
+                while chunk := stream.read(_INFLATE_CHUNK):
+                    yield chunk
+        except (zipfile.BadZipFile, EOFError, KeyError, zlib.error) as exc:
+            raise CorruptSourceError(f"{where}: {exc}; nothing was published") from None
+
+    return chunks
 
 
 def _member_key(obj: RemoteItem, name: str) -> str:
