@@ -219,6 +219,28 @@ def test_a_raw_token_file_loads_with_its_dtype(
     assert not store.exists("t4") and not store.exists("tp") and not store.exists("tn")
 
 
+def test_hdf5_datasets_are_decoded_from_the_remote_file(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "d.h5"
+    rows = np.arange(200_000, dtype=np.float64).reshape(-1, 4)
+    with h5py.File(path, "w") as h5:
+        h5.create_dataset("grp/rows", data=rows, chunks=(1000, 4), compression="gzip")
+        h5.create_dataset("scalar", data=np.int32(7))
+    _put_object(s3, bucket, "d.h5", path.read_bytes())
+    keys = store.put_file("h", f"s3://{bucket}/d.h5", storage_options=s3.options())
+    assert sorted(keys) == ["h/grp/rows", "h/scalar"]
+    np.testing.assert_array_equal(store.open_array("h/grp/rows"), rows)
+    assert store.open_array("h/scalar")[()] == 7 and all(store.verify(key) for key in keys)
+    with h5py.File(path, "w") as h5:
+        h5.create_dataset("names", data=["a", "b"], dtype=h5py.string_dtype())
+    _put_object(s3, bucket, "s.h5", path.read_bytes())
+    with pytest.raises(UnsupportedDataError, match=r"s.h5\[names\] holds variable-length strings"):
+        store.put_file("s", f"s3://{bucket}/s.h5", storage_options=s3.options())
+    assert not store.exists("s/names") and not _staging(root)
+
+
 # ---------------------------------------------------------------------- prefixes, changes, damage
 
 

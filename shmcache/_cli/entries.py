@@ -142,7 +142,7 @@ def put(
     """Load PATH into the cache under KEY and print the keys published.
 
     PATH may be a URL (s3://bucket/prefix/, gs://, az://, hf://, https://):
-    .npy, .safetensors, .pt, .npz, table and (with --dtype) token objects are
+    .npy, .safetensors, .pt, .npz, .h5, table and (with --dtype) token objects are
     streamed into the cache.
 
     Through the daemon when one serves the root (Ctrl+C cancels the load),

@@ -76,7 +76,7 @@ MAX_PART_SIZE = 64 << 20
 IN_FLIGHT_BYTES = 256 << 20
 """Bytes of parts being fetched at once, at most (a part bigger than this goes alone): what
 bounds the loader's memory, whatever the objects' sizes."""
-REMOTE_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors")
+REMOTE_SUFFIXES = (".h5", ".hdf5", ".npy", ".npz", ".pt", ".pth", ".safetensors")
 """Object suffixes a remote put takes as arrays (a prefix collects these; ``.npy`` objects are
 fetched whole, the others planned by ``remote_files``)."""
 _HEAD = 4096  # the first read of every object: a numpy header is almost always shorter

@@ -12,6 +12,8 @@ exactly as it is locally, before any byte of it is written.
   of the object in RAM beside the cache).
 - Compressed ``.npz`` members (``np.savez_compressed``): inflated by zipfile from the
   remote file-like as it reads it, written in order (one stream per member, 4 MiB chunks).
+- HDF5 (``.h5``/``.hdf5``, h5py needed): h5py reads the remote file-like (its seeks are
+  ranged reads); every dataset is checked first, then each decoded in slabs written in order.
 - Table objects (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``): decoded by
   pyarrow from the file-like. Parquet reads its footer, then the column chunks, by ranged
   reads; the decoded table is in memory before it is written, as for a local table file.
@@ -24,6 +26,7 @@ meanwhile fails the load and nothing is published.
 from __future__ import annotations
 
 import io
+import math
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
@@ -161,6 +164,8 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
             )
         return [_range(obj, obj.key, None, token, (obj.size // token.itemsize,), 0)]
     suffix = obj.suffix
+    if suffix in (".h5", ".hdf5"):
+        return _plan_hdf5(fs, obj, secrets)
     with open_object(fs, obj, secrets) as fp, _remote_errors(obj.url, secrets):
         if suffix == ".safetensors":
             from .safetensors import read_safetensors_index
@@ -196,6 +201,68 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
                 raise InvalidSourceError(f"{obj.url}: the .npz archive holds no .npy arrays")
             return members
     raise AssertionError(f"no remote planner for {suffix}")  # _items takes REMOTE_SUFFIXES only
+
+
+def _plan_hdf5(fs: Any, obj: RemoteItem, secrets: list[str]) -> list[RemoteItem]:
+    """Every dataset of an HDF5 object, checked by h5py reading the remote file-like; each
+    then decoded by h5py from a file-like of its own, in slabs written in order."""
+    from . import hdf5
+
+    try:
+        import h5py  # type: ignore[import-untyped]
+    except ImportError:
+        raise UnsupportedDataError(
+            f"{obj.url}: reading HDF5 needs h5py; install it with pip install 'shmcache[hdf5]'"
+        ) from None
+    planned = []
+    with open_object(fs, obj, secrets) as fp, _remote_errors(obj.url, secrets), _h5(h5py, fp, obj.url) as h5:
+        datasets: list[tuple[str, Any]] = []
+        h5.visititems(lambda name, o: datasets.append((name, o)) if isinstance(o, h5py.Dataset) else None)
+        for name, dataset in datasets:
+            where = f"{obj.url}[{name}]"
+            hdf5._check_storage(h5py, dataset, where)
+            if h5py.check_string_dtype(dataset.dtype) is not None and dataset.dtype.kind == "O":
+                raise UnsupportedDataError(
+                    f"{where} holds variable-length strings, which are loaded from a local HDF5 file only; "
+                    "download the file and put it"
+                )
+            dtype, shape = hdf5._check_dataset(h5py, dataset, where)
+            item = _range(obj, _member_key(obj, name), name, dtype, shape, 0)
+            item.decoder = _slabs(fs, obj, secrets, h5py, name, item)
+            planned.append(item)
+    if not planned:
+        raise CorruptSourceError(f"{obj.url}: the HDF5 file holds no datasets")
+    return planned
+
+
+def _h5(h5py: Any, fp: BinaryIO, url: str) -> Any:
+    try:
+        return h5py.File(fp, "r")
+    except (OSError, ValueError) as exc:
+        raise CorruptSourceError(f"{url}: not a valid HDF5 file ({exc})") from None
+
+
+def _slabs(fs: Any, obj: RemoteItem, secrets: list[str], h5py: Any, name: str, item: RemoteItem) -> Any:
+    """The built header, then dataset ``name`` read by h5py in slabs of rows (as ``hdf5``)."""
+    from . import hdf5
+
+    header = item.checked_header
+    assert item.prefix is not None
+    prefix, shape, where = item.prefix, header.shape, item.source
+    row_bytes = math.prod(shape[1:]) * header.dtype.itemsize
+    per_slab = max(1, hdf5._SLAB_BYTES // max(1, row_bytes))
+
+    def chunks() -> Iterator[bytes]:
+        yield prefix
+        with open_object(fs, obj, secrets) as fp, _h5(h5py, fp, obj.url) as h5:
+            dataset = h5.get(name)
+            if not isinstance(dataset, h5py.Dataset) or tuple(dataset.shape or ()) != shape:
+                raise CorruptSourceError(f"{where} changed after it was checked; nothing was published")
+            slabs = [()] if not shape else [slice(i, i + per_slab) for i in range(0, shape[0], per_slab)]
+            for slab in slabs:
+                yield hdf5._read(dataset, slab, header.dtype, where)  # type: ignore[misc]
+
+    return chunks
 
 
 def _inflater(fs: Any, obj: RemoteItem, secrets: list[str], member: str, where: str) -> Any:

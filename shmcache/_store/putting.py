@@ -214,8 +214,8 @@ class Putting:
         ``.csv`` or ``.jsonl`` file as one table entry.
 
         ``path`` may be an fsspec URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
-        ``http(s)://``; ``file://`` is a local path): an object of any format above but HDF5
-        (a raw token file with ``dtype``), or a prefix of them, streamed into the cache in
+        ``http(s)://``; ``file://`` is a local path): an object of any format above (a raw
+        token file with ``dtype``), or a prefix of them, streamed into the cache in
         parallel ranged reads of ``part_size`` bytes (default: 8 to 64 MiB, 16 parts per
         object where they fit; see :mod:`shmcache._sources.remote` and ``remote_files``);
         ``storage_options`` go to the filesystem and are never recorded or shown.
