@@ -323,6 +323,24 @@ def test_storage_option_secrets_never_reach_meta_errors_or_logs(
     assert secret not in "".join(errors) + caplog.text
 
 
+def test_a_preload_of_tensors_is_up_to_date_until_its_object_changes(
+    store: shmcache.Store, s3: MotoServer, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries of one object (``url[tensor]``) are current while the object's size and ETag are."""
+    from shmcache.service.sources import is_up_to_date
+
+    env = {"AWS_ENDPOINT_URL": s3.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    for name, value in env.items():  # the daemon's way: its environment
+        monkeypatch.setenv(name, value)
+    _put_object(s3, bucket, "pre/m.safetensors", _safetensors({"a": np.arange(3), "b": np.ones(2)}))
+    url = f"s3://{bucket}/pre/m.safetensors"
+    store.put_file("pre", url, storage_options=s3.options())
+    assert is_up_to_date(store, "pre", url)
+    _put_object(s3, bucket, "pre/m.safetensors", _safetensors({"a": np.arange(3) + 1, "b": np.ones(2)}))
+    assert not is_up_to_date(store, "pre", url)
+
+
 # ---------------------------------------------------------------------- the daemon
 
 DAEMON_SECRET = f"daemon-secret-{uuid.uuid4().hex}"
