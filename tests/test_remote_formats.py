@@ -341,6 +341,21 @@ def test_a_preload_of_tensors_is_up_to_date_until_its_object_changes(
     assert not is_up_to_date(store, "pre", url)
 
 
+def test_cache_remote_opens_what_each_format_became(root: Path, s3: MotoServer, bucket: str) -> None:
+    parquet = io.BytesIO()
+    pq.write_table(_table(), parquet)
+    _put_object(s3, bucket, "cr/t.parquet", parquet.getvalue())
+    _put_object(s3, bucket, "cr/m.safetensors", _safetensors({"a": np.arange(3)}))
+    options = s3.options()
+    url = f"s3://{bucket}/cr"
+    for _ in range(2):  # loaded, then opened
+        table = shmcache.cache_remote("cr-t", f"{url}/t.parquet", root=root, storage_options=options)
+        group = shmcache.cache_remote("cr-m", f"{url}/m.safetensors", root=root, storage_options=options)
+        assert isinstance(table, shmcache.SharedTable) and table.columns == ["id", "text", "score"]
+        np.testing.assert_array_equal(group["a"], np.arange(3))  # type: ignore[index]
+    assert len(s3.requests("GET", f"/{bucket}/cr/t.parquet")) == 1
+
+
 # ---------------------------------------------------------------------- the daemon
 
 DAEMON_SECRET = f"daemon-secret-{uuid.uuid4().hex}"
