@@ -333,6 +333,9 @@ def test_a_preload_of_tensors_is_up_to_date_until_its_object_changes(
            "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
     for name, value in env.items():  # the daemon's way: its environment
         monkeypatch.setenv(name, value)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # one made from another module's server's environment
     _put_object(s3, bucket, "pre/m.safetensors", _safetensors({"a": np.arange(3), "b": np.ones(2)}))
     url = f"s3://{bucket}/pre/m.safetensors"
     store.put_file("pre", url, storage_options=s3.options())

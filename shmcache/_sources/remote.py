@@ -25,17 +25,14 @@ directory and inflation; unpack them into ``.npy`` objects (or download and put 
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import os
 import posixpath
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,6 +48,7 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
+from .remote_parts import ByteBudget, TrailingHash, pwrite_all
 from .urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 
 __all__ = [
@@ -60,9 +58,11 @@ __all__ = [
     "RemoteItem",
     "RemotePlan",
     "auto_part_size",
+    "check_objects_unchanged",
     "fetch_remote",
     "list_remote",
     "read_npy_headers",
+    "remote_errors",
     "remote_identities",
     "remote_suffix",
 ]
@@ -80,7 +80,6 @@ REMOTE_SUFFIXES = (".h5", ".hdf5", ".npy", ".npz", ".pt", ".pth", ".safetensors"
 """Object suffixes a remote put takes as arrays (a prefix collects these; ``.npy`` objects are
 fetched whole, the others planned by ``remote_files``)."""
 _HEAD = 4096  # the first read of every object: a numpy header is almost always shorter
-_HASH_CHUNK = 1 << 20
 
 
 @dataclass
@@ -184,7 +183,7 @@ def _objects(
     secrets = secret_strings(url, storage_options)
     shown = redact_url(url)
     fs, path = _filesystem(url, storage_options, secrets)
-    with _remote_errors(shown, secrets):
+    with remote_errors(shown, secrets):
         fs.invalidate_cache()  # a listing cached by an earlier load would hide changes
         listing = {}
         directory = urlsplit(url).path.endswith("/")
@@ -242,13 +241,13 @@ def fetch_remote(
         raise ValueError(f"part_size must be at least 1 byte, got {part_size}")
     stop = threading.Event()
     progress_lock = threading.Lock()
-    budget = _ByteBudget(IN_FLIGHT_BYTES)
+    budget = ByteBudget(IN_FLIGHT_BYTES)
 
     def progressed(nbytes: int) -> None:
         with progress_lock:
             advance(nbytes)
 
-    hashers: list[_TrailingHash] = []
+    hashers: list[TrailingHash] = []
     for item in plan.items:
         item.version = writer.new_version()
         target = writer.path(item.version, ARRAY_FILE)
@@ -259,7 +258,7 @@ def fetch_remote(
                     os.posix_fallocate(fd, 0, item.file_bytes)
         finally:
             os.close(fd)
-        hashers.append(_TrailingHash(target, item.md5 is not None and item.prefix is None))
+        hashers.append(TrailingHash(target, item.md5 is not None and item.prefix is None))
         if item.prefix is not None:  # a range: its header is known from the object's index
             hashers[-1].size = item.file_bytes
             item.ready.set()
@@ -275,7 +274,7 @@ def fetch_remote(
         for item, hasher, start, end in tasks
     ]
 
-    def fetch(item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
+    def fetch(item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
         if item.decoder is not None:
             _fetch_decoded(plan, item, hasher, budget, stop, progressed)
             return
@@ -300,7 +299,7 @@ def fetch_remote(
                 with budget.holding(fetched - start):
                     if stop.is_set():
                         return
-                    with _remote_errors(item.url, plan.secrets):
+                    with remote_errors(item.url, plan.secrets):
                         data = plan.fs.cat_file(item.path, start=start, end=fetched)
                     _write_part(item, hasher, data, start, fetched)
                     del data
@@ -336,13 +335,13 @@ def fetch_remote(
     # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
     # other objects are looked up again.
     if unproven:
-        _check_unchanged(plan, unproven)
+        check_objects_unchanged(plan, unproven)
 
 
-def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end: int) -> None:
+def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, end: int) -> None:
     """Fetch an object's first part, validate its header (against the plan's, if read) and
     only then write the part."""
-    with _remote_errors(item.url, plan.secrets):
+    with remote_errors(item.url, plan.secrets):
         data = plan.fs.cat_file(item.path, start=0, end=end)
         head = data
         if len(head) >= 12 and head[:6] == b"\x93NUMPY" and end < item.size:
@@ -368,15 +367,15 @@ def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end:
 def _fetch_decoded(
     plan: RemotePlan,
     item: RemoteItem,
-    hasher: _TrailingHash,
-    budget: _ByteBudget,
+    hasher: TrailingHash,
+    budget: ByteBudget,
     stop: threading.Event,
     progressed: Callable[[int], None],
 ) -> None:
     """A decoded item's bytes, written in order as its decoder yields them."""
     assert item.decoder is not None
     done = 0
-    with _remote_errors(item.url, plan.secrets):
+    with remote_errors(item.url, plan.secrets):
         for chunk in item.decoder():
             if stop.is_set():
                 return
@@ -393,7 +392,7 @@ def _fetch_decoded(
         )
 
 
-def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
+def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
     """Bytes ``start:end`` of a range item's data file: its built header's, then the object's
     from ``item.offset`` on (one ranged read)."""
     assert item.prefix is not None
@@ -401,7 +400,7 @@ def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, star
     data = item.prefix[start:end]
     if end > built:
         low, high = item.offset + max(start, built) - built, item.offset + end - built
-        with _remote_errors(item.url, plan.secrets):
+        with remote_errors(item.url, plan.secrets):
             fetched = plan.fs.cat_file(item.path, start=low, end=high)
         if len(fetched) != high - low:
             raise CorruptSourceError(
@@ -412,14 +411,14 @@ def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, star
     _write_part(item, hasher, data, start, end)
 
 
-def _write_part(item: RemoteItem, hasher: _TrailingHash, data: bytes, start: int, end: int) -> None:
+def _write_part(item: RemoteItem, hasher: TrailingHash, data: bytes, start: int, end: int) -> None:
     if len(data) < end - start:
         raise CorruptSourceError(
             f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "
             "nothing was published, load it again"
         )
     part = memoryview(data)[: end - start]
-    _pwrite_all(hasher.path, part, start)
+    pwrite_all(hasher.path, part, start)
     hasher.done(start, end, part)
 
 
@@ -534,7 +533,7 @@ def _md5_of(info: Mapping[str, Any]) -> str | None:
 
 
 def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
-    with _remote_errors(item.url, secrets):
+    with remote_errors(item.url, secrets):
         head = fs.cat_file(item.path, start=0, end=min(item.size, _HEAD))
         if len(head) >= 12 and head[:6] == b"\x93NUMPY":
             try:
@@ -546,110 +545,13 @@ def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
     return read_source_header(io.BytesIO(head), item.size, item.url)
 
 
-# ---------------------------------------------------------------------- fetching
+# ---------------------------------------------------------------------- after the fetch, and errors
 
 
-def _pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        view = memoryview(data)
-        with full_is_cache_full(path):
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
-    finally:
-        os.close(fd)
-
-
-class _ByteBudget:
-    """At most ``limit`` bytes of parts held at once (one part alone may exceed it)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._changed = threading.Condition()
-
-    @contextmanager
-    def holding(self, nbytes: int) -> Iterator[None]:
-        with self._changed:
-            while self.used and self.used + nbytes > self.limit:
-                self._changed.wait()
-            self.used += nbytes
-        try:
-            yield
-        finally:
-            with self._changed:
-                self.used -= nbytes
-                self._changed.notify_all()
-
-
-class _TrailingHash:
-    """CRC-32 (and MD5) of a staging file whose parts arrive in any order: each finished
-    part is recorded, and whichever thread finds the next part in file order hashes it and
-    every following finished one (reading back what was just written, still in cache)."""
-
-    def __init__(self, path: Path, want_md5: bool) -> None:
-        self.path = path
-        self.size = -1  # set once the header says how many bytes the array file has
-        self._lock = threading.Lock()
-        self._finished: dict[int, int] = {}
-        self._next = 0
-        self._busy = False
-        self._crc = 0
-        self._md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
-
-    def done(self, start: int, end: int, data: memoryview | None = None) -> None:
-        """Record bytes ``start:end`` as written (``data``: those bytes, hashed from memory
-        when they are next in order, instead of read back)."""
-        with self._lock:
-            self._finished[start] = end
-            if self._busy:
-                return
-            self._busy = True
-        try:
-            while True:
-                with self._lock:
-                    end = self._finished.pop(self._next, -1)
-                    if end < 0:
-                        self._busy = False
-                        return
-                if data is not None and self._next == start:
-                    self._update(data)
-                else:
-                    self._hash(self._next, end)
-                self._next = end
-        except BaseException:
-            with self._lock:
-                self._busy = False
-            raise
-
-    def _hash(self, start: int, end: int) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            while start < end:
-                chunk = os.pread(fd, min(_HASH_CHUNK, end - start), start)
-                if not chunk:
-                    raise EOFError(f"{self.path} ended at byte {start}")
-                self._update(chunk)
-                start += len(chunk)
-        finally:
-            os.close(fd)
-
-    def _update(self, data: bytes | memoryview) -> None:
-        self._crc = zlib.crc32(data, self._crc)
-        if self._md5 is not None:
-            self._md5.update(data)
-
-    def result(self) -> tuple[int, str | None]:
-        if self._next != self.size:  # every part was fetched, so this is a bug
-            raise RuntimeError(f"{self.path}: hashed {self._next} of {self.size} bytes")
-        return self._crc, None if self._md5 is None else self._md5.hexdigest()
-
-
-def _check_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
+def check_objects_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
     """Look ``items`` up again (one listing for a directory): a size or identity that
     differs from the plan's means the object changed during the load."""
-    with _remote_errors(plan.url, plan.secrets):
+    with remote_errors(plan.url, plan.secrets):
         plan.fs.invalidate_cache()
         if plan.directory:
             now = _list_objects(plan.fs, plan.path)
@@ -665,7 +567,7 @@ def _check_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
 
 
 @contextmanager
-def _remote_errors(where: str, secrets: list[str]) -> Iterator[None]:
+def remote_errors(where: str, secrets: list[str]) -> Iterator[None]:
     """A backend's exceptions as typed errors naming ``where`` (the redacted URL), with any
     secret scrubbed from their text and their chain dropped (it may quote credentials)."""
     try:

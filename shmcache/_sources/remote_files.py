@@ -44,10 +44,10 @@ from .remote import (
     DEFAULT_WORKERS,
     RemoteItem,
     RemotePlan,
-    _check_unchanged,
-    _remote_errors,
+    check_objects_unchanged,
     list_remote,
     read_npy_headers,
+    remote_errors,
 )
 from .token_files import token_dtype
 
@@ -104,7 +104,7 @@ def plan_remote(
 def open_object(fs: Any, item: RemoteItem, secrets: list[str]) -> BinaryIO:
     """The object as a seekable file-like of the size it was listed with; a different size
     now means it changed since it was listed."""
-    with _remote_errors(item.url, secrets):
+    with remote_errors(item.url, secrets):
         fp = fs.open(item.path, "rb", block_size=BLOCK_SIZE, cache_type="readahead")
     size = getattr(fp, "size", None)
     if isinstance(size, int) and size != item.size:
@@ -166,7 +166,7 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
     suffix = obj.suffix
     if suffix in (".h5", ".hdf5"):
         return _plan_hdf5(fs, obj, secrets)
-    with open_object(fs, obj, secrets) as fp, _remote_errors(obj.url, secrets):
+    with open_object(fs, obj, secrets) as fp, remote_errors(obj.url, secrets):
         if suffix == ".safetensors":
             from .safetensors import read_safetensors_index
 
@@ -215,7 +215,7 @@ def _plan_hdf5(fs: Any, obj: RemoteItem, secrets: list[str]) -> list[RemoteItem]
             f"{obj.url}: reading HDF5 needs h5py; install it with pip install 'shmcache[hdf5]'"
         ) from None
     planned = []
-    with open_object(fs, obj, secrets) as fp, _remote_errors(obj.url, secrets), _h5(h5py, fp, obj.url) as h5:
+    with open_object(fs, obj, secrets) as fp, remote_errors(obj.url, secrets), _h5(h5py, fp, obj.url) as h5:
         datasets: list[tuple[str, Any]] = []
         h5.visititems(lambda name, o: datasets.append((name, o)) if isinstance(o, h5py.Dataset) else None)
         for name, dataset in datasets:
@@ -327,7 +327,7 @@ def plan_remote_table(key: str, plan: RemotePlan) -> list[PlannedEntry]:
         if item.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            with open_object(plan.fs, item, plan.secrets) as fp, _remote_errors(item.url, plan.secrets):
+            with open_object(plan.fs, item, plan.secrets) as fp, remote_errors(item.url, plan.secrets):
                 try:
                     pq.ParquetFile(fp)
                 except (OSError, ValueError) as exc:  # pyarrow's errors for a bad footer vary by version
@@ -341,13 +341,13 @@ def read_remote_table(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str
     bytes and (one object) its ETag. An object changed while it was read raises."""
     if len(plan.items) == 1:
         item = plan.items[0]
-        with _table_bytes(plan, item) as fp, _remote_errors(item.url, plan.secrets):
+        with _table_bytes(plan, item) as fp, remote_errors(item.url, plan.secrets):
             files, meta = read_table_file(fp, item.url, item.suffix)
         identity = item.identity
     else:
         files, meta = _read_tables(plan)
         identity = ""
-    _check_unchanged(plan, plan.items)
+    check_objects_unchanged(plan, plan.items)
     extra = {"source": plan.url, "source_fingerprint": {"size": plan.object_bytes}}
     extra["source_identity"] = identity
     return files, meta | extra
@@ -359,7 +359,7 @@ def _read_tables(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str, Any
     pa = require_pyarrow(f"table objects under {plan.url}")
     tables = []
     for item in plan.items:
-        with _table_bytes(plan, item) as fp, _remote_errors(item.url, plan.secrets):
+        with _table_bytes(plan, item) as fp, remote_errors(item.url, plan.secrets):
             tables.append(read_arrow_table(fp, item.url, item.suffix))
     try:
         table = pa.concat_tables(tables)
@@ -380,7 +380,7 @@ def _table_bytes(plan: RemotePlan, item: RemoteItem) -> BinaryIO:
 
     def fetch(start: int) -> None:
         end = min(start + _TABLE_PART, item.size)
-        with _remote_errors(item.url, plan.secrets):
+        with remote_errors(item.url, plan.secrets):
             data = plan.fs.cat_file(item.path, start=start, end=end)
         if len(data) != end - start:
             raise CorruptSourceError(
