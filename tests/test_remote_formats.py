@@ -436,3 +436,14 @@ def test_a_byte_range_load_holds_parts_not_the_object(root: Path, s3: MotoServer
     measured = json.loads(done.stdout.splitlines()[-1])
     assert measured["size"] == size
     assert measured["grew_kib"] * 1024 < size // 3, measured
+
+
+def test_a_hub_file_is_known_by_its_blob_id() -> None:
+    """What ``hf://`` (huggingface_hub's fsspec filesystem) lists for a file: no ETag, but the
+    git blob hash, which changes with the content: what tells a changed object, and a preload
+    still current. (The Hub is not reached in tests; the load path is the one s3 takes.)"""
+    from shmcache._sources.remote import _identity
+
+    listed = {"name": "datasets/org/name/data/train-00000-of-00001.parquet", "size": 10, "type": "file",
+              "blob_id": "8f3c2a", "lfs": {"size": 10, "sha256": "ab" * 32}, "last_commit": None}  # fmt: skip
+    assert _identity(listed) == "blob_id=8f3c2a"

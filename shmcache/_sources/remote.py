@@ -509,7 +509,9 @@ def _items(
 
 
 def _identity(info: Mapping[str, Any]) -> str:
-    names = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "LastModified", "mtime", "last_modified")
+    # blob_id: the Hugging Face Hub's git blob hash (hf://), which changes with the content
+    names = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "blob_id")
+    names += ("LastModified", "mtime", "last_modified")
     for field_name in names:
         value = info.get(field_name)
         if value:
