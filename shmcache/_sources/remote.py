@@ -510,7 +510,7 @@ def _items(
 
 def _identity(info: Mapping[str, Any]) -> str:
     # blob_id: the Hugging Face Hub's git blob hash (hf://), which changes with the content
-    names = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "blob_id")
+    names: tuple[str, ...] = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "blob_id")
     names += ("LastModified", "mtime", "last_modified")
     for field_name in names:
         value = info.get(field_name)
