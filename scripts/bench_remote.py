@@ -7,7 +7,11 @@ size; ``--quick`` in brackets):
 
 - one ``.npy`` object of 1 GiB [64 MiB] (also read as one part: moto, unlike S3, copies the
   whole object for every ranged GET, under a lock, so this row tells its cost from ours);
-- 2,000 ``.npy`` objects of 100 KiB under one prefix [200].
+- 2,000 ``.npy`` objects of 100 KiB under one prefix [200];
+- other formats from URLs (issue 21 items 5 and 7): a bfloat16-sized ``.safetensors``
+  checkpoint of 1 GiB [64 MiB] (its tensors streamed as byte ranges of the object), and a
+  Parquet table of 256 MiB [32 MiB] (uncompressed numeric columns, decoded by pyarrow from
+  the remote file-like into a table entry).
 
 Methods, alternated from one repeat to the next, each load in a fresh subprocess (so its
 peak RSS is the load's own): the baseline ``S3FileSystem.get`` of the object (or of the
@@ -18,6 +22,8 @@ interpreter start excluded on both sides). Ratios are baseline time over the cac
 (speed ratios), medians over ``--repeats``.
 Targets (issue 13): >= 0.9x for the big object, >= 1.0x for the many small ones; the loading
 process's memory flat (peak RSS well under the object's size: no full-object buffering).
+Issue 21: >= 0.9x for the safetensors checkpoint (memory flat) and the Parquet table (which
+is decoded in memory, as a local table file is: its peak RSS is the table's size).
 Usage::
 
     python scripts/bench_remote.py [--quick] [--repeats N] [--big-mib N] [--objects N] [--json PATH]
@@ -68,10 +74,11 @@ class Config:
     objects: int
     object_bytes: int
     repeats: int
+    table_bytes: int = 256 * MiB
 
 
 FULL = Config(big_bytes=GiB, objects=2000, object_bytes=100 * 1024, repeats=3)
-QUICK = Config(big_bytes=64 * MiB, objects=200, object_bytes=100 * 1024, repeats=2)
+QUICK = Config(big_bytes=64 * MiB, objects=200, object_bytes=100 * 1024, repeats=2, table_bytes=32 * MiB)
 
 
 @dataclass(frozen=True)
@@ -146,8 +153,16 @@ def upload(endpoint: str, config: Config) -> list[Case]:
         np.save(one, rng.random((rows, 256), dtype=np.float32))
         many_bytes += one.tell()
         s3.put_object(Bucket=BUCKET, Key=f"many/f{i:05d}.npy", Body=one.getvalue())
+    tensors_bytes, table_bytes = _upload_formats(s3, config, rng)
     return [
         Case(f"one object of {fmt_bytes(config.big_bytes)}", f"{BUCKET}/big.npy", big_bytes, BIG_TARGET),
+        Case(
+            f".safetensors of {fmt_bytes(config.big_bytes)}",
+            f"{BUCKET}/model.safetensors",
+            tensors_bytes,
+            BIG_TARGET,
+        ),
+        Case(f".parquet of {fmt_bytes(config.table_bytes)}", f"{BUCKET}/table.parquet", table_bytes, 0.9),
         Case(
             f"{config.objects:,} objects of {fmt_bytes(config.object_bytes)}",
             f"{BUCKET}/many/",
@@ -155,6 +170,26 @@ def upload(endpoint: str, config: Config) -> list[Case]:
             MANY_TARGET,
         ),
     ]
+
+
+def _upload_formats(s3: Any, config: Config, rng: np.random.Generator) -> tuple[int, int]:
+    """A checkpoint (8 matrices and their biases) and an uncompressed numeric Parquet table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.numpy import save
+
+    side = int((config.big_bytes // 8 // 2) ** 0.5)
+    matrix = rng.random((side, side), dtype=np.float32).astype(np.float16)
+    tensors = {f"layer{i}.weight": matrix for i in range(8)}
+    tensors |= {f"layer{i}.bias": np.zeros(side, np.float16) for i in range(8)}
+    body = save(tensors)
+    s3.put_object(Bucket=BUCKET, Key="model.safetensors", Body=body)
+    rows = config.table_bytes // 24
+    table = pa.table({"id": np.arange(rows, dtype=np.int64), "x": rng.random(rows), "y": rng.random(rows)})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="none")
+    s3.put_object(Bucket=BUCKET, Key="table.parquet", Body=buffer.getvalue())
+    return len(body), buffer.tell()
 
 
 # ---------------------------------------------------------------------- one load, in its own process
@@ -201,7 +236,7 @@ def load_measured(method: str, case: Case, target: Path, endpoint: str) -> tuple
 
 def bench_case(case: Case, endpoint: str, scratch: Path, repeats: int) -> dict[str, dict[str, Any]]:
     methods = ["s3fs.get", "Store.put_file"]
-    if not case.path.endswith("/"):  # moto copies the whole object for every ranged GET: show its cost
+    if case.path.endswith(".npy"):  # moto copies the whole object for every ranged GET: show its cost
         methods.append("Store.put_file, one part")
     times = {m: Samples() for m in methods}
     peaks = {m: 0 for m in methods}

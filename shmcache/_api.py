@@ -222,9 +222,10 @@ def cache_remote(
     root: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     timeout: float | StoreTimeout | None = STORE_TIMEOUT,
-) -> np.ndarray | SharedGroup:
+) -> np.ndarray | SharedGroup | SharedTable:
     """Get-or-create ``key`` from ``url``: one download per machine (every rank of a node
-    may call it), then an array (one ``.npy`` object) or a group (a prefix of them)."""
+    may call it), then an array (one ``.npy`` or token object), a table (table objects) or
+    a group (a checkpoint's tensors, an archive's members, a prefix)."""
     return get_store(root).cache_remote(key, url, storage_options=storage_options, timeout=timeout)
 
 

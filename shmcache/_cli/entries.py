@@ -144,7 +144,8 @@ def put(
     """Load PATH into the cache under KEY and print the keys published.
 
     PATH may be a URL (s3://bucket/prefix/, gs://, az://, hf://, https://):
-    its .npy objects are streamed into the cache.
+    .npy, .safetensors, .pt, .npz, .h5, table and (with --dtype) token objects are
+    streamed into the cache.
 
     Through the daemon when one serves the root (Ctrl+C cancels the load),
     else (or with --local) in this process, with a notice; the root's budget

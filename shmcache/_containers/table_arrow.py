@@ -30,6 +30,7 @@ __all__ = [
     "ARROW_EXTRA",
     "TABLE_SUFFIXES",
     "encode_table",
+    "read_arrow_table",
     "read_table_file",
     "require_pyarrow",
     "to_arrow",
@@ -203,18 +204,22 @@ def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, np
     what = f"table file {path}"
     if suffix == ".jsonl":
         try:
-            pa = require_pyarrow(what)
+            require_pyarrow(what)
         except UnsupportedDataError:
             return _read_jsonl_without_arrow(fp, path)
-    else:
-        pa = require_pyarrow(what)
+    return encode_arrow(read_arrow_table(fp, path, suffix), str(path))
+
+
+def read_arrow_table(fp: IO[bytes], path: str, suffix: str) -> Any:
+    """A table file (already opened and checked) as a pyarrow Table; errors as for
+    :func:`read_table_file`."""
+    pa = require_pyarrow(f"table file {path}")
     try:
-        table = _read_with_arrow(pa, fp, suffix)
+        return _read_with_arrow(pa, fp, suffix)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError, EOFError) as exc:
         if isinstance(exc, pa.ArrowTypeError | pa.ArrowNotImplementedError):
             raise UnsupportedDataError(f"{path}: {exc}") from None
         raise CorruptSourceError(f"{path} is not a readable {suffix[1:]} file: {exc}") from None
-    return encode_arrow(table, str(path))
 
 
 def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:

@@ -294,16 +294,34 @@ class NpzMember:
     """Offset of the member's ``.npy`` in the zip file when stored uncompressed, else None."""
 
 
-def zip_data_offset(fd: int, info: zipfile.ZipInfo) -> int:
-    """Where the stored bytes of zip member ``info`` start in the file open as ``fd``."""
+def pread_from(src: int | BinaryIO, nbytes: int, offset: int) -> bytes:
+    """``nbytes`` from ``offset`` of a descriptor (``pread``) or of a seekable file-like (a
+    remote object opened through fsspec: one ranged read)."""
+    if isinstance(src, int):
+        return os.pread(src, nbytes, offset)
+    src.seek(offset)
+    return src.read(nbytes)
+
+
+def zip_data_offset(fd: int | BinaryIO, info: zipfile.ZipInfo) -> int:
+    """Where the stored bytes of zip member ``info`` start in the file open as ``fd`` (a
+    descriptor or a seekable file-like)."""
     import zipfile  # deferred: only .npz and torch sources need it (import time of the open path)
 
-    local = os.pread(fd, 30, info.header_offset)
+    local = pread_from(fd, 30, info.header_offset)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {info.filename}")
     name_len = int.from_bytes(local[26:28], "little")
     extra_len = int.from_bytes(local[28:30], "little")
     return info.header_offset + 30 + name_len + extra_len
+
+
+def _descriptor_or(fp: BinaryIO) -> int | BinaryIO:
+    """``fp``'s descriptor when it has one (``pread`` leaves its position alone), else ``fp``."""
+    try:
+        return fp.fileno()
+    except (OSError, AttributeError):  # io.UnsupportedOperation: a remote file-like
+        return fp
 
 
 def iter_npz_members(fp: BinaryIO, path: str) -> Iterator[NpzMember]:
@@ -321,7 +339,7 @@ def iter_npz_members(fp: BinaryIO, path: str) -> Iterator[NpzMember]:
                     header = read_source_header(member, info.file_size, where)  # type: ignore[arg-type]
                 stored = None
                 if info.compress_type == zipfile.ZIP_STORED:
-                    stored = zip_data_offset(fp.fileno(), info)
+                    stored = zip_data_offset(_descriptor_or(fp), info)
                 yield NpzMember(info.filename[: -len(".npy")], header, stored)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as exc:
         raise CorruptSourceError(f"{path}: not a valid .npz archive ({exc})") from exc

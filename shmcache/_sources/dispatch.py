@@ -85,10 +85,12 @@ def plan_source(
     without copying anything (``key`` is valid)."""
     source = classify_source(path, as_, dtype)
     if source.kind == "remote":
-        from .remote import plan_remote  # here: threads and hashing only for URLs
+        from .remote_files import plan_remote, plan_remote_table  # threads: URLs only
 
-        plan = plan_remote(key, str(source.location), storage_options)
-        return [PlannedEntry(i.key, i.url, i.url, i.checked_header.file_size) for i in plan.items]
+        plan = plan_remote(key, str(source.location), storage_options, dtype=dtype)
+        if plan.is_table:
+            return plan_remote_table(key, plan)
+        return [PlannedEntry(i.key, i.source, i.url, i.checked_header.file_size) for i in plan.items]
     location = source.location
     if source.kind == "shards":
         shards = plan_shards(location, f"tar shards for key {key!r}", allowed)
@@ -129,7 +131,8 @@ def is_current(source: Path | str, loaded: Sequence[Loaded]) -> bool:
         from .remote import remote_identities
 
         now = remote_identities(source)
-        return {e.source: ((e.fingerprint or {}).get("size"), e.identity()) for e in loaded} == now
+        objects = {e.source.rpartition("[")[0] if e.source.endswith("]") else e.source: e for e in loaded}
+        return {url: ((e.fingerprint or {}).get("size"), e.identity()) for url, e in objects.items()} == now
     if len(loaded) == 1 and loaded[0].kind == "blobs":  # a packed directory or shards: one fingerprint
         entry = loaded[0]
         if is_shard_source(source):

@@ -25,16 +25,14 @@ directory and inflation; unpack them into ``.npy`` objects (or download and put 
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import os
+import posixpath
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -50,17 +48,23 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
+from .remote_parts import ByteBudget, TrailingHash, pwrite_all
 from .urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 
 __all__ = [
     "DEFAULT_PART_SIZE",
     "DEFAULT_WORKERS",
+    "REMOTE_SUFFIXES",
     "RemoteItem",
     "RemotePlan",
     "auto_part_size",
+    "check_objects_unchanged",
     "fetch_remote",
-    "plan_remote",
+    "list_remote",
+    "read_npy_headers",
+    "remote_errors",
     "remote_identities",
+    "remote_suffix",
 ]
 
 DEFAULT_PART_SIZE = 8 << 20
@@ -72,8 +76,10 @@ MAX_PART_SIZE = 64 << 20
 IN_FLIGHT_BYTES = 256 << 20
 """Bytes of parts being fetched at once, at most (a part bigger than this goes alone): what
 bounds the loader's memory, whatever the objects' sizes."""
+REMOTE_SUFFIXES = (".h5", ".hdf5", ".npy", ".npz", ".pt", ".pth", ".safetensors")
+"""Object suffixes a remote put takes as arrays (a prefix collects these; ``.npy`` objects are
+fetched whole, the others planned by ``remote_files``)."""
 _HEAD = 4096  # the first read of every object: a numpy header is almost always shorter
-_HASH_CHUNK = 1 << 20
 
 
 @dataclass
@@ -94,6 +100,29 @@ class RemoteItem:
     version: str = ""
     crc: int = 0
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    prefix: bytes | None = None
+    """A byte range of the object rather than a ``.npy`` object: this built ``.npy`` header
+    (``header``'s, known from the object's index when planned) is written first, then the
+    header's ``nbytes`` from ``offset`` of the object (see ``remote_files``)."""
+    offset: int = 0
+    member: str | None = None
+    """The tensor or archive member the range holds (named in ``source``)."""
+    suffix: str = ".npy"
+    """The object's suffix (lower case), which says how it is read."""
+    decoder: Callable[[], Iterator[bytes]] | None = None
+    """For a range whose bytes must be decoded (a compressed ``.npz`` member): the whole
+    ``.npy``, in order, in chunks (``prefix`` is empty then, and ``offset`` unused)."""
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the entry's data file: the object's (a ``.npy``: its tail cut later), or
+        the built header's and the range's."""
+        return self.size if self.prefix is None else self.checked_header.file_size
+
+    @property
+    def source(self) -> str:
+        """What ``meta.json`` records: the redacted URL, ``[member]`` after it for a range."""
+        return self.url if self.member is None else f"{self.url}[{self.member}]"
 
     @property
     def checked_header(self) -> NpyHeader:
@@ -113,27 +142,48 @@ class RemotePlan:
     secrets: list[str]
 
     @property
+    def is_table(self) -> bool:
+        """Whether the objects are table files (one object, or a prefix of them without
+        arrays): one table entry, read by ``remote_files.read_remote_table``."""
+        from .._containers.table_arrow import TABLE_SUFFIXES
+
+        return all(item.suffix in TABLE_SUFFIXES for item in self.items)
+
+    @property
     def object_bytes(self) -> int:
-        """Bytes of the objects (at least the entries' sizes: a ``.npy`` may have a tail)."""
-        return sum(item.size for item in self.items)
+        """Bytes of the entries' data files (at most: a ``.npy`` object may have a tail)."""
+        return sum(item.file_bytes for item in self.items)
 
 
-def plan_remote(
-    key: str,
-    url: str,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    read_headers: bool = True,
-    workers: int = DEFAULT_WORKERS,
+def list_remote(
+    key: str, url: str, storage_options: Mapping[str, Any] | None = None, dtype: Any = None
 ) -> RemotePlan:
-    """List the objects under ``url`` (``key`` is valid already); with ``read_headers``, also
-    read and validate every header now (a dry run). Without, :func:`fetch_remote` validates
-    each header from the object's first part before writing a byte of it: one request
-    fewer per object."""
+    """The objects under ``url`` a put takes, from one listing: one item per object (``key``,
+    or ``key/<relative name without suffix>`` under a prefix), nothing read from them yet
+    (``remote_files.plan_remote`` reads their headers and indexes)."""
+    fs, shown, path, directory, objects, secrets = _objects(key, url, storage_options, dtype)
+    return RemotePlan(fs, shown, path, directory, objects, secrets)
+
+
+def read_npy_headers(plan: RemotePlan, workers: int = DEFAULT_WORKERS) -> None:
+    """Read and validate the header of every ``.npy`` object of ``plan`` not read yet (one
+    ranged read each, in parallel): what a dry run checks."""
+    unread = [item for item in plan.items if item.header is None]
+    with ThreadPoolExecutor(max(1, min(workers, len(unread))), thread_name_prefix="shmcache-head") as pool:
+        headers = pool.map(lambda it: _read_header(plan.fs, it, plan.secrets), unread)
+        for item, header in zip(unread, headers, strict=True):
+            item.header = header
+
+
+def _objects(
+    key: str, url: str, storage_options: Mapping[str, Any] | None, dtype: Any = None
+) -> tuple[Any, str, str, bool, list[RemoteItem], list[str]]:
+    """The filesystem, the redacted URL, the path, whether it is a prefix, and one item per
+    object it takes (``key`` or ``key/<relative name without suffix>``), from one listing."""
     secrets = secret_strings(url, storage_options)
     shown = redact_url(url)
     fs, path = _filesystem(url, storage_options, secrets)
-    with _remote_errors(shown, secrets):
+    with remote_errors(shown, secrets):
         fs.invalidate_cache()  # a listing cached by an earlier load would hide changes
         listing = {}
         directory = urlsplit(url).path.endswith("/")
@@ -143,13 +193,17 @@ def plan_remote(
             info = fs.info(path)
             directory = info.get("type") == "directory"
             listing = _list_objects(fs, path) if directory else {path: info}
-    items = _items(key, shown, path, directory, listing)
-    if read_headers:
-        with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="shmcache-head") as pool:
-            headers = pool.map(lambda it: _read_header(fs, it, secrets), items)
-            for item, header in zip(items, headers, strict=True):
-                item.header = header
-    return RemotePlan(fs, shown, path, directory, items, secrets)
+    if dtype is not None and directory:
+        raise InvalidSourceError(
+            f"dtype= takes one raw token file (e.g. nanoGPT's train.bin); {shown} is a prefix: "
+            "put each token file with its own key"
+        )
+    return fs, shown, path, directory, _items(key, shown, path, directory, listing, dtype), secrets
+
+
+def remote_suffix(name: str) -> str:
+    """``name``'s suffix (lower case) as a remote put reads it."""
+    return posixpath.splitext(name)[1].lower()
 
 
 def auto_part_size(size: int, workers: int = DEFAULT_WORKERS) -> int:
@@ -164,8 +218,8 @@ def remote_identities(
 ) -> dict[str, tuple[int, str]]:
     """``{object URL (redacted): (size, identity)}`` of the ``.npy`` objects under ``url``,
     from one listing (no header read): whether loaded entries are still current."""
-    plan = plan_remote("k", url, storage_options, read_headers=False)
-    return {item.url: (item.size, item.identity) for item in plan.items}
+    objects = _objects("k", url, storage_options)[4]  # (no index read)
+    return {item.url: (item.size, item.identity) for item in objects}
 
 
 def fetch_remote(
@@ -187,33 +241,48 @@ def fetch_remote(
         raise ValueError(f"part_size must be at least 1 byte, got {part_size}")
     stop = threading.Event()
     progress_lock = threading.Lock()
-    budget = _ByteBudget(IN_FLIGHT_BYTES)
+    budget = ByteBudget(IN_FLIGHT_BYTES)
 
     def progressed(nbytes: int) -> None:
         with progress_lock:
             advance(nbytes)
 
-    hashers: list[_TrailingHash] = []
+    hashers: list[TrailingHash] = []
     for item in plan.items:
         item.version = writer.new_version()
         target = writer.path(item.version, ARRAY_FILE)
         fd = writer.create_file(item.version, ARRAY_FILE)
         try:
-            if item.size:
+            if item.file_bytes:
                 with full_is_cache_full(target):  # a full tmpfs is an error now, never mid-fetch
-                    os.posix_fallocate(fd, 0, item.size)
+                    os.posix_fallocate(fd, 0, item.file_bytes)
         finally:
             os.close(fd)
-        hashers.append(_TrailingHash(target, item.md5 is not None))
+        hashers.append(TrailingHash(target, item.md5 is not None and item.prefix is None))
+        if item.prefix is not None:  # a range: its header is known from the object's index
+            hashers[-1].size = item.file_bytes
+            item.ready.set()
     tasks = [
-        (item, hasher, start, min(start + part, item.size))
+        (item, hasher, start, min(start + part, item.file_bytes))
         for item, hasher in zip(plan.items, hashers, strict=True)
-        for part in [part_size or auto_part_size(item.size, workers)]
-        for start in range(0, max(item.size, 1), part)
+        for part in [part_size or auto_part_size(item.file_bytes, workers)]
+        for start in range(0, max(item.file_bytes, 1), part)
+        if item.decoder is None or start == 0  # a decoder writes the whole file from one task
+    ]
+    tasks = [
+        (item, hasher, start, item.file_bytes if item.decoder is not None else end)
+        for item, hasher, start, end in tasks
     ]
 
-    def fetch(item: RemoteItem, hasher: _TrailingHash, start: int, end: int) -> None:
-        if start == 0:
+    def fetch(item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
+        if item.decoder is not None:
+            _fetch_decoded(plan, item, hasher, budget, stop, progressed)
+            return
+        if item.prefix is not None:
+            if not stop.is_set():
+                with budget.holding(end - start):
+                    _fetch_range(plan, item, hasher, start, end)
+        elif start == 0:
             try:
                 if stop.is_set():
                     return
@@ -230,7 +299,7 @@ def fetch_remote(
                 with budget.holding(fetched - start):
                     if stop.is_set():
                         return
-                    with _remote_errors(item.url, plan.secrets):
+                    with remote_errors(item.url, plan.secrets):
                         data = plan.fs.cat_file(item.path, start=start, end=fetched)
                     _write_part(item, hasher, data, start, fetched)
                     del data
@@ -252,7 +321,7 @@ def fetch_remote(
     for item, hasher in zip(plan.items, hashers, strict=True):
         header = item.checked_header
         item.crc, md5 = hasher.result()
-        if item.md5 is not None and header.file_size == item.size:
+        if item.md5 is not None and item.prefix is None and header.file_size == item.size:
             if md5 != item.md5:
                 raise CorruptSourceError(
                     f"{item.url}: the bytes read do not match the object's MD5 (it changed while "
@@ -260,19 +329,19 @@ def fetch_remote(
                 )
         else:
             unproven.append(item)
-        if header.file_size < item.size:  # a tail beyond the array: not published
+        if item.prefix is None and header.file_size < item.size:  # a tail beyond the array: not published
             os.truncate(hasher.path, header.file_size)
         check_written_header(hasher.path, item.checked_header, item.url)
     # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
     # other objects are looked up again.
     if unproven:
-        _check_unchanged(plan, unproven)
+        check_objects_unchanged(plan, unproven)
 
 
-def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end: int) -> None:
+def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, end: int) -> None:
     """Fetch an object's first part, validate its header (against the plan's, if read) and
     only then write the part."""
-    with _remote_errors(item.url, plan.secrets):
+    with remote_errors(item.url, plan.secrets):
         data = plan.fs.cat_file(item.path, start=0, end=end)
         head = data
         if len(head) >= 12 and head[:6] == b"\x93NUMPY" and end < item.size:
@@ -295,14 +364,61 @@ def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: _TrailingHash, end:
     _write_part(item, hasher, data, 0, min(end, header.file_size))
 
 
-def _write_part(item: RemoteItem, hasher: _TrailingHash, data: bytes, start: int, end: int) -> None:
+def _fetch_decoded(
+    plan: RemotePlan,
+    item: RemoteItem,
+    hasher: TrailingHash,
+    budget: ByteBudget,
+    stop: threading.Event,
+    progressed: Callable[[int], None],
+) -> None:
+    """A decoded item's bytes, written in order as its decoder yields them."""
+    assert item.decoder is not None
+    done = 0
+    with remote_errors(item.url, plan.secrets):
+        for chunk in item.decoder():
+            if stop.is_set():
+                return
+            end = done + len(chunk)
+            if end > item.file_bytes:
+                raise CorruptSourceError(f"{item.source}: longer than its header says; nothing was published")
+            with budget.holding(len(chunk)):
+                _write_part(item, hasher, chunk, done, end)
+            progressed(len(chunk))
+            done = end
+    if done != item.file_bytes:
+        raise CorruptSourceError(
+            f"{item.source}: ended at byte {done} of {item.file_bytes} (truncated); nothing was published"
+        )
+
+
+def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
+    """Bytes ``start:end`` of a range item's data file: its built header's, then the object's
+    from ``item.offset`` on (one ranged read)."""
+    assert item.prefix is not None
+    built = len(item.prefix)
+    data = item.prefix[start:end]
+    if end > built:
+        low, high = item.offset + max(start, built) - built, item.offset + end - built
+        with remote_errors(item.url, plan.secrets):
+            fetched = plan.fs.cat_file(item.path, start=low, end=high)
+        if len(fetched) != high - low:
+            raise CorruptSourceError(
+                f"{item.source}: bytes {low}-{high} of the object came back as {len(fetched)} (it was "
+                "truncated or changed while loading); nothing was published, load it again"
+            )
+        data = data + fetched if data else fetched
+    _write_part(item, hasher, data, start, end)
+
+
+def _write_part(item: RemoteItem, hasher: TrailingHash, data: bytes, start: int, end: int) -> None:
     if len(data) < end - start:
         raise CorruptSourceError(
             f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "
             "nothing was published, load it again"
         )
     part = memoryview(data)[: end - start]
-    _pwrite_all(hasher.path, part, start)
+    pwrite_all(hasher.path, part, start)
     hasher.done(start, end, part)
 
 
@@ -343,10 +459,13 @@ def _list_objects(fs: Any, path: str) -> dict[str, dict[str, Any]]:
 
 
 def _items(
-    key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]]
+    key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]], dtype: Any = None
 ) -> list[RemoteItem]:
+    from .._containers.table_arrow import TABLE_SUFFIXES
+
     base = path.rstrip("/")
     items: list[RemoteItem] = []
+    tables: list[RemoteItem] = []  # a prefix's table objects: one table, if it holds no arrays
     seen: dict[str, str] = {}
     for name in sorted(listing):
         info = listing[name]
@@ -355,18 +474,22 @@ def _items(
             url = f"{shown.rstrip('/')}/{relative}"
         else:  # the suffix of the URL's path (an HTTP path may end with a query)
             relative, url = urlsplit(shown).path, shown
-        if relative.endswith(".npz"):
-            raise InvalidSourceError(
-                f"{url}: remote .npz archives are not loaded (their members need the whole archive); "
-                "store the arrays as .npy objects, or download the archive and put the local file"
-            )
-        if not relative.endswith(".npy"):
+        suffix = remote_suffix(relative)
+        if directory and dtype is None and suffix in TABLE_SUFFIXES:
+            size = info.get("size")
+            if isinstance(size, int) and size >= 0:
+                tables.append(RemoteItem(key, name, url, size, _identity(info), None, suffix=suffix))
+                continue
+        if dtype is None and suffix not in REMOTE_SUFFIXES and (directory or suffix not in TABLE_SUFFIXES):
             if directory:
                 continue
-            raise CorruptSourceError(f"{url}: not a .npy object (or a prefix of them)")
+            raise CorruptSourceError(
+                f"{url}: not a {', '.join(REMOTE_SUFFIXES)} or table object (or a prefix of them); "
+                "a raw token file needs its dtype (dtype='uint16', `--dtype uint16`)"
+            )
         child = key
         if directory:
-            child = f"{key}/{relative[: -len('.npy')]}"
+            child = f"{key}/{relative[: len(relative) - len(suffix)]}"
             try:
                 validate_key(child)
             except ShmCacheError as exc:
@@ -377,14 +500,18 @@ def _items(
         size = info.get("size")
         if not isinstance(size, int) or size < 0:
             raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
-        items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info)))
+        items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info), suffix=suffix))
+    if not items and tables:  # a prefix of table files (a Hub dataset's Parquet shards): one table
+        return tables
     if not items:
-        raise InvalidSourceError(f"{shown} holds no .npy objects")
+        raise InvalidSourceError(f"{shown} holds no {', '.join(REMOTE_SUFFIXES)} or table objects")
     return items
 
 
 def _identity(info: Mapping[str, Any]) -> str:
-    names = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "LastModified", "mtime", "last_modified")
+    # blob_id: the Hugging Face Hub's git blob hash (hf://), which changes with the content
+    names: tuple[str, ...] = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "blob_id")
+    names += ("LastModified", "mtime", "last_modified")
     for field_name in names:
         value = info.get(field_name)
         if value:
@@ -408,7 +535,7 @@ def _md5_of(info: Mapping[str, Any]) -> str | None:
 
 
 def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
-    with _remote_errors(item.url, secrets):
+    with remote_errors(item.url, secrets):
         head = fs.cat_file(item.path, start=0, end=min(item.size, _HEAD))
         if len(head) >= 12 and head[:6] == b"\x93NUMPY":
             try:
@@ -420,110 +547,13 @@ def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
     return read_source_header(io.BytesIO(head), item.size, item.url)
 
 
-# ---------------------------------------------------------------------- fetching
+# ---------------------------------------------------------------------- after the fetch, and errors
 
 
-def _pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        view = memoryview(data)
-        with full_is_cache_full(path):
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
-    finally:
-        os.close(fd)
-
-
-class _ByteBudget:
-    """At most ``limit`` bytes of parts held at once (one part alone may exceed it)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._changed = threading.Condition()
-
-    @contextmanager
-    def holding(self, nbytes: int) -> Iterator[None]:
-        with self._changed:
-            while self.used and self.used + nbytes > self.limit:
-                self._changed.wait()
-            self.used += nbytes
-        try:
-            yield
-        finally:
-            with self._changed:
-                self.used -= nbytes
-                self._changed.notify_all()
-
-
-class _TrailingHash:
-    """CRC-32 (and MD5) of a staging file whose parts arrive in any order: each finished
-    part is recorded, and whichever thread finds the next part in file order hashes it and
-    every following finished one (reading back what was just written, still in cache)."""
-
-    def __init__(self, path: Path, want_md5: bool) -> None:
-        self.path = path
-        self.size = -1  # set once the header says how many bytes the array file has
-        self._lock = threading.Lock()
-        self._finished: dict[int, int] = {}
-        self._next = 0
-        self._busy = False
-        self._crc = 0
-        self._md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
-
-    def done(self, start: int, end: int, data: memoryview | None = None) -> None:
-        """Record bytes ``start:end`` as written (``data``: those bytes, hashed from memory
-        when they are next in order, instead of read back)."""
-        with self._lock:
-            self._finished[start] = end
-            if self._busy:
-                return
-            self._busy = True
-        try:
-            while True:
-                with self._lock:
-                    end = self._finished.pop(self._next, -1)
-                    if end < 0:
-                        self._busy = False
-                        return
-                if data is not None and self._next == start:
-                    self._update(data)
-                else:
-                    self._hash(self._next, end)
-                self._next = end
-        except BaseException:
-            with self._lock:
-                self._busy = False
-            raise
-
-    def _hash(self, start: int, end: int) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            while start < end:
-                chunk = os.pread(fd, min(_HASH_CHUNK, end - start), start)
-                if not chunk:
-                    raise EOFError(f"{self.path} ended at byte {start}")
-                self._update(chunk)
-                start += len(chunk)
-        finally:
-            os.close(fd)
-
-    def _update(self, data: bytes | memoryview) -> None:
-        self._crc = zlib.crc32(data, self._crc)
-        if self._md5 is not None:
-            self._md5.update(data)
-
-    def result(self) -> tuple[int, str | None]:
-        if self._next != self.size:  # every part was fetched, so this is a bug
-            raise RuntimeError(f"{self.path}: hashed {self._next} of {self.size} bytes")
-        return self._crc, None if self._md5 is None else self._md5.hexdigest()
-
-
-def _check_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
+def check_objects_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
     """Look ``items`` up again (one listing for a directory): a size or identity that
     differs from the plan's means the object changed during the load."""
-    with _remote_errors(plan.url, plan.secrets):
+    with remote_errors(plan.url, plan.secrets):
         plan.fs.invalidate_cache()
         if plan.directory:
             now = _list_objects(plan.fs, plan.path)
@@ -539,7 +569,7 @@ def _check_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
 
 
 @contextmanager
-def _remote_errors(where: str, secrets: list[str]) -> Iterator[None]:
+def remote_errors(where: str, secrets: list[str]) -> Iterator[None]:
     """A backend's exceptions as typed errors naming ``where`` (the redacted URL), with any
     secret scrubbed from their text and their chain dropped (it may quote credentials)."""
     try:

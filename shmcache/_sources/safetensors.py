@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from .._disk.dtypes import marker
+from .._disk.npy import pread_from
 from .._disk.shapes import MAX_TENSORS, checked_shape
 from ..errors import CorruptSourceError, UnsupportedDataError
 
@@ -60,11 +60,12 @@ class SafetensorsTensor:
     nbytes: int
 
 
-def read_safetensors_index(fd: int, size: int, path: str) -> list[SafetensorsTensor]:
-    """Every tensor of the ``size``-byte safetensors file open as ``fd``, in file order;
+def read_safetensors_index(fd: int | BinaryIO, size: int, path: str) -> list[SafetensorsTensor]:
+    """Every tensor of the ``size``-byte safetensors file open as ``fd`` (a descriptor, or a
+    remote object's seekable file-like), in file order;
     damage raises :class:`CorruptSourceError`, dtypes numpy lacks
     :class:`UnsupportedDataError`, each naming ``path`` (and the tensor)."""
-    head = os.pread(fd, 8, 0)
+    head = pread_from(fd, 8, 0)
     if len(head) < 8:
         raise CorruptSourceError(f"{path}: not a .safetensors file (shorter than its 8-byte header length)")
     length = int.from_bytes(head, "little")
@@ -76,7 +77,7 @@ def read_safetensors_index(fd: int, size: int, path: str) -> list[SafetensorsTen
         raise CorruptSourceError(
             f"{path}: truncated .safetensors file (header of {length} bytes, file of {size})"
         )
-    raw = os.pread(fd, length, 8)
+    raw = pread_from(fd, length, 8)
     if len(raw) != length:
         raise CorruptSourceError(f"{path}: truncated .safetensors file while reading its header")
     try:

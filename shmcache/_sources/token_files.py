@@ -18,15 +18,19 @@ document boundaries rise from 0 to the sequence count.
 from __future__ import annotations
 
 import os
+import posixpath
 import struct
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
+from .._containers.table_arrow import TABLE_SUFFIXES
 from .._disk.npy import NpyHeader, build_header
 from ..errors import CorruptSourceError, InvalidSourceError, UnsupportedDataError
 from .planned import Container, Planned, container_header
 from .source_files import SourceFile, open_checked
+from .urls import redact_url
 
 __all__ = ["MEGATRON_DTYPES", "is_token_source", "plan_token_file", "refuse_dtype_for", "token_dtype"]
 
@@ -46,6 +50,7 @@ MEGATRON_DTYPES: dict[int, np.dtype] = {
     }.items()
 }
 """Megatron's ``DType`` codes -> the token dtype of the ``.bin``."""
+_SAYS_ITS_DTYPES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".h5", ".hdf5")
 
 
 def token_dtype(dtype: object) -> np.dtype:
@@ -66,16 +71,21 @@ def token_dtype(dtype: object) -> np.dtype:
 
 
 def refuse_dtype_for(path: str | os.PathLike[str], dtype: object | None) -> None:
-    """Refuse ``dtype`` for what cannot be a raw token file: a URL, a directory."""
+    """Refuse ``dtype`` for what cannot be a raw token file: a directory (a URL is checked
+    once listed: one object, not a prefix)."""
     if dtype is None:
         return
     token_dtype(dtype)
     text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        raise InvalidSourceError(
-            f"dtype= takes a local raw token file, not the URL {text.partition('?')[0]!r}; copy the "
-            "file to local disk first, or store it as a .npy"
-        )
+    if "://" in text:  # a URL: one object, its size checked when it is listed (``remote_files``)
+        name = urlsplit(text).path
+        suffix = posixpath.splitext(name)[1].lower()
+        if suffix in _SAYS_ITS_DTYPES or suffix in TABLE_SUFFIXES:
+            raise InvalidSourceError(
+                f"dtype= is for a raw token file (e.g. nanoGPT's train.bin); {redact_url(text)} is a "
+                f"{suffix} object, which says its own dtypes: put it without dtype"
+            )
+        return
     if os.path.isdir(text):
         raise InvalidSourceError(
             f"dtype= takes one raw token file (e.g. nanoGPT's train.bin); {text} is a directory: "

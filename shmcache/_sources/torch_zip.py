@@ -212,7 +212,7 @@ def read_torch_index(fp: BinaryIO, path: str) -> list[TorchTensor]:
         with zipfile.ZipFile(fp) as archive:
             prefix, obj = _load_pickle(archive, path)
             starts: dict[str, int] = {}  # storage member -> where its bytes start
-            size = os.fstat(fp.fileno()).st_size
+            size = fp.seek(0, os.SEEK_END)  # a file, or a remote object's file-like
             tensors = [
                 _locate(archive, fp, size, starts, prefix, name, ref, path) for name, ref in _walk(obj, path)
             ]
@@ -352,7 +352,7 @@ def _locate(
             )
     base = starts.get(member)
     if base is None:  # one read per storage, however many tensors view it
-        base = starts[member] = zip_data_offset(fp.fileno(), info)
+        base = starts[member] = zip_data_offset(fp, info)
     if base + info.file_size > size:
         raise CorruptSourceError(f"{where}: its storage ends past the end of the file (truncated)")
     return TorchTensor(

@@ -230,9 +230,10 @@ class Putting:
         ``.csv`` or ``.jsonl`` file as one table entry.
 
         ``path`` may be an fsspec URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
-        ``http(s)://``; ``file://`` is a local path): ``.npy`` objects, or a prefix of them,
-        streamed into the cache in parallel ranged reads of ``part_size`` bytes (default:
-        8 to 64 MiB, 16 parts per object where they fit; see :mod:`shmcache._sources.remote`);
+        ``http(s)://``; ``file://`` is a local path): an object of any format above (a raw
+        token file with ``dtype``), or a prefix of them, streamed into the cache in
+        parallel ranged reads of ``part_size`` bytes (default: 8 to 64 MiB, 16 parts per
+        object where they fit; see :mod:`shmcache._sources.remote` and ``remote_files``);
         ``storage_options`` go to the filesystem and are never recorded or shown.
 
         ``dtype`` (e.g. ``"uint16"``) makes a raw token file (nanoGPT's ``train.bin``) one 1-D
@@ -266,18 +267,14 @@ class Putting:
         assert isinstance(source.location, (str, os.PathLike)), "only shards come as a list"
         path = source.location
         if source.kind == "remote":
-            return self._put_remote(key, str(path), overwrite, pin, progress, storage_options, part_size)
+            return self._put_remote(
+                key, str(path), overwrite, pin, progress, storage_options, part_size, dtype
+            )
         if source.kind == "hf":
             return self._put_hf_folder(key, Path(path), builtins.list(allowed_dirs), overwrite, pin, progress)
         if source.kind == "table":
             files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
-            size = int(meta["source_fingerprint"]["size"])
-            if progress is not None:
-                progress(0, size)
-            self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
-            if progress is not None:
-                progress(size, size)
-            return [key]
+            return self._put_table_file(key, files, meta, overwrite, pin, progress)
         if source.kind == "blobs":
             info = self.put_blobs(
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
@@ -356,6 +353,24 @@ class Putting:
         logger.info("put %s from %s (%d tables)", key, path, len(keys))
         return keys
 
+    def _put_table_file(
+        self,
+        key: str,
+        files: Mapping[str, np.ndarray],
+        meta: Mapping[str, Any],
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> list[str]:
+        """``put_file`` of a table file or object, read already (progress: the file's bytes)."""
+        size = int(meta["source_fingerprint"]["size"])
+        if progress is not None:
+            progress(0, size)
+        self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
+        if progress is not None:
+            progress(size, size)
+        return [key]
+
     def _put_remote(
         self,
         key: str,
@@ -365,11 +380,19 @@ class Putting:
         progress: Callable[[int, int], None] | None,
         storage_options: Mapping[str, Any] | None,
         part_size: int | None,
+        dtype: Any = None,
     ) -> list[str]:
-        """``put_file`` of a URL: every object planned and validated, then streamed in."""
-        from .._sources.remote import fetch_remote, plan_remote  # here: threads and hashing only for URLs
+        """``put_file`` of a URL: every object planned and validated (a table object read),
+        then streamed in."""
+        from .._sources.remote import fetch_remote  # here: threads and hashing only for URLs
+        from .._sources.remote_files import plan_remote, read_remote_table
 
-        plan = plan_remote(key, url, storage_options, read_headers=False)  # validated as fetched
+        # .npy headers are validated as fetched; other formats' indexes are read now
+        plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype)
+        if plan.is_table:
+            self._refuse_existing([key], overwrite)
+            files, meta = read_remote_table(plan)
+            return self._put_table_file(key, files, meta, overwrite, pin, progress)
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
         total = plan.object_bytes
@@ -382,7 +405,7 @@ class Putting:
             for item in plan.items:
                 header = {"data": item.checked_header}
                 meta = version_meta(item.key, "array", item.version, header, {"data": item.crc}, pin)
-                meta["source"] = item.url  # redacted: no user information, no query
+                meta["source"] = item.source  # redacted: no user information, no query
                 meta["source_fingerprint"] = {"size": item.size}
                 meta["source_identity"] = item.identity
                 writer.write_meta(item.version, meta)

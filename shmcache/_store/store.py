@@ -37,7 +37,7 @@ from .._disk.meta import read_entry_meta, read_meta
 from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
 from .._sources.urls import redact_url
 from .._team.config import checked_team, team_of
-from ..errors import InvalidRequestError, KeyExistsError, KeyNotFoundError
+from ..errors import InvalidRequestError, KeyExistsError, KeyNotFoundError, UnsupportedDataError
 from .budget import checked_budget, write_budget
 from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
@@ -296,12 +296,13 @@ class Store(Putting):
         *,
         storage_options: Mapping[str, Any] | None = None,
         timeout: float | StoreTimeout | None = STORE_TIMEOUT,
-    ) -> np.ndarray | SharedGroup:
+    ) -> np.ndarray | SharedGroup | SharedTable:
         """Get-or-create from a URL: open ``key``, or load ``url`` once per machine.
 
         The per-node form of :meth:`cache`: every rank of a node calls it, one takes the
         key's lock and downloads, the others wait and open what it published (an array for
-        one ``.npy`` object, a group for a prefix of them). A failed load is raised by the
+        one ``.npy`` or token object, a table for table objects, a group for the entries of
+        a checkpoint, an archive or a prefix). A failed load is raised by the
         callers that waited for it too, rather than each downloading again.
         """
         validate_key(key)
@@ -323,12 +324,14 @@ class Store(Putting):
             raise KeyNotFoundError(f"{key!r} was evicted right after it was loaded from {redact_url(url)}")
         return found
 
-    def _open_cached(self, key: str) -> np.ndarray | SharedGroup | None:
-        """The array under ``key``, or the group of entries under it, or None."""
+    def _open_cached(self, key: str) -> np.ndarray | SharedGroup | SharedTable | None:
+        """The array (or table) under ``key``, or the group of entries under it, or None."""
         try:
             return self.open_array(key)
         except KeyNotFoundError:
             pass
+        except UnsupportedDataError:  # a table object's entry
+            return self.open(key)  # type: ignore[no-any-return]
         try:
             return self.open_group(key)
         except KeyNotFoundError:
