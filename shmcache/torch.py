@@ -49,7 +49,7 @@ from ._cuda import (
     to_cuda,
 )
 from ._disk.attach import private_view
-from ._disk.dtypes import ML_DTYPES
+from ._disk.dtypes import ML_DTYPES as _ML_DTYPES
 from ._tensors import open_state_dict, tensor_of
 from ._tokens import TokenWindows
 from .errors import MappingRefusedError, UnsupportedDataError
@@ -251,7 +251,7 @@ class GPULoader:
         store = dataset._store()
         self._bits_columns = False
         for key in dataset._keys:
-            if store.info(key).dtype in ML_DTYPES:  # bfloat16/float8: its raw bits on disk
+            if store.info(key).dtype in _ML_DTYPES:  # bfloat16/float8: its raw bits on disk
                 self._bits_columns = True
                 continue
             dtype = store.open_array(key).dtype
