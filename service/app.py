@@ -125,7 +125,7 @@ def _start(service: Service) -> None:
         "none" if (budget := service.store.budget) is None else f"{budget} bytes",
         freed,
     )
-    if (warning := service.store.stats().budget_warning) is not None:
+    if (warning := service.space().budget_warning) is not None:  # the entry view just read
         logger.warning("%s", warning)  # accepted (the tmpfs may be enlarged later), but said at start
     for spec in service.settings.datasets:
         try:
