@@ -253,9 +253,13 @@ class Daemon:
 
 @contextmanager
 def running_daemon(
-    root: Path, *args: str, env: dict[str, str] | None = None, nofile: tuple[int, int] | None = None
+    root: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    nofile: tuple[int, int] | None = None,
+    ready_s: float = 30.0,
 ) -> Iterator[Daemon]:
-    daemon = Daemon(root, *args, env=env, nofile=nofile).wait_ready()
+    daemon = Daemon(root, *args, env=env, nofile=nofile).wait_ready(ready_s)
     try:
         yield daemon
     finally:
