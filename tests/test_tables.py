@@ -436,3 +436,56 @@ def test_share_of_dicts_marshals_columns_never_the_whole_list(
     table = store.share("anns", anns)
     assert table[7] == anns[7]
     assert dumped and all(type(values[0]) is not dict for values in dumped)  # columns only
+
+
+def test_share_of_a_table_reuses_identical_dicts_and_refuses_one_changed_value(store: shmcache.Store) -> None:
+    """The digest covers every column: a copy of the dicts is reused, one bbox float or one
+    label changed is other content."""
+    anns = [{"bbox": [float(i), 2.0, 3.5, 4.0], "label": i % 80, "id": f"ann-{i:06d}"} for i in range(1000)]
+    store.share("anns", anns)
+    version = store.info("anns").version
+    store.share("anns", [dict(a, bbox=list(a["bbox"])) for a in anns])  # equal, other objects
+    assert store.info("anns").version == version
+    for changed in ({"bbox": [999.0, 2.0, 3.5, 4.0]}, {"label": 81}, {"id": "ann-x"}):
+        other = [dict(a) for a in anns]
+        other[500] |= changed
+        with pytest.raises(shmcache.KeyExistsError, match="other content"):
+            store.share("anns", other)
+    assert store.info("anns").version == version and store.open("anns")[500] == anns[500]
+
+
+_SHARE_WITHOUT_XXHASH = """
+import sys
+sys.modules["xxhash"] = None  # as if it were not installed
+import shmcache
+store = shmcache.Store(sys.argv[1])
+anns = [{"bbox": [1.0, 2.0, 3.0, 4.0], "label": i, "id": f"a{i}"} for i in range(50)]
+try:
+    store.share("anns", anns)
+except shmcache.KeyExistsError:
+    print("refused")
+store.share("own", anns)
+first = store.info("own").version
+store.share("own", anns)
+print("reused" if store.info("own").version == first else "rewritten")
+"""
+
+
+def test_share_without_xxhash_hashes_with_sha256_and_never_reuses_an_xxh3_entry(root: Path) -> None:
+    """The fallback digest has its own prefix: a process without xxhash reuses its own
+    entries, and refuses (never wrongly reuses) one hashed with XXH3."""
+    from shmcache._containers.encode import content_digest
+    from shmcache._disk.meta import read_meta
+
+    store = shmcache.Store(root)
+    anns = [{"bbox": [1.0, 2.0, 3.0, 4.0], "label": i, "id": f"a{i}"} for i in range(50)]
+    store.share("anns", anns)
+    meta = read_meta(store.layout, store.info("anns").version)
+    assert meta is not None and meta.content_hash is not None
+    assert meta.content_hash.startswith("xxh3_128:")
+    assert content_digest("array", {"data": np.arange(3)}) != content_digest("array", {"data": np.arange(4)})
+    out = subprocess.run(
+        [sys.executable, "-c", _SHARE_WITHOUT_XXHASH, str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused", "reused"]

@@ -295,14 +295,28 @@ def encode_any(obj: Any, what: str) -> Encoded:
 
 
 def content_digest(kind: str, files: Mapping[str, np.ndarray]) -> str:
-    """A hash of an entry's content, so ``share`` can reuse an identical entry."""
-    import hashlib  # deferred: only share() needs it (import time)
+    """A hash of an entry's content, so ``share`` can reuse an identical entry.
 
-    digest = hashlib.sha256()  # 2x blake2b's speed here (SHA extensions): 0.1 s for 120 MiB
+    XXH3-128 (xxhash): ~20 GB/s, against SHA-256's 0.2 GB/s on a CPU without SHA
+    extensions, where it was a quarter of ``share()``'s time for 1M annotation dicts. A
+    non-cryptographic hash is enough here: it tells one's own re-share from other
+    content, and whoever can write into the root can replace entries anyway. Without
+    xxhash, SHA-256; the prefix names the algorithm, so digests of the two never match
+    (a re-share is then refused, never wrongly reused).
+    """
+    digest: Any
+    try:
+        from xxhash import xxh3_128  # deferred: only share() needs it (import time)
+    except ImportError:
+        import hashlib
+
+        digest, prefix = hashlib.sha256(), "sha256:"
+    else:
+        digest, prefix = xxh3_128(), "xxh3_128:"
     digest.update(kind.encode())
     for name in sorted(files):
         array = np.ascontiguousarray(files[name])
         digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
         if array.size and array.dtype.itemsize:
             digest.update(array.reshape(-1).view(np.uint8).data)
-    return digest.hexdigest()[:32]
+    return prefix + str(digest.hexdigest())[:32]

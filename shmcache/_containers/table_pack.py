@@ -39,6 +39,14 @@ def _dumped(values: Any, first: tuple[type, ...]) -> np.ndarray | None:
     return np.frombuffer(data, dtype=np.uint8, offset=_HEADER)
 
 
+def _strided(
+    body: np.ndarray, dtype: str, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]
+) -> np.ndarray:
+    """A view of ``body`` (unaligned where it must be): the values behind the tags in place,
+    no gather (``take`` copied each byte through an index, ~2x the time)."""
+    return np.ndarray(shape, dtype=dtype, buffer=body, offset=offset, strides=strides)
+
+
 def pack_numbers(values: Any) -> np.ndarray | None:
     """A list of exact floats -> float64, of exact ints in int32 range -> int64, of bools
     -> bool; None if the list is anything else."""
@@ -56,10 +64,9 @@ def pack_numbers(values: Any) -> np.ndarray | None:
     dtype, width, out = _PAYLOAD[tag]
     if body.size != count * (1 + width):
         return None
-    rows = body.reshape(count, 1 + width)
-    if np.count_nonzero(rows[:, 0] != tag):
+    if np.count_nonzero(_strided(body, "u1", 0, (count,), (1 + width,)) != tag):
         return None
-    return rows[:, 1:].copy().view(dtype).reshape(count).astype(out, copy=False)
+    return _strided(body, dtype, 1, (count,), (1 + width,)).astype(out)
 
 
 def pack_lists(values: Any) -> np.ndarray | None:
@@ -75,10 +82,12 @@ def pack_lists(values: Any) -> np.ndarray | None:
     stride = _HEADER + size * (1 + width)
     if body.size != count * stride:
         return None
-    rows = body.reshape(count, stride)
-    header = np.frombuffer(bytes([_LIST]) + np.int32(size).astype("<i4").tobytes(), dtype=np.uint8)
-    tags = _HEADER + np.arange(size) * (1 + width)
-    if np.count_nonzero(rows[:, :_HEADER] != header) or np.count_nonzero(rows.take(tags, axis=1) != tag):
+    rows = (count,), (stride,)
+    cells = (count, size), (stride, 1 + width)
+    if (
+        np.count_nonzero(_strided(body, "u1", 0, *rows) != _LIST)
+        or np.count_nonzero(_strided(body, "<i4", 1, *rows) != size)
+        or np.count_nonzero(_strided(body, "u1", _HEADER, *cells) != tag)
+    ):
         return None
-    payload = (tags[:, None] + 1 + np.arange(width)).reshape(-1)
-    return rows.take(payload, axis=1).view(dtype).astype(out, copy=False)  # take: 4x fancy indexing
+    return _strided(body, dtype, _HEADER + 1, *cells).astype(out)
