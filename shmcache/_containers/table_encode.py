@@ -97,11 +97,12 @@ def _string_column(texts: Sequence[Any], valid: np.ndarray | None) -> Column:
         separated, strict = joined_by_nul.encode("utf-8"), True
     except UnicodeEncodeError:
         separated, strict = joined_by_nul.encode("utf-8", "surrogatepass"), False
-    if count and separated.count(b"\0") == count - 1:
+    nuls = np.flatnonzero(np.frombuffer(separated, dtype=np.uint8) == 0) if count else None
+    if nuls is not None and len(nuls) == count - 1:
         data = separated.replace(b"\0", b"")
         offsets = np.empty(count + 1, dtype=np.int64)
         offsets[0] = 0
-        offsets[1:count] = np.flatnonzero(np.frombuffer(separated, dtype=np.uint8) == 0)
+        offsets[1:count] = nuls
         offsets[1:count] -= np.arange(count - 1)
         offsets[count] = len(data)
     else:
