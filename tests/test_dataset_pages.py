@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,3 +99,33 @@ def test_dataset_columns_stay_copy_on_write(root: Path) -> None:
     check = "import shmcache; print(float(shmcache.open_array('feats')[5].max()))"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert float(out.stdout) == 0.0  # the cache (and every other process) keeps the original
+
+
+def test_batches_convert_a_list_of_indices_without_torch_parsing_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DataLoader's list of ints becomes the index tensor through ``array("q")``
+    (``torch.as_tensor`` parsed it element by element: a third of a batch's time); what
+    ``array`` refuses, and what is not a list, still take ``torch.as_tensor``."""
+    feats = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    shmcache.put_array("feats", feats)
+    shmcache.put_array("labels", np.arange(64) * 10)
+    ds = shmcache.torch.CachedDataset("feats", "labels")
+    parsed: list[Any] = []
+    real = torch.as_tensor
+
+    def recording(data: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(data)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "as_tensor", recording)
+    x, y = ds.__getitems__([5, 0, 63, 5]).columns
+    assert np.array_equal(x.numpy(), feats[[5, 0, 63, 5]]) and y.tolist() == [50, 0, 630, 50]
+    assert parsed == []
+    for other in ([], [1.0, 2.0], np.array([2, 3]), torch.tensor([2, 3])):
+        parsed.clear()
+        expected = [int(i) * 10 for i in real(other, dtype=torch.long)]
+        assert ds.__getitems__(other).columns[1].tolist() == expected
+        assert parsed and parsed[0] is other
+    with pytest.raises((ValueError, OverflowError)):
+        ds.__getitems__([2**64])
