@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import warnings
+from array import array as c_array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -116,7 +117,9 @@ class InProcessBatched(Dataset[Any]):
         return tuple(column[index] for column in self._tensors)
 
     def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
-        positions = torch.as_tensor(indices, dtype=torch.long)
+        # The indices as CachedDataset makes them (array("q"), not torch.as_tensor's parse of
+        # each element): what remains between the two is the memory, not the Python.
+        positions = torch.frombuffer(c_array("q", indices), dtype=torch.long)
         gathered = [column.index_select(0, positions) for column in self._tensors]
         return GatheredBatch(_LazyRows(gathered), tuple(gathered))  # as CachedDataset does
 
