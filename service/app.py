@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shmcache import __version__
 from shmcache._error_table import HTTP, reword
-from shmcache.errors import LockTimeoutError, ShmCacheError
+from shmcache.errors import CorruptEntryError, LockTimeoutError, ShmCacheError
 
 from .docs import install_docs
 from .errors import short, status_of
@@ -179,7 +179,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ShmCacheError)
     async def shmcache_error(request: Request, exc: ShmCacheError) -> JSONResponse:
         status = status_of(exc)
-        if status >= 500:
+        if status >= 500 or isinstance(exc, CorruptEntryError):  # damage on disk: the admin's to know
             logger.error(
                 "%s %s: %s: %s", request.method, short(request.url.path), type(exc).__name__, short(str(exc))
             )
