@@ -94,7 +94,9 @@ class Config:
 READ_SAMPLE = 200_000
 """Random items read in-process (no DataLoader) to time ``dataset[i]`` alone."""
 FULL_ITEMS = 2_000_000
-QUICK_ITEMS = 200_000
+QUICK_ITEMS = 20_000  # proves the run, not the targets (fixed costs weigh more)
+QUICK_WORKERS = 2
+QUICK_SAMPLES = 15
 
 
 # ---------------------------------------------------------------------- data
@@ -501,10 +503,13 @@ def _run_in_subprocess(variant: str, config: Config, root: Path, scratch: Path) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help=f"CI size ({QUICK_ITEMS:,} items)")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"CI size ({QUICK_ITEMS:,} items, {QUICK_WORKERS} workers, {QUICK_SAMPLES} samples)",
+    )
     parser.add_argument("--items", type=int, help=f"paths and records (default {FULL_ITEMS:,})")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=int, help=f"default 4 (--quick {QUICK_WORKERS})")
     parser.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default="fork")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="directory of the PNG")
     parser.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON")
@@ -524,8 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = Config(
         items=args.items or (QUICK_ITEMS if args.quick else FULL_ITEMS),
         batch_size=args.batch_size,
-        workers=args.workers,
+        workers=args.workers or (QUICK_WORKERS if args.quick else 4),
         start_method=args.start_method,
+        samples=QUICK_SAMPLES if args.quick else Config.samples,
     )
     started = time.perf_counter()
     with scratch_dir("shmcache-bench-cow-") as root, scratch_dir("bench-cow-", on_shm=False) as scratch:

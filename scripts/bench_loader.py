@@ -3,7 +3,7 @@
 numpy arrays, by number of workers; and per-row vs batched reads in-process.
 
 Data: ``feats`` (N x 256 float32, 1 KiB per row) and ``labels`` (N int64); full N =
-262,144 (256 MiB), ``--quick`` N = 32,768 (32 MiB). Four Datasets, two pairs that
+262,144 (256 MiB), ``--quick`` N = 8,192 (8 MiB). Four Datasets, two pairs that
 differ only in where the arrays live:
 
 - batched: ``shmcache.torch.CachedDataset("feats", "labels")`` with
@@ -87,7 +87,7 @@ class Config:
 
 
 FULL = Config(rows=262_144, items=262_144, repeats=3)
-QUICK = Config(rows=32_768, items=32_768, repeats=2, read_items=5_000)
+QUICK = Config(rows=8_192, items=8_192, repeats=1, read_items=2_000)
 
 
 class RowPairs(Dataset[tuple[torch.Tensor, int]]):

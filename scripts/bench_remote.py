@@ -5,12 +5,12 @@ The server is moto's S3 server mode in a subprocess on 127.0.0.1 (objects in its
 uploaded as single parts, so their ETags are MD5s and the cache checks them). Cases (full
 size; ``--quick`` in brackets):
 
-- one ``.npy`` object of 1 GiB [64 MiB] (also read as one part: moto, unlike S3, copies the
+- one ``.npy`` object of 1 GiB [16 MiB] (also read as one part: moto, unlike S3, copies the
   whole object for every ranged GET, under a lock, so this row tells its cost from ours);
-- 2,000 ``.npy`` objects of 100 KiB under one prefix [200];
+- 2,000 ``.npy`` objects of 100 KiB under one prefix [50];
 - other formats from URLs (issue 21 items 5 and 7): a bfloat16-sized ``.safetensors``
-  checkpoint of 1 GiB [64 MiB] (its tensors streamed as byte ranges of the object), and a
-  Parquet table of 256 MiB [32 MiB] (uncompressed numeric columns, decoded by pyarrow from
+  checkpoint of 1 GiB [16 MiB] (its tensors streamed as byte ranges of the object), and a
+  Parquet table of 256 MiB [8 MiB] (uncompressed numeric columns, decoded by pyarrow from
   the remote file-like into a table entry).
 
 Methods, alternated from one repeat to the next, each load in a fresh subprocess (so its
@@ -78,7 +78,7 @@ class Config:
 
 
 FULL = Config(big_bytes=GiB, objects=2000, object_bytes=100 * 1024, repeats=3)
-QUICK = Config(big_bytes=64 * MiB, objects=200, object_bytes=100 * 1024, repeats=2, table_bytes=32 * MiB)
+QUICK = Config(big_bytes=16 * MiB, objects=50, object_bytes=100 * 1024, repeats=2, table_bytes=8 * MiB)
 
 
 @dataclass(frozen=True)

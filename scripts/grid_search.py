@@ -339,7 +339,7 @@ def run_grid(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     gpus = visible_gpus()
     n = args.experiments or (len(gpus) if gpus else 4)
-    rows = args.rows or (131_072 if args.quick else 1_048_576)
+    rows = args.rows or (32_768 if args.quick else 1_048_576)
     features, labels = make_dataset(rows, args.dim)
     data_bytes = features.nbytes + labels.nbytes
 
@@ -399,9 +399,9 @@ def run_grid(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="small run (128 MiB of data, < 60 s on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="small run (32 MiB of data, < 30 s on 2 cores)")
     parser.add_argument("--experiments", "-n", type=int, help="default: one per visible GPU, else 4")
-    parser.add_argument("--rows", type=int, help="rows of data (default 1,048,576; --quick 131,072)")
+    parser.add_argument("--rows", type=int, help="rows of data (default 1,048,576; --quick 32,768)")
     parser.add_argument("--dim", type=int, default=256, help="features per row (float32)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=1024)

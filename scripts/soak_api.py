@@ -20,7 +20,7 @@ mixed phase), with the targets: p99 < 50 ms at 64 clients, no errors, RSS flat (
 <= 5% over the mixed phase). ``--json`` writes it all for ``bench_all.py``.
 
     python scripts/soak_api.py              # 30 s warm-up, 30 s reads, 60 s mixed
-    python scripts/soak_api.py --quick      # 2 s + 2 s + 5 s (CI)
+    python scripts/soak_api.py --quick      # 1 s + 1 s + 2 s (CI)
     python scripts/soak_api.py --rate 256   # where the knee is on this machine
 """
 
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     duration, reads_duration, warmup = (
-        (5.0, 2.0, 2.0) if args.quick else (args.duration, args.reads_duration, args.warmup)
+        (2.0, 1.0, 1.0) if args.quick else (args.duration, args.reads_duration, args.warmup)
     )
     started = time.perf_counter()
 

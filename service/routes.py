@@ -184,7 +184,7 @@ async def list_entries(
 @v1.get(
     "/entries/{key:path}",
     response_model=EntryDetail,
-    responses=_errors(404),
+    responses=_errors(404, 409),
     summary="One entry's metadata and the PIDs mapping it",
 )
 def get_entry(key: KeyPath, service: ServiceDep) -> EntryDetail:

@@ -456,6 +456,14 @@ class Service:
             entries=len(view.entries),
         )
 
+    def budget_warning(self) -> str | None:
+        """Why the root's budget cannot work (above the file system's size), without reading
+        any entry (the daemon says it at start, before the entry view is read)."""
+        root = self.store.root
+        return StoreStats(
+            root=str(root), capacity=total_bytes(root), used=0, free=0, budget=self.store.budget, entries=0
+        ).budget_warning
+
     def close(self) -> None:
         self._generations = None  # unmapped when the last reader lets go of it
 

@@ -180,12 +180,10 @@ def put_file(
 
     With ``team``, this process reads the file (a file only you can read is fine) and
     fills the entry's file the team's daemon made; the daemon never opens your path."""
-    writer = _writer(root, team)
-    from ._store.member_writes import MemberWriter  # write side: on first use
-
-    if isinstance(writer, MemberWriter):
-        return writer.put_file(key, path, overwrite=overwrite, pin=pin, as_=as_, dtype=dtype)
-    return writer.put_file(
+    store, member = _writers(root, team)
+    if member is not None:
+        return member.put_file(key, path, overwrite=overwrite, pin=pin, as_=as_, dtype=dtype)
+    return store.put_file(
         key, path, overwrite=overwrite, pin=pin, as_=as_, storage_options=storage_options, dtype=dtype
     )
 
@@ -203,16 +201,13 @@ def cache(
     an int, a file path or a tuple of those) is recorded: another version loads again.
     In a team's root the daemon holds the key's lock for the member who loads; the others
     wait, then open its entry."""
-    writer = _writer(root, team)
-    from ._store.member_writes import MemberWriter  # write side: on first use
-
-    if isinstance(writer, MemberWriter):
+    store, member = _writers(root, team)
+    if member is not None:
         from ._store.loading import cache_version_token
 
-        store = get_store(root, team=team)
         wanted = None if version is None else cache_version_token(version)
-        return writer.cache(key, loader, store.open_array, wanted)
-    return writer.cache(key, loader, version=version, timeout=timeout)
+        return member.cache(key, loader, store.open_array, wanted)
+    return store.cache(key, loader, version=version, timeout=timeout)
 
 
 def cache_remote(
@@ -354,13 +349,11 @@ def share(key: str, obj: Any, *, root: Root = None, team: str | None = None, ove
 
         self.paths = shmcache.share("paths", self.paths)
     """
-    writer = _writer(root, team)
-    from ._store.member_writes import MemberWriter  # write side: on first use
-
-    if isinstance(writer, MemberWriter):
-        writer.share(key, obj, overwrite=overwrite)
-        return get_store(root, team=team).open(key)
-    return writer.share(key, obj, overwrite=overwrite)
+    store, member = _writers(root, team)
+    if member is not None:
+        member.share(key, obj, overwrite=overwrite)
+        return store.open(key)
+    return store.share(key, obj, overwrite=overwrite)
 
 
 def put_blobs(
@@ -399,15 +392,21 @@ def open_table(key: str, *, root: Root = None, team: str | None = None) -> Share
 
 
 def _writer(root: Root, team: str | None) -> Store | MemberWriter:
-    """Who writes into the root: this process (a personal root), or, for a team's root
-    (``team``, or ``$SHMCACHE_TEAM`` without a root), its daemon, with this process
-    filling the files it makes."""
+    """Who writes into the root, for the calls both writers take alike (see :func:`_writers`)."""
+    store, member = _writers(root, team)
+    return store if member is None else member
+
+
+def _writers(root: Root, team: str | None) -> tuple[Store, MemberWriter | None]:
+    """The root's store and who writes into it: None for this process (a personal root),
+    or, for a team's root (``team``, or ``$SHMCACHE_TEAM`` without a root), the writer
+    through its daemon, with this process filling the files it makes."""
     store = get_store(root, team=team)
     if store.team is None:
-        return store
-    writer = _members.get(store.root)
-    if writer is None:
-        from ._store.member_writes import MemberWriter
+        return store, None
+    member = _members.get(store.root)
+    if member is None:
+        from ._store.member_writes import MemberWriter  # write side: on first use
 
-        writer = _members.setdefault(store.root, MemberWriter(store.root))
-    return writer
+        member = _members.setdefault(store.root, MemberWriter(store.root))
+    return store, member

@@ -90,6 +90,7 @@ ERRORS: tuple[ErrorRow, ...] = (  # most specific first: the first matching row 
     ErrorRow(KeyExistsError, 409),
     ErrorRow(JobConflictError, 409),
     ErrorRow(JobFinishedError, 409),
+    ErrorRow(CorruptEntryError, 409),  # the entry's state, not the daemon: evict it, load it again
     ErrorRow(UnauthorizedError, 401),
     ErrorRow(NotPermittedError, 403),
     ErrorRow(QuotaExceededError, 507),
@@ -98,7 +99,6 @@ ERRORS: tuple[ErrorRow, ...] = (  # most specific first: the first matching row 
     ErrorRow(InvalidSourceError, 400),  # SourceNotFound, CorruptSource, SourceNotAllowed
     ErrorRow(LockTimeoutError, 503),
     ErrorRow(TooManyOpenFilesError, 503),  # the daemon's descriptors, not the request's fault
-    ErrorRow(CorruptEntryError, 500),
     ErrorRow(CacheRootError, 500),
     ErrorRow(UnknownTeamError, 404),
     ErrorRow(TeamConfigError, 500),  # the administrator's file, not the request

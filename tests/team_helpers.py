@@ -32,6 +32,7 @@ __all__ = [
     "as_user",
     "become",
     "groups_of",
+    "made_users",
     "real_team",
     "team_toml",
     "teams_dir",
@@ -110,6 +111,42 @@ def _run(*command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(command), capture_output=True, text=True)
 
 
+def _need_useradd() -> None:
+    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("groupadd") is None:
+        pytest.skip("needs root, useradd and groupadd to create users")
+
+
+def _add_user(name: str, *extra: str) -> User:
+    """``useradd`` a system account with a group of its own (``extra``: more flags); skips
+    the test where that fails."""
+    made = _run(
+        "useradd", "--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
+        *extra, name,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot create a user: {made.stderr.strip()}")
+    entry = pwd.getpwnam(name)
+    return User(name, entry.pw_uid, entry.pw_gid)
+
+
+@contextmanager
+def made_users(*roles: str) -> Iterator[dict[str, User]]:
+    """One real user per role, each in a group of its own only, removed afterwards."""
+    _need_useradd()
+    tag = uuid.uuid4().hex[:6]
+    made: list[str] = []
+    try:
+        users: dict[str, User] = {}
+        for role in roles:
+            users[role] = _add_user(f"shm{role[:4]}{tag}")
+            made.append(users[role].name)
+        yield users
+    finally:
+        for name in made:
+            _run("userdel", name)
+            _run("groupdel", name)
+
+
 @dataclass
 class Team:
     """A team of real accounts: its group, service account, two members and an outsider,
@@ -132,8 +169,7 @@ class Team:
 @contextmanager
 def real_team(**fields: object) -> Iterator[Team]:
     """Make the accounts (skipping where users cannot be made), yield the team, remove all."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("groupadd") is None:
-        pytest.skip("needs root, useradd and groupadd to create users")
+    _need_useradd()
     tag = uuid.uuid4().hex[:6]
     group = f"shmtg{tag}"
     users: list[str] = []
@@ -145,16 +181,10 @@ def real_team(**fields: object) -> Iterator[Team]:
         groups.append(group)
 
         def add(name: str, *extra: str) -> User:
-            made = _run(
-                "useradd", "--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
-                *extra, name,
-            )
-            if made.returncode != 0:
-                pytest.skip(f"cannot create a user: {made.stderr.strip()}")
+            user = _add_user(name, *extra)
             users.append(name)
             groups.append(name)
-            entry = pwd.getpwnam(name)
-            return User(name, entry.pw_uid, entry.pw_gid)
+            return user
 
         service = add(f"shmts{tag}", "-G", group)
         a = add(f"shmta{tag}", "-G", group)

@@ -197,3 +197,22 @@ def test_a_data_header_no_reader_can_open_is_named(store: Store, shape: str) -> 
         with pytest.raises(CorruptEntryError) as caught:
             read()
         _names_key_and_fix(caught.value)
+
+
+def test_the_daemon_answers_a_damaged_entry_with_409_naming_the_fix(store: Store) -> None:
+    """A damaged entry is the entry's state, not a fault of the daemon: 409 (not 500), the
+    error type a client re-raises, and the fix; evicting it and loading again works."""
+    pytest.importorskip("fastapi")
+    from service_helpers import app_client
+
+    store.put_array("k", np.arange(3))
+    DAMAGE["meta.json not JSON"](store, "k")
+    with app_client(store.root) as client:
+        response = client.get("/v1/entries/k")
+        assert response.status_code == 409, response.text
+        body = response.json()
+        assert body["error"] == "CorruptEntryError", body
+        assert "entry 'k' is damaged" in body["detail"] and "DELETE /v1/entries/k" in body["detail"], body
+        assert client.delete("/v1/entries/k").status_code == 200
+    store.put_array("k", np.arange(3))
+    assert store.info("k").shape == (3,)

@@ -9,14 +9,9 @@ users cannot be made (not root, no ``useradd``).
 from __future__ import annotations
 
 import os
-import pickle
-import pwd
 import shutil
-import subprocess
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,82 +19,20 @@ import numpy as np
 import pytest
 from service_helpers import Daemon, fresh_root
 from shmcache.client import Client
+from team_helpers import User, as_user, made_users
 
 import shmcache
 from shmcache import CacheRootError, DaemonUnavailableError, Store
 from shmcache._diagnose.doctor import run_checks
-from shmcache._disk.layout import ENV_PREFIX, SHM_DIR
+from shmcache._disk.layout import SHM_DIR
 from shmcache.compat import sharearray
-
-
-@dataclass(frozen=True)
-class User:
-    name: str
-    uid: int
-    gid: int
-
-
-def _add_user(name: str) -> User:
-    done = subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot create a user: {done.stderr.strip()}")
-    entry = pwd.getpwnam(name)
-    return User(name, entry.pw_uid, entry.pw_gid)
 
 
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[User, User]]:
     """Two real local users, (victim, attacker), removed afterwards."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to create users")
-    tag = uuid.uuid4().hex[:8]
-    made: list[User] = []
-    try:
-        made.append(_add_user(f"shmcv{tag}"))
-        made.append(_add_user(f"shmca{tag}"))
-        yield made[0], made[1]
-    finally:
-        for user in made:
-            subprocess.run(["userdel", user.name], capture_output=True)
-            subprocess.run(["groupdel", user.name], capture_output=True)
-
-
-def as_user(user: User, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a forked child running as ``user`` (no ``SHMCACHE_*`` variables):
-    its return value, or the exception it raised, raised again here."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child process
-        os.close(read_end)
-        try:
-            os.setgroups([])
-            os.setgid(user.gid)
-            os.setuid(user.uid)
-            for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
-                del os.environ[name]
-            outcome: tuple[str, Any] = ("returned", fn(*args))
-        except BaseException as exc:
-            outcome = ("raised", exc)
-        try:
-            payload = pickle.dumps(outcome)
-        except Exception as exc:
-            payload = pickle.dumps(("raised", RuntimeError(f"unpicklable outcome {outcome!r}: {exc}")))
-        with os.fdopen(write_end, "wb") as out:
-            out.write(payload)
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as from_child:
-        payload = from_child.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and payload, f"child as {user.name} died: {status}"
-    kind, value = pickle.loads(payload)
-    if kind == "raised":
-        raise value
-    return value
+    with made_users("victim", "attacker") as made:
+        yield made["victim"], made["attacker"]
 
 
 def _plant(path: str) -> None:

@@ -25,7 +25,7 @@ import pytest
 from service_helpers import clean_env, temporary_root
 from shmcache.service.fd_channel import FdChannel
 from shmcache.service.members import MemberPolicy
-from user_helpers import User, as_user, made_users
+from team_helpers import User, as_user, made_users
 
 from shmcache import InvalidSourceError, NotPermittedError, QuotaExceededError, Store
 from shmcache._disk.layout import SHM_DIR
