@@ -153,3 +153,24 @@ def test_a_budget_evicts_entries_of_a_directory_one_by_one(root: Path, tmp_path:
     assert 1 <= len(left) < len(keys) and set(left) <= set(keys)
     assert store.stats().used == sum(info.size for info in store.list())
     assert all(store.verify(key) for key in left)
+
+
+def test_a_manifest_entry_says_what_the_meta_json_of_a_single_put_says(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """The manifest's formatted objects hold every field, of the same types, that
+    ``meta.json`` holds for the same file put alone: readers cannot tell them apart."""
+    from shmcache._disk.meta import read_entry_meta
+
+    source = _sources(tmp_path / "src", files=2)
+    np.save(source / "f1.npy", np.ones((3, 2), dtype=">i2", order="F"))  # big-endian, Fortran order
+    store.put_file("alone", source / "f1.npy")
+    store.put_file("d", source)
+    single = read_entry_meta(store.layout, "alone", store.info("alone").version)
+    batched = read_entry_meta(store.layout, "d/f1", store.info("d/f1").version)
+    assert single is not None and batched is not None
+    varying = {"key", "version", "created"}
+    assert {k: v for k, v in batched.raw.items() if k not in varying} == {
+        k: v for k, v in single.raw.items() if k not in varying
+    }
+    assert batched.key == "d/f1" and batched.version == store.info("d/f1").version

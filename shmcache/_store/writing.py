@@ -237,8 +237,20 @@ def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: 
         f'{{"key":"{key}","dtype":{_dtype_json(header.dtype)},"shape":[{shape}],'
         f'"fortran_order":{"true" if header.fortran_order else "false"},'
         f'"nbytes":{header.nbytes},"size":{header.file_size},"checksum":"crc32:data={crc:08x}",'
-        f'"source":{json.dumps(source)},"source_fingerprint":{json.dumps(fingerprint)}}}\n'
+        f'"source":{_json_string(source)},"source_fingerprint":{{{_json_ints(fingerprint)}}}}}\n'
     ).encode()
+
+
+def _json_ints(numbers: Mapping[str, int]) -> str:
+    """The members of a JSON object of integers named by plain words (a fingerprint)."""
+    return ",".join([f'"{name}":{int(value)}' for name, value in numbers.items()])
+
+
+def _json_string(text: str) -> str:
+    """``json.dumps(text)``: quoted as it is when nothing in it needs escaping (a path)."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return json.dumps(text)
 
 
 def _dtype_json(dtype: np.dtype) -> str:
