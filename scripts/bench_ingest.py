@@ -587,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--array-bytes", type=int, help="bytes of the put_array and .npy rows")
     parser.add_argument("--dir-files", type=int, help="files of the directory row")
     parser.add_argument(
-        "--dir-file-bytes", type=int, help="bytes of each file of the directory row (issue 22: 100,000 x 1024)"
+        "--dir-file-bytes", type=int, help="bytes of each file of the directory row (issue 22: 1024)"
     )
     parser.add_argument("--only", help="comma-separated row function names (e.g. row_import)")
     parser.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON")
