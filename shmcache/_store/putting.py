@@ -6,7 +6,6 @@ publish. ``Store`` inherits these methods; the sources are checked and planned b
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -24,14 +23,13 @@ from .._disk.fs import descriptors_typed
 from .._disk.generations import bump_generations
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, Layout, prepare_root
-from .._disk.manifest import encode_manifest
 from .._disk.meta import EntryMeta, read_meta
 from .._disk.npy import check_storable_dtype
 from .._disk.trust import describe_uid
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
-from .._sources.files import Planned, copy_planned, plan_sources
+from .._sources.files import copy_planned, plan_sources
 from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
 from .._sources.tables import is_table_file, read_table_source
 from .._sources.tar_shards import ShardSource, plan_shards
@@ -42,13 +40,12 @@ from .records import EntryInfo, PlannedEntry, entry_info
 from .space import reserve
 from .writing import (
     ITEM_TYPES,
-    array_line,
-    batch_common,
     pack_blobs,
     publish,
     publish_batch,
     remove_versions,
     version_meta,
+    write_batch,
     write_container,
 )
 
@@ -304,7 +301,11 @@ class Putting:
             if progress is not None:
                 progress(0, total)
             if len(plan) > 1:  # a directory (or an archive): one batch version, one manifest
-                self._write_batch(writer, plan, pin, advance, overwrite)
+                batch = write_batch(writer, plan, pin, advance, copy_planned)
+                crash_point("batch-written")
+                versions = [(item.key, item.version) for item in plan]
+                timeout = self.lock_timeout
+                publish_batch(self.layout, writer, batch, versions, overwrite=overwrite, lock_timeout=timeout)
                 logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
                 return keys
             for item in plan:
@@ -333,38 +334,6 @@ class Putting:
             )
         logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
         return keys
-
-    def _write_batch(
-        self,
-        writer: VersionWriter,
-        plan: builtins.list[Planned],
-        pin: bool,
-        advance: Callable[[int], None],
-        overwrite: bool,
-    ) -> None:
-        """Write every planned entry into one batch version (entry n in ``<batch>/<n>/``, no
-        ``meta.json``), then its manifest, and publish it (``publish_batch``)."""
-        batch = writer.new_batch()
-        lines = []
-        for index, item in enumerate(plan):
-            version = item.version = writer.new_batch_entry(batch, index)
-            if item.container is not None:  # decoded when checked: HDF5 variable-length strings
-                meta = write_container(writer, item, pin, advance, copy_planned, with_meta_file=False)
-                meta.pop("version")
-                lines.append(json.dumps(meta).encode() + b"\n")
-                continue
-            target = writer.path(version, ARRAY_FILE)
-            dst = writer.create_file(version, ARRAY_FILE)
-            try:
-                crc = copy_planned(item, dst, target, advance)
-            finally:
-                os.close(dst)
-            lines.append(array_line(item.key, item.header, crc, item.source, item.fingerprint))
-        writer.write_manifest(batch, encode_manifest(batch_common(pin), lines))
-        crash_point("batch-written")
-        versions = [(item.key, item.version) for item in plan]
-        timeout = self.lock_timeout
-        publish_batch(self.layout, writer, batch, versions, overwrite=overwrite, lock_timeout=timeout)
 
     def _put_hf_folder(
         self,

@@ -18,7 +18,8 @@ from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations, mark_changing
-from .._disk.layout import MANIFEST_FILE, Layout
+from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, Layout
+from .._disk.manifest import encode_manifest
 from .._disk.meta import META_FORMAT
 from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
@@ -39,6 +40,7 @@ __all__ = [
     "publish_batch",
     "remove_versions",
     "version_meta",
+    "write_batch",
     "write_container",
 ]
 
@@ -139,6 +141,36 @@ def publish(
         if published:
             writer.remove_old_trees()
             remove_versions(layout, replaced)
+
+
+def write_batch(
+    writer: VersionWriter,
+    plan: Sequence[Planned],
+    pin: bool,
+    advance: Callable[[int], None],
+    copy: Callable[[Planned, int, Path, Callable[[int], None]], int],
+) -> str:
+    """Write every planned entry of a directory put into one new batch version (entry n in
+    ``<batch>/<n>/``, no ``meta.json``; ``item.version`` set), then its manifest; returns
+    the batch. ``copy`` copies a planned ``.npy`` (``_sources.files.copy_planned``)."""
+    batch = writer.new_batch()
+    lines = []
+    for index, item in enumerate(plan):
+        version = item.version = writer.new_batch_entry(batch, index)
+        if item.container is not None:  # decoded when checked: HDF5 variable-length strings
+            meta = write_container(writer, item, pin, advance, copy, with_meta_file=False)
+            meta.pop("version")
+            lines.append(json.dumps(meta).encode() + b"\n")
+            continue
+        target = writer.path(version, ARRAY_FILE)
+        dst = writer.create_file(version, ARRAY_FILE)
+        try:
+            crc = copy(item, dst, target, advance)
+        finally:
+            os.close(dst)
+        lines.append(array_line(item.key, item.header, crc, item.source, item.fingerprint))
+    writer.write_manifest(batch, encode_manifest(batch_common(pin), lines))
+    return batch
 
 
 def publish_batch(
