@@ -124,7 +124,9 @@ def test_a_batch_replaces_every_entry_and_removes_the_old_versions(
     keys = store.put_file("d", tmp_path / "a")
     assert store.put_file("d", tmp_path / "b", overwrite=True) == keys
     assert {int(store.open_array(key)[0]) for key in keys} == {2}
-    assert len(os.listdir(root / "objects")) == 50
+    (batch,) = os.listdir(root / "objects")  # issue 22: one version for the whole directory
+    assert sorted(os.listdir(root / "objects" / batch)) == sorted([*map(str, range(50)), "manifest"])
+    assert {store.info(key).version.partition("/")[0] for key in keys} == {batch}
     assert os.listdir(root / "tmp") == []
     assert all(store.verify(key) for key in keys)
 

@@ -91,13 +91,33 @@ def _whole_value(root: Path, allowed: set[int]) -> int:
     return value
 
 
+def _stored_versions(root: Path) -> set[str]:
+    """Every version ``objects/`` holds: a directory put's entries ``<batch>/<n>`` (issue
+    22: one version directory and one manifest per directory put), other versions by name."""
+    found = set()
+    for name in os.listdir(root / "objects"):
+        inside = os.listdir(root / "objects" / name)
+        if "manifest" in inside:
+            found |= {f"{name}/{entry}" for entry in inside if entry != "manifest"}
+        else:
+            found.add(name)
+    return found
+
+
+def _assert_no_orphan(root: Path, count: int) -> None:
+    """``objects/`` holds exactly the versions the links point at, ``count`` of them."""
+    linked = {info.version for info in Store(root).list()}
+    assert _stored_versions(root) == linked and len(linked) == count
+
+
 def _check_whole_then_clean(root: Path, allowed: set[int]) -> int:
     before = _whole_value(root, allowed)
     Store(root).cleanup()
     after = _whole_value(root, allowed)
     assert after == before, "cleanup changed what readers see"
     assert os.listdir(root / "tmp") == []  # nothing of the dead writer is left
-    assert len(os.listdir(root / "objects")) == FILES  # nor an unreferenced version
+    _assert_no_orphan(root, FILES)  # nor an unreferenced version
+    assert len(os.listdir(root / "objects")) == 1  # the one batch version of the directory
     return after
 
 
@@ -142,7 +162,13 @@ def _landed(
 
 @pytest.mark.parametrize(
     ("step", "expected"),
-    [("tree-first-link", "old"), ("tree-before-exchange", "old"), ("tree-after-exchange", "new")],
+    [
+        ("batch-written", "old"),  # its entries and manifest written in tmp/
+        ("batch-promoted", "old"),  # its batch renamed into objects/, no link to it yet
+        ("tree-first-link", "old"),
+        ("tree-before-exchange", "old"),
+        ("tree-after-exchange", "new"),
+    ],
 )
 def test_a_writer_killed_inside_the_swap_leaves_a_whole_directory(
     root: Path, tmp_path: Path, step: str, expected: str
@@ -227,7 +253,7 @@ def _flatten(root: Path) -> None:
         for path in list(directory.iterdir()):
             if path.is_symlink():
                 if directory != entries:
-                    version = os.readlink(path).rpartition("/")[2]
+                    version = os.readlink(path).partition("/objects/")[2]
                     os.symlink(f"../objects/{version}", entries / f"{prefix}{path.name}")
                     path.unlink()
             else:
@@ -238,9 +264,15 @@ def _flatten(root: Path) -> None:
     (root / "format").unlink()
 
 
+def _put_one_version_per_entry(store: Store, source: Path) -> None:
+    """A directory put as shmcache before issue 22 stored it: a version per entry."""
+    for path in sorted(source.iterdir()):
+        store.put_file(f"d/{path.stem}", path)
+
+
 def _old_root(root: Path, tmp_path: Path) -> None:
     store = Store(root)
-    store.put_file("d", _write_sources(tmp_path, 0, files=5))
+    _put_one_version_per_entry(store, _write_sources(tmp_path, 0, files=5))
     store.put_array("top", np.arange(2))
     store.put_array("a/b/c", np.arange(3))
     _flatten(root)
@@ -318,7 +350,7 @@ def test_a_daemon_killed_inside_a_directory_load_leaves_a_whole_directory(
     try:
         wait_for(lambda: os.listdir(root / "tmp") == [], timeout=WAIT_S, what="the start's cleanup")
         assert _whole_value(root, {0, 1}) == expected
-        assert len(os.listdir(root / "objects")) == FILES
+        _assert_no_orphan(root, FILES)
     finally:
         restarted.stop()
 
@@ -335,7 +367,7 @@ def _old_root_left_half_published(root: Path, tmp_path: Path) -> None:
     """What shmcache before the tree left when killed halfway through swapping the links of
     a directory one by one: 2 of 4 keys new, the others old, the rest staged in ``tmp/``."""
 
-    Store(root).put_file("d", _write_sources(tmp_path, 0, files=4))
+    _put_one_version_per_entry(Store(root), _write_sources(tmp_path, 0, files=4))
     _flatten(root)
     layout = Layout(root)
     writer = VersionWriter(layout)
@@ -366,7 +398,8 @@ def test_verify_names_a_directory_an_older_version_left_half_published(
     store.put_file("d", _write_sources(tmp_path, 2, files=4), overwrite=True)
     store.cleanup()
     assert all(store.verify(f"d/f{i:04d}") for i in range(4))
-    assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == 4
+    assert os.listdir(root / "tmp") == []
+    _assert_no_orphan(root, 4)
 
 
 def test_a_file_system_without_rename_exchange_fails_the_directory_put_and_changes_nothing(
@@ -388,7 +421,8 @@ def test_a_file_system_without_rename_exchange_fails_the_directory_put_and_chang
     with pytest.raises(CacheRootError, match=r"cannot exchange two directories atomically.*tmpfs"):
         store.put_file("d", _write_sources(tmp_path, 1, files=4), overwrite=True)
     assert [int(store.open_array(f"d/f{i:04d}")[0]) for i in range(4)] == [0] * 4
-    assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == 4
+    assert os.listdir(root / "tmp") == []
+    _assert_no_orphan(root, 4)
 
 
 def _publish_batch(root: Path, arrays: dict[str, int]) -> None:
@@ -411,7 +445,7 @@ def test_batches_under_a_new_nested_prefix_and_with_no_common_prefix(store: Stor
     assert values == {"a/b/c/one": 5, "a/b/c/two": 2, "keep": 7, "top": 3, "x/keep": 8, "x/y/z": 4}
     assert os.listdir(root / "tmp") == []
     store.cleanup()
-    assert len(os.listdir(root / "objects")) == 6
+    _assert_no_orphan(root, 6)
 
 
 DAEMON_KILLS = 8
@@ -465,4 +499,5 @@ def test_a_daemon_killed_anywhere_in_a_directory_load_leaves_a_whole_directory(
     finally:
         daemon.stop()
     assert outcomes["old"] and outcomes["new"], outcomes  # the kills did land on both sides
-    assert os.listdir(root / "tmp") == [] and len(os.listdir(root / "objects")) == FILES
+    assert os.listdir(root / "tmp") == []
+    _assert_no_orphan(root, FILES)

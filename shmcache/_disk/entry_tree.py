@@ -18,7 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from ..errors import CacheRootError
 from .fs import raise_if_full
@@ -73,17 +73,23 @@ def common_prefix(keys: Iterable[str]) -> str:
     return "/".join(common or [])
 
 
-def build_tree(layout: Layout, prefix: str, staging: str, links: Iterable[tuple[str, str]]) -> None:
+def build_tree(
+    layout: Layout, prefix: str, staging: str, links: Iterable[tuple[str, str]]
+) -> dict[str, str]:
     """Build in ``staging`` (under ``tmp/``) a complete copy of ``prefix``'s directory
-    with ``links`` (``(key, target)``, keys under ``prefix``) put in or replaced.
+    with ``links`` (``(key, target)``, keys under ``prefix``) put in or replaced; returns
+    key -> the version its live link pointed at, for the keys that had one (read from the
+    copied directory itself: no ``readlink`` per new key).
 
     Running out of inodes is a :class:`~shmcache.errors.CacheFullError`."""
     live = layout.prefix_dir(prefix)
     start = len(prefix) + 1 if prefix else 0
     links = [(key[start:], target) for key, target in links]
+    found: dict[str, str] = {}
     try:
         mode = layout.dir_mode
-        _copy_tree(live, staging, {entry_path(name) for name, _ in links}, mode)
+        paths = {entry_path(name): name for name, _ in links}
+        _copy_tree(live, staging, paths, mode, found)
         for count, (name, target) in enumerate(links, 1):
             relative = name.split("/")
             directory = staging
@@ -101,6 +107,8 @@ def build_tree(layout: Layout, prefix: str, staging: str, links: Iterable[tuple[
     except OSError as exc:
         raise_if_full(staging, exc)
         raise
+    head = f"{prefix}/" if prefix else ""
+    return {head + paths[path]: version_of_target(target) for path, target in found.items()}
 
 
 def install_tree(layout: Layout, prefix: str, staging: str) -> bool:
@@ -188,10 +196,17 @@ def _prune(directory: str, top: bool = False) -> int:
     return removed
 
 
-def _copy_tree(source: str, destination: str, replaced: set[str], mode: int, relative: str = "") -> None:
+def _copy_tree(
+    source: str,
+    destination: str,
+    replaced: Container[str],
+    mode: int,
+    found: dict[str, str],
+    relative: str = "",
+) -> None:
     """Copy a directory of entry links (and prefix directories) as it is, but for the links
-    at ``replaced`` (paths relative to ``source``): the links keep their targets, right at
-    the same depth."""
+    at ``replaced`` (paths relative to ``source``), whose targets go to ``found``: the
+    links keep their targets, right at the same depth."""
     _mkdir(destination, mode, exist_ok=False)
     try:
         scanned = os.scandir(source)
@@ -203,8 +218,10 @@ def _copy_tree(source: str, destination: str, replaced: set[str], mode: int, rel
             if item.is_symlink():  # the directory entry's type: no stat
                 if relative + item.name not in replaced:
                     os.symlink(os.readlink(item.path), path)
+                else:
+                    found[relative + item.name] = os.readlink(item.path)
             elif item.is_dir(follow_symlinks=False):
-                _copy_tree(item.path, path, replaced, mode, f"{relative}{item.name}/")
+                _copy_tree(item.path, path, replaced, mode, found, f"{relative}{item.name}/")
 
 
 def _mkdir(path: str, mode: int, exist_ok: bool = True) -> None:

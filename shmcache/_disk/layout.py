@@ -10,6 +10,8 @@ encoding of a cache root. Change the format here and nowhere else.
                                  which no key segment contains: keys ``a`` and ``a/b`` coexist;
                                  the target climbs one level per segment, so it resolves)
     <root>/objects/<version>/    <name>.npy files + meta.json, immutable once published
+    <root>/objects/<batch>/      a directory put's entries: <n>/ (entry n's .npy files; its
+                                 version is "<batch>/<n>") and one ``manifest`` (``manifest``)
     <root>/tmp/                  partial writes and the lock of each live writer
     <root>/locks/space.lock      the root's space-accounting lock (fcntl byte-range locks, all)
     <root>/locks/key-slots.NN.lock  a key's lock is one byte at a hash of the key in one of 32
@@ -67,6 +69,7 @@ __all__ = [
     "ENV_TOKEN",
     "GENERATION_BYTES",
     "GENERATION_SLOTS",
+    "MANIFEST_FILE",
     "META_FILE",
     "PID_NAME",
     "PRIVATE_MODES",
@@ -104,6 +107,8 @@ SOCKET_NAME = "daemon.sock"
 PID_NAME = "daemon.pid"
 BUDGET_NAME = "budget.json"
 META_FILE = "meta.json"
+MANIFEST_FILE = "manifest"
+"""What a directory put's batch version holds beside its entries' directories (``manifest``)."""
 ARRAY_FILE = "data.npy"
 """The one file of an array entry (containers have one ``<name>.npy`` per part)."""
 
@@ -115,7 +120,7 @@ DIR_MARK = _SEPARATOR_ON_DISK
 _PREFIX_SEPARATOR = DIR_MARK + "/"
 _IN_OBJECTS = "/objects/"
 """What a link's target holds before the version: everything after it is the version
-(one name today; issue 22's entries inside a directory put's version may be ``<v>/<name>``)."""
+(one name, or ``<batch>/<n>`` for an entry inside a directory put's batch version)."""
 ENTRY_FORMAT = "2"
 """What ``<root>/format`` holds once the root's entries are a tree (see above)."""
 

@@ -1,4 +1,5 @@
-"""``meta.json``: the metadata file beside each version's ``.npy`` files."""
+"""``meta.json``: the metadata file beside each version's ``.npy`` files; for an entry of a
+directory put (version ``<batch>/<n>``), its object in the batch's ``manifest``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import CorruptEntryError
-from .layout import META_FILE, Layout
+from .layout import MANIFEST_FILE, META_FILE, Layout
+from .manifest import read_manifest_entry
 
 __all__ = ["META_FORMAT", "EntryMeta", "damaged", "read_entry_meta", "read_meta"]
 
@@ -139,8 +141,13 @@ _DEFAULTS = {f.name: f.default for f in fields(EntryMeta) if f.name != "raw"}
 def read_meta(layout: Layout, version: str) -> EntryMeta | None:
     """The metadata of a published version, or None if it is gone (or unreadable)."""
     try:
-        with open(layout.object_file(version, META_FILE), "rb") as fp:
-            meta = json.load(fp)
+        if "/" in version:  # an entry of a directory put: its object in the batch's manifest
+            meta = read_manifest_entry(str(layout.root), version)
+            if meta is None or not os.path.isdir(layout.version_dir(version)):
+                return None  # evicted (its directory goes, the manifest stays while others live)
+        else:
+            with open(layout.object_file(version, META_FILE), "rb") as fp:
+                meta = json.load(fp)
         return EntryMeta.from_json(meta) if isinstance(meta, dict) else None
     except (FileNotFoundError, NotADirectoryError, ValueError):  # JSON and UTF-8 errors are ValueErrors
         return None
@@ -160,6 +167,8 @@ def read_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta | None:
     link still points there and the version or its ``meta.json`` is missing, not a JSON object, or records
     another key (a link pointed at another entry's data). Metadata without a key (older
     entries) is taken as the key's."""
+    if "/" in version:
+        return _read_batch_entry_meta(layout, key, version)
     try:
         with open(layout.object_file(version, META_FILE), "rb") as fp:
             raw = fp.read()
@@ -185,6 +194,38 @@ def read_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta | None:
         entry = EntryMeta.from_json(meta)
     except ValueError as exc:
         raise damaged(key, f"its {META_FILE} {exc}") from None
+    if entry.key is not None and entry.key != key:
+        raise damaged(key, f"its link points at the data of entry {entry.key!r}")
+    return entry
+
+
+def _read_batch_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta | None:
+    """:func:`read_entry_meta` of an entry inside a directory put's version (``manifest``)."""
+    batch = version.partition("/")[0]
+    try:
+        meta = read_manifest_entry(str(layout.root), version)
+    except ValueError as exc:
+        if layout.entry_version(key) != version:
+            return None
+        raise damaged(key, f"its {MANIFEST_FILE} in {layout.version_dir(batch)} is damaged ({exc})") from None
+    if meta is None or not os.path.isdir(layout.version_dir(version)):
+        if layout.entry_version(key) != version:
+            return None  # evicted or replaced: both move the link before removing files
+        if meta is None:
+            raise damaged(
+                key,
+                f"the {MANIFEST_FILE} of its directory put is missing from {layout.version_dir(batch)} "
+                "(`shmcache cleanup` removes entries whose data vanished)",
+            )
+        raise damaged(
+            key,
+            f"its data {layout.version_dir(version)} vanished "
+            "(`shmcache cleanup` removes entries whose data vanished)",
+        )
+    try:
+        entry = EntryMeta.from_json(meta)
+    except ValueError as exc:
+        raise damaged(key, f"its object in the {MANIFEST_FILE} {exc}") from None
     if entry.key is not None and entry.key != key:
         raise damaged(key, f"its link points at the data of entry {entry.key!r}")
     return entry

@@ -54,7 +54,8 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
             where = line.find(prefix)
             if where < 0:
                 continue
-            version = line[where + len(prefix) :].split("/", 1)[0]
+            # all but the file name: "<version>" or a directory put's "<batch>/<n>"
+            version = line[where + len(prefix) :].rpartition("/")[0]
             pids_by_version[version].add(pid)
             if line.endswith(_DELETED):
                 fields = line.split(maxsplit=5)

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,7 +26,7 @@ import numpy as np
 from .checksum import crc32
 from .entry_tree import build_tree, install_tree, make_prefix_dirs
 from .fs import full_is_cache_full, raise_if_full, remove_tree, write_all
-from .layout import META_FILE, Layout
+from .layout import MANIFEST_FILE, META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
 
 __all__ = ["STAGING_SUFFIX", "VersionWriter", "write_npy", "writer_of"]
@@ -92,6 +92,32 @@ class VersionWriter:
         self._pending[version] = None
         return version
 
+    def new_batch(self) -> str:
+        """Create ``tmp/<batch>/``, the one version directory of a directory put, and return
+        its name; its entries are made with :meth:`new_batch_entry` (see ``manifest``)."""
+        return self.new_version()
+
+    def new_batch_entry(self, batch: str, index: int) -> str:
+        """Create entry ``index``'s directory in ``tmp/<batch>/``; returns its version
+        ``<batch>/<index>`` (files are created in it as in any version)."""
+        version = f"{batch}/{index}"
+        path = f"{self._tmp}/{version}"
+        try:
+            os.mkdir(path, self._dir_mode)
+        except OSError as exc:
+            raise_if_full(path, exc)
+            raise
+        return version
+
+    def write_manifest(self, batch: str, pieces: Iterable[bytes]) -> None:
+        """Write ``tmp/<batch>/manifest`` (``manifest.encode_manifest``'s pieces)."""
+        path = f"{self._tmp}/{batch}/{MANIFEST_FILE}"
+        fd = self.create_file(batch, MANIFEST_FILE)
+        try:
+            write_all(fd, b"".join(pieces), path)
+        finally:
+            os.close(fd)
+
     def path(self, version: str, filename: str) -> Path:
         return Path(f"{self._tmp}/{version}/{filename}")
 
@@ -154,17 +180,26 @@ class VersionWriter:
             os.replace(staged, link)
         self.mark_published(version)
 
-    def swap_tree(self, prefix: str, versions: Sequence[tuple[str, str]]) -> None:
+    def swap_tree(
+        self,
+        prefix: str,
+        versions: Sequence[tuple[str, str]],
+        check: Callable[[dict[str, str]], None] | None = None,
+    ) -> dict[str, str]:
         """Make every ``(key, version)`` under ``prefix`` current at one instant: copy the
         prefix's directory into ``tmp/`` with the new links, exchange it with the live one
-        (``entry_tree``), then remove the old copy. The caller holds the publish lock
+        (``entry_tree``), then remove the old copy. Returns key -> the version each new
+        link replaced (keys that had an entry). ``check(replaced)`` runs before the
+        exchange; what it raises publishes nothing. The caller holds the publish lock
         exclusive until this returns; a crash leaves the old tree or the new one whole, and
         the copy in ``tmp/`` for ``cleanup``."""
         self._count += 1
         staging = f"{self._tmp}/{self.writer_id}.{self._count}.tree"
         links = ((key, self.layout.link_target(version, key)) for key, version in versions)
         try:
-            build_tree(self.layout, prefix, staging, links)
+            replaced = build_tree(self.layout, prefix, staging, links)
+            if check is not None:
+                check(replaced)
             install_tree(self.layout, prefix, staging)
         except BaseException:
             remove_tree(Path(staging))
@@ -172,6 +207,7 @@ class VersionWriter:
         for _, version in versions:
             self.mark_published(version)
         self._old_trees.append(staging)
+        return replaced
 
     def remove_old_trees(self) -> None:
         """Remove the trees that ``swap_tree`` swapped out (outside the publish lock:
@@ -181,8 +217,9 @@ class VersionWriter:
             remove_tree(Path(self._old_trees.pop()))
 
     def mark_published(self, version: str) -> None:
-        """The version is referenced by an entry link now: no longer ours to discard."""
-        del self._pending[version]
+        """The version is referenced by an entry link now: no longer ours to discard (an
+        entry ``<batch>/<n>``: its whole batch)."""
+        self._pending.pop(version.partition("/")[0], None)
 
     def discard(self, version: str) -> None:
         """Remove a version of this writer, wherever it is."""

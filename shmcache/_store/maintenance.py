@@ -16,7 +16,7 @@ from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
 from .._disk.generations import bump_all_generations
-from .._disk.layout import META_FILE, Layout
+from .._disk.layout import MANIFEST_FILE, META_FILE, Layout
 from .._disk.meta import EntryMeta, damaged, read_entry_meta
 from .._disk.npy import NpyHeader, header_length, parse_header_bytes
 from .._disk.shapes import checked_shape
@@ -25,6 +25,7 @@ from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
 from .catalog import referenced_versions
 from .locks import publish_lock
 from .reading import Reader
+from .writing import remove_versions
 
 __all__ = ["linked_keys", "refuse_half_published", "remove_dead_writers_leftovers", "verify_entry"]
 
@@ -71,9 +72,11 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
     ]
     # Read the links only now: a dead writer can no longer link anything.
     linked = referenced_versions(layout)
+    batches = {version.partition("/")[0] for version in linked if "/" in version}
     for version in dead_unreferenced:
-        if version not in linked:
+        if version not in linked and version not in batches:  # a batch: while any leaf points in
             freed += remove_tree(layout.version_dir(version))
+    freed += _remove_unlinked_batch_entries(layout)
     for version, key in linked.items():  # links whose version directory was removed by hand
         if not layout.version_dir(version).is_dir():
             with suppress(KeyNotFoundError, OSError):
@@ -84,6 +87,45 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
     if freed:
         logger.info("cleanup freed %d bytes in %s", freed, layout.root)
     return freed
+
+
+def _remove_unlinked_batch_entries(layout: Layout) -> int:
+    """Remove the entries of directory puts' batches that no link points at (an evict or a
+    replace killed between moving the link and removing the entry), and batches left
+    with their manifest alone; returns the bytes freed. The links are read under the
+    publish lock exclusive: no directory put or evict moves one during the walk, and a
+    batch still being published has no link yet, so none of its entries is taken."""
+    orphans: list[str] = []
+    with publish_lock(layout, shared=False):
+        linked = referenced_versions(layout)
+        batches = {version.partition("/")[0] for version in linked if "/" in version}
+        for batch in batches:
+            with suppress(OSError):
+                names = os.listdir(layout.version_dir(batch))
+                entries = (f"{batch}/{name}" for name in names if name != MANIFEST_FILE)
+                orphans += [version for version in entries if version not in linked]
+        alone = [
+            name
+            for name in os.listdir(layout.objects)
+            if name not in linked and name not in batches and _holds_manifest_alone(layout, name)
+        ]
+    freed = remove_versions(layout, orphans)
+    for batch in alone:  # no entry left, no link into it: not a batch being published
+        freed += remove_tree(layout.version_dir(batch))
+    if orphans or alone:
+        logger.info(
+            "cleanup removed %d unlinked entries of directory puts, %d empty batches",
+            len(orphans),
+            len(alone),
+        )
+    return freed
+
+
+def _holds_manifest_alone(layout: Layout, name: str) -> bool:
+    try:
+        return os.listdir(layout.version_dir(name)) == [MANIFEST_FILE]
+    except OSError:
+        return False
 
 
 def linked_keys(layout: Layout) -> list[str]:

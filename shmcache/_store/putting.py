@@ -18,7 +18,8 @@ import numpy as np
 from .._containers.encode import encode_mapping, encode_ragged, encode_records, encode_strings
 from .._containers.table_arrow import encode_table
 from .._disk.dtypes import storable
-from .._disk.fs import descriptors_typed, remove_tree
+from .._disk.entry_tree import common_prefix, crash_point
+from .._disk.fs import descriptors_typed
 from .._disk.generations import bump_generations
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE, Layout, prepare_root
@@ -37,13 +38,23 @@ from .locks import STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, entry_info
 from .space import reserve
-from .writing import ITEM_TYPES, pack_blobs, publish, version_meta, write_container
+from .writing import (
+    ITEM_TYPES,
+    pack_blobs,
+    publish,
+    publish_batch,
+    remove_versions,
+    version_meta,
+    write_batch,
+    write_container,
+)
 
 __all__ = ["Putting"]
 
 logger = logging.getLogger("shmcache._store.store")
 
 _PAGE = 4096  # reserved per file beyond its bytes: headers, meta.json, directory blocks
+_FEW_KEYS = 8  # more keys are checked against one walk of their prefix directory
 
 
 class Putting:
@@ -289,6 +300,14 @@ class Putting:
             self._reserve(writer, total + _PAGE * len(plan), keys if overwrite else ())
             if progress is not None:
                 progress(0, total)
+            if len(plan) > 1:  # a directory (or an archive): one batch version, one manifest
+                batch = write_batch(writer, plan, pin, advance, copy_planned)
+                crash_point("batch-written")
+                versions = [(item.key, item.version) for item in plan]
+                timeout = self.lock_timeout
+                publish_batch(self.layout, writer, batch, versions, overwrite=overwrite, lock_timeout=timeout)
+                logger.info("put %s from %s (%d entries, %d bytes)", key, path, len(plan), total)
+                return keys
             for item in plan:
                 item.version = writer.new_version()
                 if item.container is not None:  # decoded when checked: HDF5 variable-length strings
@@ -439,6 +458,11 @@ class Putting:
     def _refuse_existing(self, keys: builtins.list[str], overwrite: bool) -> None:
         if overwrite:
             return
+        if len(keys) > _FEW_KEYS:  # one walk of their common prefix, not 1-3 readlinks per key
+            prefix = common_prefix(keys)
+            start = len(prefix) + 1 if prefix else 0
+            present = self.layout.links_under(prefix)
+            keys = [key for key in keys if key[start:] in present]
         for key in keys:  # valid already: validated once, by the caller or the planner
             if self.layout.has_entry(key):
                 raise KeyExistsError(
@@ -506,11 +530,12 @@ class Putting:
                 if found is None or found[1] != version:
                     return None
                 os.unlink(found[0])
+            crash_point("evict-unlinked")
             bump_generations(self.layout, [key])
             meta = read_meta(self.layout, version)
             if meta is not None and meta.key not in (None, key):
                 return 0  # a damaged link to another entry's data: that data stays
-            freed = remove_tree(self.layout.version_dir(version))
+            freed = remove_versions(self.layout, [version])  # a batch's entry: its directory
             release_version(self.root, key, version)  # this process lets go at once
             return freed
         finally:

@@ -3,10 +3,11 @@ the headers already in hand (never re-read), and published under each key's lock
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,11 @@ import numpy as np
 
 from .._disk.checksum import format_checksums
 from .._disk.dtypes import dtype_name
-from .._disk.entry_tree import common_prefix, migrate_flat_links
+from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations, mark_changing
-from .._disk.layout import Layout
+from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, Layout
+from .._disk.manifest import encode_manifest
 from .._disk.meta import META_FORMAT
 from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
@@ -28,7 +30,19 @@ from ..errors import KeyExistsError
 from .locks import key_locks, publish_lock
 from .ownership import current_owner
 
-__all__ = ["ITEM_TYPES", "ensure_tree_format", "pack_blobs", "publish", "version_meta", "write_container"]
+__all__ = [
+    "ITEM_TYPES",
+    "array_line",
+    "batch_common",
+    "ensure_tree_format",
+    "pack_blobs",
+    "publish",
+    "publish_batch",
+    "remove_versions",
+    "version_meta",
+    "write_batch",
+    "write_container",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +140,162 @@ def publish(
             bump_generations(layout, keys)
         if published:
             writer.remove_old_trees()
-            for old in replaced:
-                remove_tree(layout.version_dir(old))
+            remove_versions(layout, replaced)
 
+
+def write_batch(
+    writer: VersionWriter,
+    plan: Sequence[Planned],
+    pin: bool,
+    advance: Callable[[int], None],
+    copy: Callable[[Planned, int, Path, Callable[[int], None]], int],
+) -> str:
+    """Write every planned entry of a directory put into one new batch version (entry n in
+    ``<batch>/<n>/``, no ``meta.json``; ``item.version`` set), then its manifest; returns
+    the batch. ``copy`` copies a planned ``.npy`` (``_sources.files.copy_planned``)."""
+    batch = writer.new_batch()
+    lines = []
+    for index, item in enumerate(plan):
+        version = item.version = writer.new_batch_entry(batch, index)
+        if item.container is not None:  # decoded when checked: HDF5 variable-length strings
+            meta = write_container(writer, item, pin, advance, copy, with_meta_file=False)
+            meta.pop("version")
+            lines.append(json.dumps(meta).encode() + b"\n")
+            continue
+        target = writer.path(version, ARRAY_FILE)
+        dst = writer.create_file(version, ARRAY_FILE)
+        try:
+            crc = copy(item, dst, target, advance)
+        finally:
+            os.close(dst)
+        lines.append(array_line(item.key, item.header, crc, item.source, item.fingerprint))
+    writer.write_manifest(batch, encode_manifest(batch_common(pin), lines))
+    return batch
+
+
+def publish_batch(
+    layout: Layout,
+    writer: VersionWriter,
+    batch: str,
+    versions: Sequence[tuple[str, str]],
+    *,
+    overwrite: bool,
+    lock_timeout: float | None,
+) -> None:
+    """Publish a directory put written as one batch version (``tmp/<batch>/``, entries
+    ``<batch>/<n>`` and their ``manifest``), all or none: under the locks of all its keys,
+    one rename moves the batch into ``objects/``; then under the publish lock exclusive
+    the keys' slots are marked changing, a copy of their common prefix directory is built
+    with the new links (what each key held is read from that copy: a key that has an
+    entry refuses the put unless ``overwrite``), and exchanged with the live one. Then the
+    generations are settled once and the replaced versions removed."""
+    keys = [key for key, _ in versions]
+    published = changing = False
+    replaced: dict[str, str] = {}
+
+    def refuse(found: dict[str, str]) -> None:
+        if found and not overwrite:
+            raise KeyExistsError(f"entry {min(found)!r} was published by another process meanwhile")
+
+    ensure_tree_format(layout)
+    try:
+        with key_locks(layout, keys, lock_timeout):
+            writer.promote(batch)
+            crash_point("batch-promoted")
+            with publish_lock(layout, shared=False):
+                mark_changing(layout, keys)
+                changing = True
+                replaced = writer.swap_tree(common_prefix(keys), versions, refuse)
+            published = True
+    finally:
+        if published or changing:
+            bump_generations(layout, keys)
+        if published:
+            writer.remove_old_trees()
+            remove_versions(layout, replaced.values())
+
+
+def remove_versions(layout: Layout, versions: Iterable[str]) -> int:
+    """Remove published versions no link points at any more; returns the bytes freed
+    (processes that map their files keep reading them). An entry of a directory put
+    (``<batch>/<n>``) is its own directory; the batch and its manifest go with the last
+    of its entries (a directory's link count tells, without listing the batch)."""
+    freed = 0
+    batches: set[str] = set()
+    for version in versions:
+        freed += remove_tree(layout.version_dir(version))
+        batch, slash, _ = version.partition("/")
+        if slash:
+            batches.add(batch)
+    for batch in batches:
+        freed += _remove_batch_if_empty(layout, batch)
+    return freed
+
+
+def _remove_batch_if_empty(layout: Layout, batch: str) -> int:
+    """Remove ``objects/<batch>`` if no entry directory is left in it. Two evicters of its
+    last entries both see it empty, or the later one does: it never stays behind (on a file
+    system whose directories count no links, ``cleanup`` removes it)."""
+    path = layout.version_dir(batch)
+    try:
+        if os.stat(path).st_nlink != 2:  # 2 + one per subdirectory (tmpfs, ext4, xfs)
+            return 0
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return 0
+    if any(name != MANIFEST_FILE for name in names):
+        return 0
+    return remove_tree(path)
+
+
+def batch_common(pin: bool) -> dict[str, Any]:
+    """What every array entry of a directory put shares: its manifest's common object."""
+    return {
+        "format": META_FORMAT,
+        "kind": "array",
+        "files": ["data"],
+        "created": time.time(),
+        "pinned": pin,
+        "owner_uid": current_owner(),
+    }
+
+
+def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: Mapping[str, int]) -> bytes:
+    """The manifest object of an array entry copied from a ``.npy`` (what its ``meta.json``
+    would hold beyond :func:`batch_common`), encoded with a newline: formatted directly
+    (``json.dumps`` of a dict costs several times more, per file of a batch)."""
+    shape = ",".join(map(str, header.shape))
+    return (
+        f'{{"key":"{key}","dtype":{_dtype_json(header.dtype)},"shape":[{shape}],'
+        f'"fortran_order":{"true" if header.fortran_order else "false"},'
+        f'"nbytes":{header.nbytes},"size":{header.file_size},"checksum":"crc32:data={crc:08x}",'
+        f'"source":{_json_string(source)},"source_fingerprint":{{{_json_ints(fingerprint)}}}}}\n'
+    ).encode()
+
+
+def _json_ints(numbers: Mapping[str, int]) -> str:
+    """The members of a JSON object of integers named by plain words (a fingerprint)."""
+    return ",".join([f'"{name}":{int(value)}' for name, value in numbers.items()])
+
+
+def _json_string(text: str) -> str:
+    """``json.dumps(text)``: quoted as it is when nothing in it needs escaping (a path)."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return json.dumps(text)
+
+
+def _dtype_json(dtype: np.dtype) -> str:
+    """The JSON string of :func:`_dtype_name` (keys are plain: ``keys`` allows no quote)."""
+    name = _DTYPE_JSON.get(dtype)
+    if name is None:
+        name = _DTYPE_JSON[dtype] = json.dumps(_dtype_name(dtype))
+        if len(_DTYPE_JSON) > 1024:
+            _DTYPE_JSON.clear()
+    return name
+
+
+_DTYPE_JSON: dict[np.dtype, str] = {}
 
 _TREE_ROOTS: set[str] = set()
 """Roots this process has seen in the tree format (checked once per root)."""
@@ -154,10 +321,14 @@ def write_container(
     pin: bool,
     advance: Callable[[int], None],
     copy: Callable[[Planned, int, Path, Callable[[int], None]], int] | None = None,
-) -> None:
-    """Write ``item.container``'s files and ``meta.json`` into ``item.version``. Its arrays
-    were decoded from the checked file; the file must still be that file, unchanged. Its
-    ``copied`` files are written by ``copy`` (``_sources.files.copy_planned``)."""
+    *,
+    with_meta_file: bool = True,
+) -> dict[str, Any]:
+    """Write ``item.container``'s files and ``meta.json`` into ``item.version``; returns
+    the metadata (``with_meta_file=False``: not written, an entry of a directory put's batch
+    is described by its manifest). Its arrays were decoded from the checked file; the file
+    must still be that file, unchanged. Its ``copied`` files are written by ``copy``
+    (``_sources.files.copy_planned``)."""
     assert item.container is not None
     src = reopen(item.file)
     try:
@@ -182,7 +353,9 @@ def write_container(
     meta.setdefault("dtype", ITEM_TYPES.get(kind))
     meta["source"] = item.source
     meta["source_fingerprint"] = item.fingerprint
-    writer.write_meta(item.version, meta)
+    if with_meta_file:
+        writer.write_meta(item.version, meta)
+    return meta
 
 
 def pack_blobs(
