@@ -24,7 +24,6 @@ directory and inflation; unpack them into ``.npy`` objects (or download and put 
 
 from __future__ import annotations
 
-import base64
 import io
 import os
 import posixpath
@@ -32,13 +31,11 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from .._disk.fs import full_is_cache_full
 from .._disk.keys import validate_key
-from .._disk.layout import ARRAY_FILE
 from .._disk.npy import NpyHeader, check_written_header, header_length, read_source_header
 from .._disk.writer import VersionWriter
 from ..errors import (
@@ -48,7 +45,11 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
+from .remote_pairs import megatron_pair, pair_item
 from .remote_parts import ByteBudget, TrailingHash, pwrite_all
+from .remote_plan import RemoteItem, RemotePlan
+from .remote_plan import object_identity as _identity
+from .remote_plan import object_md5 as _md5_of
 from .urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 
 __all__ = [
@@ -80,79 +81,6 @@ REMOTE_SUFFIXES = (".h5", ".hdf5", ".npy", ".npz", ".pt", ".pth", ".safetensors"
 """Object suffixes a remote put takes as arrays (a prefix collects these; ``.npy`` objects are
 fetched whole, the others planned by ``remote_files``)."""
 _HEAD = 4096  # the first read of every object: a numpy header is almost always shorter
-
-
-@dataclass
-class RemoteItem:
-    """One object a remote put will publish as one array entry."""
-
-    key: str
-    path: str
-    """The object's path in its filesystem (never shown: may carry a query)."""
-    url: str
-    """The redacted URL: what messages and ``meta.json`` name."""
-    size: int
-    identity: str
-    """What tells this content from another (ETag, MD5, else modification time)."""
-    md5: str | None
-    header: NpyHeader | None = None
-    """Validated header: read by the plan (``plan_file``), else from the first part fetched."""
-    version: str = ""
-    crc: int = 0
-    ready: threading.Event = field(default_factory=threading.Event, repr=False)
-    prefix: bytes | None = None
-    """A byte range of the object rather than a ``.npy`` object: this built ``.npy`` header
-    (``header``'s, known from the object's index when planned) is written first, then the
-    header's ``nbytes`` from ``offset`` of the object (see ``remote_files``)."""
-    offset: int = 0
-    member: str | None = None
-    """The tensor or archive member the range holds (named in ``source``)."""
-    suffix: str = ".npy"
-    """The object's suffix (lower case), which says how it is read."""
-    decoder: Callable[[], Iterator[bytes]] | None = None
-    """For a range whose bytes must be decoded (a compressed ``.npz`` member): the whole
-    ``.npy``, in order, in chunks (``prefix`` is empty then, and ``offset`` unused)."""
-
-    @property
-    def file_bytes(self) -> int:
-        """Bytes of the entry's data file: the object's (a ``.npy``: its tail cut later), or
-        the built header's and the range's."""
-        return self.size if self.prefix is None else self.checked_header.file_size
-
-    @property
-    def source(self) -> str:
-        """What ``meta.json`` records: the redacted URL, ``[member]`` after it for a range."""
-        return self.url if self.member is None else f"{self.url}[{self.member}]"
-
-    @property
-    def checked_header(self) -> NpyHeader:
-        assert self.header is not None, "the object's header was not validated"
-        return self.header
-
-
-@dataclass
-class RemotePlan:
-    """Every object of a remote source; ``fs`` is the fsspec filesystem."""
-
-    fs: Any
-    url: str
-    path: str
-    directory: bool
-    items: list[RemoteItem]
-    secrets: list[str]
-
-    @property
-    def is_table(self) -> bool:
-        """Whether the objects are table files (one object, or a prefix of them without
-        arrays): one table entry, read by ``remote_files.read_remote_table``."""
-        from .._containers.table_arrow import TABLE_SUFFIXES
-
-        return all(item.suffix in TABLE_SUFFIXES for item in self.items)
-
-    @property
-    def object_bytes(self) -> int:
-        """Bytes of the entries' data files (at most: a ``.npy`` object may have a tail)."""
-        return sum(item.file_bytes for item in self.items)
 
 
 def list_remote(
@@ -190,9 +118,16 @@ def _objects(
         if directory:  # a prefix: one listing (no lookup of the prefix itself)
             listing = _list_objects(fs, path)
         if not listing:  # an object, or a prefix without a "/", or nothing (FileNotFoundError)
-            info = fs.info(path)
+            try:
+                info = fs.info(path)
+            except FileNotFoundError:  # a Megatron pair named by its prefix, as Megatron does
+                if dtype is None and (pair := megatron_pair(fs, path, shown, None)) is not None:
+                    return fs, shown, path, False, [pair_item(key, pair)], secrets
+                raise
             directory = info.get("type") == "directory"
             listing = _list_objects(fs, path) if directory else {path: info}
+            if not directory and (pair := megatron_pair(fs, path, shown, info)) is not None:
+                return fs, shown, path, False, [pair_item(key, pair)], secrets
     if dtype is not None and directory:
         raise InvalidSourceError(
             f"dtype= takes one raw token file (e.g. nanoGPT's train.bin); {shown} is a prefix: "
@@ -250,8 +185,11 @@ def fetch_remote(
     hashers: list[TrailingHash] = []
     for item in plan.items:
         item.version = writer.new_version()
-        target = writer.path(item.version, ARRAY_FILE)
-        fd = writer.create_file(item.version, ARRAY_FILE)
+        for name, array in item.files.items():  # from the index (a ragged entry's offsets)
+            crc, written = writer.write_array(item.version, f"{name}.npy", array)
+            item.written[name] = (written, crc)
+        target = writer.path(item.version, item.file_name)
+        fd = writer.create_file(item.version, item.file_name)
         try:
             if item.file_bytes:
                 with full_is_cache_full(target):  # a full tmpfs is an error now, never mid-fetch
@@ -334,6 +272,7 @@ def fetch_remote(
         check_written_header(hasher.path, item.checked_header, item.url)
     # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
     # other objects are looked up again.
+    unproven += [item.companion for item in plan.items if item.companion is not None]
     if unproven:
         check_objects_unchanged(plan, unproven)
 
@@ -508,32 +447,6 @@ def _items(
     return items
 
 
-def _identity(info: Mapping[str, Any]) -> str:
-    # blob_id: the Hugging Face Hub's git blob hash (hf://), which changes with the content
-    names: tuple[str, ...] = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "blob_id")
-    names += ("LastModified", "mtime", "last_modified")
-    for field_name in names:
-        value = info.get(field_name)
-        if value:
-            return f"{field_name}={value}"
-    return ""
-
-
-def _md5_of(info: Mapping[str, Any]) -> str | None:
-    """The object's MD5 when the store gives it: an S3 ETag of a single-part upload, or
-    GCS's ``md5Hash`` (multipart ETags and others are not MD5s of the content)."""
-    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
-    if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag):
-        return etag
-    md5 = info.get("md5Hash")
-    if isinstance(md5, str):
-        try:
-            return base64.b64decode(md5).hex()
-        except ValueError:
-            return None
-    return None
-
-
 def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
     with remote_errors(item.url, secrets):
         head = fs.cat_file(item.path, start=0, end=min(item.size, _HEAD))
@@ -557,8 +470,8 @@ def check_objects_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
         plan.fs.invalidate_cache()
         if plan.directory:
             now = _list_objects(plan.fs, plan.path)
-        else:
-            now = {plan.items[0].path: plan.fs.info(plan.path)}
+        else:  # one object, or a pair (a Megatron .bin and .idx)
+            now = {path: plan.fs.info(path) for path in dict.fromkeys(item.path for item in items)}
     for item in items:
         info = now.get(item.path)
         if info is None or info.get("size") != item.size or _identity(info) != item.identity:

@@ -154,7 +154,11 @@ class _ObjectFile(io.RawIOBase):
 
 def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None) -> list[RemoteItem]:
     """The entries one listed object becomes, from its index alone (``obj.key`` is valid):
-    a raw token file with ``dtype``, else by its suffix."""
+    a Megatron pair's ragged entry, a raw token file with ``dtype``, else by its suffix."""
+    if obj.companion is not None:
+        from .remote_pairs import plan_pair
+
+        return plan_pair(fs, obj, secrets, dtype)
     if dtype is not None:
         token = token_dtype(dtype)
         if obj.size % token.itemsize:

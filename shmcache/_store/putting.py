@@ -403,8 +403,8 @@ class Putting:
                 progress(0, total)
             fetch_remote(plan, writer, advance, part_size)
             for item in plan.items:
-                header = {"data": item.checked_header}
-                meta = version_meta(item.key, "array", item.version, header, {"data": item.crc}, pin)
+                headers, crcs = item.entry_files()  # data.npy; a Megatron pair's values and offsets
+                meta = version_meta(item.key, item.kind, item.version, headers, crcs, pin) | item.extra
                 meta["source"] = item.source  # redacted: no user information, no query
                 meta["source_fingerprint"] = {"size": item.size}
                 meta["source_identity"] = item.identity
