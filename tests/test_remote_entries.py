@@ -7,6 +7,7 @@ damaged input gives the local path's typed error and publishes nothing."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,13 @@ from token_datasets import write_megatron
 
 import shmcache
 from shmcache._disk.layout import Layout
-from shmcache.errors import CorruptSourceError, SourceNotFoundError, UnsupportedDataError
+from shmcache.errors import (
+    CorruptSourceError,
+    InvalidSourceError,
+    ShmCacheError,
+    SourceNotFoundError,
+    UnsupportedDataError,
+)
 
 _DOCUMENTS = [[[1, 2, 3], [4]], [[5, 6]], [[7], [8, 9, 10], [11]]]
 
@@ -140,3 +147,130 @@ def test_an_index_without_its_bin_or_a_bin_changed_meanwhile_publishes_nothing(
         store.put_file("m", f"s3://{bucket}/m.bin", storage_options=s3.options(), dtype="uint32")
     assert store.put_file("m", f"s3://{bucket}/m.bin", storage_options=s3.options(), dtype="uint16") == ["m"]
     assert len(store.open_ragged("m")) == len(_DOCUMENTS)
+
+
+# ---------------------------------------------------------------------- prefixes of other files: blobs
+
+
+def _folder(top: Path) -> list[Path]:
+    files = {"a.jpg": b"\xff\xd8" + bytes(range(256)) * 40, "b.txt": b"hello", "sub/c.json": b"{}",
+             "sub/empty": b"", "z/big.bin": bytes(range(256)) * (1 << 14)}  # fmt: skip
+    for name, body in files.items():
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_bytes(body)
+    return [top / name for name in files]
+
+
+def test_a_prefix_of_other_files_is_the_blobs_entry_of_the_local_folder(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    for path in _folder(tmp_path / "imgs"):
+        key = path.relative_to(tmp_path).as_posix()
+        s3.boto().put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+    url = f"s3://{bucket}/imgs/"
+    [planned] = store.plan_file("r", url, storage_options=s3.options())
+    assert planned.key == "r" and planned.source == url
+    assert store.put_file("r", url, storage_options=s3.options()) == ["r"]
+    store.put_file("l", tmp_path / "imgs")
+    _same_as_local(store, root, "r", "l")
+    assert bytes(store.open_blobs("r")["sub/c.json"]) == b"{}" and store.info("r").source == url
+    s3.boto().put_object(Bucket=bucket, Key="imgs/w.npy", Body=b"not an array")  # now it holds an array
+    assert store.put_file("ab", url, storage_options=s3.options(), as_="blobs") == ["ab"]
+    assert sorted(store.open_blobs("ab").names) == sorted([*store.open_blobs("l").names, "w.npy"])  # type: ignore[attr-defined]
+    assert store.put_file("one", f"s3://{bucket}/imgs/b.txt", storage_options=s3.options(), as_="blobs")
+    store.put_file("one-l", tmp_path / "imgs" / "b.txt", as_="blobs")
+    _same_as_local(store, root, "one", "one-l")
+    with pytest.raises(ValueError, match="as_ must be one of"):
+        store.put_file("x", url, storage_options=s3.options(), as_="nope")
+
+
+# ---------------------------------------------------------------------- tar shards
+
+
+def test_tar_shards_at_a_url_are_the_blobs_entry_of_the_local_shards(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    from test_tar_shards import LONG, make_shards, write_shard
+
+    everything = make_shards(tmp_path / "sh", count=3, per=5)
+    write_shard(tmp_path / "sh" / "shard-003.tar", {LONG: b"long name", "big.bin": os.urandom(9 << 20)})
+    _upload(s3, bucket, "sh/", sorted((tmp_path / "sh").iterdir()))
+    for i, given in enumerate(("shard-{000..003}.tar", "shard-00*.tar")):
+        url = f"s3://{bucket}/sh/{given}"
+        [planned] = store.plan_file(f"r{i}", url, storage_options=s3.options())
+        assert planned.key == f"r{i}" and planned.size > sum(len(b) for b in everything.values())
+        assert store.put_file(f"r{i}", url, storage_options=s3.options()) == [f"r{i}"]
+    store.put_file("l", str(tmp_path / "sh" / "shard-{000..003}.tar"))
+    _same_as_local(store, root, "r0", "l")
+    _same_as_local(store, root, "r1", "l")
+    blobs = store.open_blobs("r0")
+    assert bytes(blobs[LONG]) == b"long name" and bytes(blobs["000007.jpg"]) == everything["000007.jpg"]
+    assert store.put_file("one", f"s3://{bucket}/sh/shard-001.tar", storage_options=s3.options())
+    store.put_file("one-l", tmp_path / "sh" / "shard-001.tar")
+    _same_as_local(store, root, "one", "one-l")
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncated", "twice", "link", "dotdot", "gzip", "missing", "no end block", "list"]
+)
+def test_a_damaged_shard_at_a_url_gives_the_local_error(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str, tmp_path: Path, damage: str
+) -> None:
+    import gzip
+    import tarfile
+
+    from test_tar_shards import _info, write_shard
+
+    good = write_shard(tmp_path / "a.tar", {"x.jpg": b"x" * 3000})
+    bad = tmp_path / ("b.tar.gz" if damage == "gzip" else "b.tar")
+    if damage == "truncated":
+        bad.write_bytes(write_shard(bad, {"y.jpg": os.urandom(5000)}).read_bytes()[:2048])
+    elif damage == "twice":
+        write_shard(bad, {"x.jpg": b"again"})
+    elif damage == "link":
+        with tarfile.open(bad, "w") as tar:
+            tar.addfile(_info("l.jpg", 0, tarfile.SYMTYPE, "/etc/passwd"))
+    elif damage == "dotdot":
+        write_shard(bad, {"../evil": b"e"})
+    elif damage == "gzip":
+        bad.write_bytes(gzip.compress(good.read_bytes()))
+    elif damage == "no end block":
+        bad.write_bytes(write_shard(bad, {"y.jpg": b"y" * 512}).read_bytes()[:1024])
+    elif damage == "list":
+        write_shard(bad, {"y.jpg": b"y"})
+    _upload(s3, bucket, "", [good] + ([] if damage == "missing" else [bad]))
+    url = f"s3://{bucket}/{{a,b}}.tar" if damage != "gzip" else f"s3://{bucket}/b.tar.gz"
+    if damage == "list":
+        with pytest.raises(InvalidSourceError, match="one brace pattern"):
+            store.put_file("s", [f"s3://{bucket}/{n}.tar" for n in "ab"], storage_options=s3.options())
+        return
+    local_source = str(bad if damage == "gzip" else tmp_path / "{a,b}.tar")
+    with pytest.raises(ShmCacheError) as local:
+        store.put_file("s", local_source)
+    for call in (store.plan_file, store.put_file):
+        with pytest.raises(type(local.value)) as remote:
+            call("s", url, storage_options=s3.options())
+        if damage != "missing":  # the same words; only where it is differs (a path, a URL)
+            assert str(local.value).replace(f"{tmp_path}/", f"s3://{bucket}/") == str(remote.value)
+    assert store.list() == [] and not _staging(root)
+
+
+def test_a_shard_changed_during_the_load_publishes_nothing(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    from test_tar_shards import write_shard
+
+    shard = write_shard(tmp_path / "c.tar", {f"{i}.bin": os.urandom(100_000) for i in range(100)})
+    _upload(s3, bucket, "", [shard])
+    changed: list[bool] = []
+
+    def rewrite_once(done: int, _total: int) -> None:
+        if done and not changed:
+            body = bytearray(shard.read_bytes())
+            body[600:700] = bytes(100)  # the same size: only the ETag tells
+            s3.boto().put_object(Bucket=bucket, Key="c.tar", Body=bytes(body))
+            changed.append(True)
+
+    with pytest.raises(CorruptSourceError, match="its size or ETag is not what it was"):
+        store.put_file("c", f"s3://{bucket}/c.tar", storage_options=s3.options(), progress=rewrite_once)
+    assert changed and store.list() == [] and not _staging(root)

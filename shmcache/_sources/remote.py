@@ -50,6 +50,7 @@ from .remote_parts import ByteBudget, TrailingHash, pwrite_all
 from .remote_plan import RemoteItem, RemotePlan
 from .remote_plan import object_identity as _identity
 from .remote_plan import object_md5 as _md5_of
+from .tar_shards import expand_braces, is_shard_source
 from .urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 
 __all__ = [
@@ -84,12 +85,13 @@ _HEAD = 4096  # the first read of every object: a numpy header is almost always 
 
 
 def list_remote(
-    key: str, url: str, storage_options: Mapping[str, Any] | None = None, dtype: Any = None
+    key: str, url: str, storage_options: Mapping[str, Any] | None = None, dtype: Any = None, as_: str = "auto"
 ) -> RemotePlan:
     """The objects under ``url`` a put takes, from one listing: one item per object (``key``,
-    or ``key/<relative name without suffix>`` under a prefix), nothing read from them yet
-    (``remote_files.plan_remote`` reads their headers and indexes)."""
-    fs, shown, path, directory, objects, secrets = _objects(key, url, storage_options, dtype)
+    or ``key/<relative name without suffix>`` under a prefix; of kind ``blob`` or ``shard``
+    for a blobs entry), nothing read from them yet (``remote_files.plan_remote`` reads their
+    headers and indexes)."""
+    fs, shown, path, directory, objects, secrets = _objects(key, url, storage_options, dtype, as_)
     return RemotePlan(fs, shown, path, directory, objects, secrets)
 
 
@@ -104,7 +106,7 @@ def read_npy_headers(plan: RemotePlan, workers: int = DEFAULT_WORKERS) -> None:
 
 
 def _objects(
-    key: str, url: str, storage_options: Mapping[str, Any] | None, dtype: Any = None
+    key: str, url: str, storage_options: Mapping[str, Any] | None, dtype: Any = None, as_: str = "auto"
 ) -> tuple[Any, str, str, bool, list[RemoteItem], list[str]]:
     """The filesystem, the redacted URL, the path, whether it is a prefix, and one item per
     object it takes (``key`` or ``key/<relative name without suffix>``), from one listing."""
@@ -113,6 +115,8 @@ def _objects(
     fs, path = _filesystem(url, storage_options, secrets)
     with remote_errors(shown, secrets):
         fs.invalidate_cache()  # a listing cached by an earlier load would hide changes
+        if dtype is None and as_ == "auto" and is_shard_source(urlsplit(url).path):
+            return fs, shown, path, False, _shard_objects(fs, key, path, shown), secrets
         listing = {}
         directory = urlsplit(url).path.endswith("/")
         if directory:  # a prefix: one listing (no lookup of the prefix itself)
@@ -133,7 +137,34 @@ def _objects(
             f"dtype= takes one raw token file (e.g. nanoGPT's train.bin); {shown} is a prefix: "
             "put each token file with its own key"
         )
-    return fs, shown, path, directory, _items(key, shown, path, directory, listing, dtype), secrets
+    return fs, shown, path, directory, _items(key, shown, path, directory, listing, dtype, as_), secrets
+
+
+def _shard_objects(fs: Any, key: str, path: str, shown: str) -> list[RemoteItem]:
+    """The ``.tar`` objects a shard URL names: one, or a brace pattern's names in order, each
+    glob's matches sorted (``tar_shards.shard_paths``' rules); a name that matches nothing is
+    an error. Items of kind ``shard`` (``remote_blobs`` reads their member headers)."""
+    literal = [i for i in (path.find(c) for c in "{*?[") if i >= 0]
+    cut = min(literal, default=len(path))
+    shown_cut = len(shown) - (len(path) - cut)  # the same literal text ends both
+    found: dict[str, dict[str, Any]] = {}
+    for name in expand_braces(path):
+        if any(c in name for c in "*?["):
+            matches = fs.glob(name, detail=True)
+            if not matches:
+                raise SourceNotFoundError(f"no tar shard matches {shown[:shown_cut]}{name[cut:]}")
+            found |= {k: matches[k] for k in sorted(matches)}
+        else:
+            found[name] = fs.info(name)
+    items = []
+    for name, info in found.items():
+        url = shown[:shown_cut] + name[cut:] if name.startswith(path[:cut]) else f"{shown[:shown_cut]}{name}"
+        size = info.get("size")
+        if not isinstance(size, int) or size < 0 or info.get("type", "file") != "file":
+            raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
+        md5 = _md5_of(info)
+        items.append(RemoteItem(key, name, url, size, _identity(info), md5, kind="shard", suffix=".tar"))
+    return items
 
 
 def remote_suffix(name: str) -> str:
@@ -398,13 +429,20 @@ def _list_objects(fs: Any, path: str) -> dict[str, dict[str, Any]]:
 
 
 def _items(
-    key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]], dtype: Any = None
+    key: str,
+    shown: str,
+    path: str,
+    directory: bool,
+    listing: dict[str, dict[str, Any]],
+    dtype: Any = None,
+    as_: str = "auto",
 ) -> list[RemoteItem]:
     from .._containers.table_arrow import TABLE_SUFFIXES
 
     base = path.rstrip("/")
     items: list[RemoteItem] = []
     tables: list[RemoteItem] = []  # a prefix's table objects: one table, if it holds no arrays
+    others: list[RemoteItem] = []  # its other objects: blobs, if it holds no arrays or tables
     seen: dict[str, str] = {}
     for name in sorted(listing):
         info = listing[name]
@@ -414,6 +452,12 @@ def _items(
         else:  # the suffix of the URL's path (an HTTP path may end with a query)
             relative, url = urlsplit(shown).path, shown
         suffix = remote_suffix(relative)
+        size = info.get("size")
+        other = directory and suffix not in REMOTE_SUFFIXES + TABLE_SUFFIXES
+        if dtype is None and (as_ == "blobs" or other) and isinstance(size, int) and size >= 0:
+            member = relative if directory else posixpath.basename(relative)  # the blob's name
+            others.append(RemoteItem(key, name, url, size, _identity(info), None, member=member, kind="blob"))
+            continue
         if directory and dtype is None and suffix in TABLE_SUFFIXES:
             size = info.get("size")
             if isinstance(size, int) and size >= 0:
@@ -440,8 +484,12 @@ def _items(
         if not isinstance(size, int) or size < 0:
             raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
         items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info), suffix=suffix))
+    if as_ == "blobs" and others:
+        return others
     if not items and tables:  # a prefix of table files (a Hub dataset's Parquet shards): one table
         return tables
+    if not items and others and as_ == "auto":  # a prefix of other files (images, texts): blobs
+        return others
     if not items:
         raise InvalidSourceError(f"{shown} holds no {', '.join(REMOTE_SUFFIXES)} or table objects")
     return items

@@ -73,13 +73,19 @@ def plan_remote(
     read_headers: bool = True,
     workers: int = DEFAULT_WORKERS,
     dtype: Any = None,
+    as_: str = "auto",
 ) -> RemotePlan:
     """List the objects under ``url`` (``key`` is valid already) and read the index of every
     object that is not a ``.npy`` (with ``dtype``: one raw token file), each in a thread.
     With ``read_headers``, also read and validate every ``.npy`` header now (a dry run);
     without, ``fetch_remote`` validates each from the object's first part before writing a
     byte of it: one request fewer per object."""
-    plan = list_remote(key, url, storage_options, dtype)
+    plan = list_remote(key, url, storage_options, dtype, as_)
+    if plan.items[0].kind in ("blob", "shard"):  # one blobs entry: a prefix of other files, tar shards
+        from .remote_blobs import plan_remote_blobs
+
+        plan.blobs = plan_remote_blobs(plan, f"blobs for key {key!r}")
+        return plan
     if plan.is_table:
         _check_tables(plan)
         return plan

@@ -268,7 +268,7 @@ class Putting:
         path = source.location
         if source.kind == "remote":
             return self._put_remote(
-                key, str(path), overwrite, pin, progress, storage_options, part_size, dtype
+                key, str(path), overwrite, pin, progress, storage_options, part_size, dtype, as_
             )
         if source.kind == "hf":
             return self._put_hf_folder(key, Path(path), builtins.list(allowed_dirs), overwrite, pin, progress)
@@ -381,6 +381,7 @@ class Putting:
         storage_options: Mapping[str, Any] | None,
         part_size: int | None,
         dtype: Any = None,
+        as_: str = "auto",
     ) -> list[str]:
         """``put_file`` of a URL: every object planned and validated (a table object read),
         then streamed in."""
@@ -388,7 +389,10 @@ class Putting:
         from .._sources.remote_files import plan_remote, read_remote_table
 
         # .npy headers are validated as fetched; other formats' indexes are read now
-        plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype)
+        plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype, as_=as_)
+        if plan.blobs is not None:  # a prefix of other files, or tar shards: one blobs entry
+            self._refuse_existing([key], overwrite)
+            return [self._put_blob_sources(key, plan.blobs, overwrite, pin, progress).key]
         if plan.is_table:
             self._refuse_existing([key], overwrite)
             files, meta = read_remote_table(plan)
