@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("s3fs")
@@ -274,3 +275,59 @@ def test_a_shard_changed_during_the_load_publishes_nothing(
     with pytest.raises(CorruptSourceError, match="its size or ETag is not what it was"):
         store.put_file("c", f"s3://{bucket}/c.tar", storage_options=s3.options(), progress=rewrite_once)
     assert changed and store.list() == [] and not _staging(root)
+
+
+# ---------------------------------------------------------------------- strided torch views, HDF5 strings
+
+
+def test_strided_torch_views_are_the_local_put_s_arrays(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    """A non-contiguous view (a transpose, every other row) and several tensors over one
+    storage: gathered from ranged reads as the local path gathers them from ``pread``."""
+    torch = pytest.importorskip("torch")
+    base = torch.arange(40_000, dtype=torch.float32).reshape(200, 200)
+    state = {
+        "t": base.t(),
+        "rows": base[::2],
+        "shared": base[10:20],
+        "bf16": torch.arange(600, dtype=torch.bfloat16).reshape(20, 30).t(),
+        "plain": torch.ones(7),
+    }
+    path = tmp_path / "s.pt"
+    torch.save(state, path)
+    _upload(s3, bucket, "", [path])
+    keys = sorted(store.put_file("r", f"s3://{bucket}/s.pt", storage_options=s3.options(), part_size=4096))
+    assert keys == sorted(f"r/{name}" for name in state)
+    store.put_file("l", path)
+    for name in state:
+        _same_as_local(store, root, f"r/{name}", f"l/{name}")
+    from shmcache.torch import as_tensor
+
+    assert torch.equal(as_tensor(store.open_array("r/t")), base.t().contiguous())
+    assert torch.equal(as_tensor(store.open_array("r/bf16")), state["bf16"].contiguous())
+
+
+def test_hdf5_string_datasets_are_the_local_put_s_strings(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "s.h5"
+    names = [f"name {i} é" for i in range(1000)] + [""]
+    with h5py.File(path, "w") as h5:
+        h5.create_dataset("names", data=names, dtype=h5py.string_dtype())
+        h5.create_dataset("ids", data=np.arange(5))
+        h5.create_dataset("grid", data=[["a", "b"], ["c", "d"]], dtype=h5py.string_dtype())
+    _upload(s3, bucket, "", [path])
+    url = f"s3://{bucket}/s.h5"
+    with pytest.raises(UnsupportedDataError, match=r"s.h5\[grid\] is a 2-d dataset of variable-length"):
+        store.put_file("r", url, storage_options=s3.options())
+    assert store.list() == [] and not _staging(root)
+    with h5py.File(path, "a") as h5:
+        del h5["grid"]
+    _upload(s3, bucket, "", [path])
+    assert sorted(store.put_file("r", url, storage_options=s3.options())) == ["r/ids", "r/names"]
+    store.put_file("l", path)
+    _same_as_local(store, root, "r/names", "l/names")
+    _same_as_local(store, root, "r/ids", "l/ids")
+    assert list(store.open_strings("r/names")) == names

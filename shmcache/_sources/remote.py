@@ -381,7 +381,9 @@ def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, start
     _write_part(item, hasher, data, start, end)
 
 
-def _write_part(item: RemoteItem, hasher: TrailingHash, data: bytes, start: int, end: int) -> None:
+def _write_part(
+    item: RemoteItem, hasher: TrailingHash, data: bytes | memoryview, start: int, end: int
+) -> None:
     if len(data) < end - start:
         raise CorruptSourceError(
             f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "

@@ -51,7 +51,7 @@ class RemoteItem:
     """The tensor or archive member the range holds (named in ``source``)."""
     suffix: str = ".npy"
     """The object's suffix (lower case), which says how it is read."""
-    decoder: Callable[[], Iterator[bytes]] | None = None
+    decoder: Callable[[], Iterator[bytes | memoryview]] | None = None
     """For a range whose bytes must be decoded (a compressed ``.npz`` member): the whole
     ``.npy``, in order, in chunks (``prefix`` is empty then, and ``offset`` unused)."""
     kind: str = "array"
