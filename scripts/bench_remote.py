@@ -232,7 +232,7 @@ def bench_case(case: Case, endpoint: str, scratch: Path, repeats: int) -> dict[s
         methods.append("Store.put_file, one part")
     times = {m: Samples() for m in methods}
     peaks = {m: 0 for m in methods}
-    for method in alternated(methods, repeats):
+    for method in (m for repeat in range(repeats) for m in alternated(methods, repeat)):
         target = scratch / ("get" if method == "s3fs.get" else "cache")
         target.mkdir()
         seconds, peak = load_measured(method, case, target, endpoint)

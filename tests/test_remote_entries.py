@@ -331,3 +331,24 @@ def test_hdf5_string_datasets_are_the_local_put_s_strings(
     _same_as_local(store, root, "r/names", "l/names")
     _same_as_local(store, root, "r/ids", "l/ids")
     assert list(store.open_strings("r/names")) == names
+
+
+# ---------------------------------------------------------------------- requests
+
+
+def test_the_tensors_of_a_checkpoint_are_read_in_parts_of_the_object_not_one_request_each(
+    store: shmcache.Store, s3: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    """Neighbouring byte ranges of one object are read together: 200 small tensors cost a
+    ranged GET per part of the object (and the index's), not one each."""
+    from safetensors.numpy import save_file
+
+    tensors = {f"t{i:03d}": np.full(100 + i, i, np.float32) for i in range(200)}
+    path = tmp_path / "many.safetensors"
+    save_file(tensors, str(path))
+    _upload(s3, bucket, "", [path])
+    keys = store.put_file("m", f"s3://{bucket}/many.safetensors", storage_options=s3.options())
+    assert len(keys) == 200 and all(store.verify(key) for key in keys)
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(store.open_array(f"m/{name}"), array)
+    assert len(s3.requests("GET", f"/{bucket}/many.safetensors")) <= 3  # the header, then one part

@@ -46,7 +46,7 @@ from ..errors import (
     SourceNotFoundError,
 )
 from .remote_pairs import megatron_pair, pair_item
-from .remote_parts import ByteBudget, TrailingHash, pwrite_all
+from .remote_parts import ByteBudget, TrailingHash, object_spans, pwrite_all
 from .remote_plan import RemoteItem, RemotePlan
 from .remote_plan import object_identity as _identity
 from .remote_plan import object_md5 as _md5_of
@@ -231,27 +231,40 @@ def fetch_remote(
         if item.prefix is not None:  # a range: its header is known from the object's index
             hashers[-1].size = item.file_bytes
             item.ready.set()
+    by_object: dict[str, list[RemoteItem]] = {}  # byte ranges: read per object, not per item
+    for item, hasher in zip(plan.items, hashers, strict=True):
+        item.hasher = hasher
+        if item.prefix is not None and item.decoder is None:
+            _write_part(item, hasher, item.prefix, 0, len(item.prefix))  # the built header
+            progressed(len(item.prefix))
+            by_object.setdefault(item.path, []).append(item)
+    spans = [
+        span
+        for items in by_object.values()
+        for span in object_spans(items, lambda size: part_size or auto_part_size(size, workers))
+    ]
     tasks = [
         (item, hasher, start, min(start + part, item.file_bytes))
         for item, hasher in zip(plan.items, hashers, strict=True)
         for part in [part_size or auto_part_size(item.file_bytes, workers)]
         for start in range(0, max(item.file_bytes, 1), part)
-        if item.decoder is None or start == 0  # a decoder writes the whole file from one task
-    ]
+        if (item.decoder is None or start == 0) and (item.prefix is None or item.decoder is not None)
+    ]  # a decoder writes the whole file from one task
     tasks = [
         (item, hasher, start, item.file_bytes if item.decoder is not None else end)
         for item, hasher, start, end in tasks
     ]
 
+    def fetch_span(start: int, end: int, items: list[RemoteItem]) -> None:
+        if not stop.is_set():
+            with budget.holding(end - start):
+                progressed(_fetch_span(plan, items, start, end))
+
     def fetch(item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
         if item.decoder is not None:
             _fetch_decoded(plan, item, hasher, budget, stop, progressed)
             return
-        if item.prefix is not None:
-            if not stop.is_set():
-                with budget.holding(end - start):
-                    _fetch_range(plan, item, hasher, start, end)
-        elif start == 0:
+        if start == 0:
             try:
                 if stop.is_set():
                     return
@@ -274,8 +287,10 @@ def fetch_remote(
                     del data
         progressed(end - start)
 
-    with ThreadPoolExecutor(max(1, min(workers, len(tasks))), thread_name_prefix="shmcache-fetch") as pool:
+    threads = max(1, min(workers, len(tasks) + len(spans)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="shmcache-fetch") as pool:
         futures: list[Future[None]] = [pool.submit(fetch, *task) for task in tasks]
+        futures += [pool.submit(fetch_span, *span) for span in spans]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f for f in futures if f.done() and f.exception() is not None), None)
@@ -362,23 +377,25 @@ def _fetch_decoded(
         )
 
 
-def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
-    """Bytes ``start:end`` of a range item's data file: its built header's, then the object's
-    from ``item.offset`` on (one ranged read)."""
-    assert item.prefix is not None
-    built = len(item.prefix)
-    data = item.prefix[start:end]
-    if end > built:
-        low, high = item.offset + max(start, built) - built, item.offset + end - built
-        with remote_errors(item.url, plan.secrets):
-            fetched = plan.fs.cat_file(item.path, start=low, end=high)
-        if len(fetched) != high - low:
-            raise CorruptSourceError(
-                f"{item.source}: bytes {low}-{high} of the object came back as {len(fetched)} (it was "
-                "truncated or changed while loading); nothing was published, load it again"
-            )
-        data = data + fetched if data else fetched
-    _write_part(item, hasher, data, start, end)
+def _fetch_span(plan: RemotePlan, items: list[RemoteItem], start: int, end: int) -> int:
+    """Bytes ``start:end`` of one object (one ranged read), written into every range item
+    they overlap, after its built header; returns the bytes written."""
+    obj = items[0]
+    with remote_errors(obj.url, plan.secrets):
+        data = plan.fs.cat_file(obj.path, start=start, end=end)
+    if len(data) != end - start:
+        raise CorruptSourceError(
+            f"{obj.url}: bytes {start}-{end} of the object came back as {len(data)} (it was "
+            "truncated or changed while loading); nothing was published, load it again"
+        )
+    view, written = memoryview(data), 0
+    for item in items:
+        assert item.prefix is not None and item.hasher is not None
+        low, high = max(start, item.offset), min(end, item.offset + item.range_bytes)
+        at = len(item.prefix) + low - item.offset
+        _write_part(item, item.hasher, view[low - start : high - start], at, at + high - low)
+        written += high - low
+    return written
 
 
 def _write_part(

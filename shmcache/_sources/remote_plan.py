@@ -65,6 +65,8 @@ class RemoteItem:
     companion: RemoteItem | None = None
     """Another object the entry is planned from (a Megatron ``.bin``'s ``.idx``): read when
     planned, looked up again before anything is published."""
+    hasher: Any = field(default=None, repr=False)
+    """The ``TrailingHash`` of the data file while it is fetched (``remote.fetch_remote``)."""
     written: dict[str, tuple[NpyHeader, int]] = field(default_factory=dict)
     """Header and CRC-32 of each of ``files`` once written (``fetch_remote``)."""
 
@@ -73,6 +75,11 @@ class RemoteItem:
         """Bytes of the entry's data file: the object's (a ``.npy``: its tail cut later), or
         the built header's and the range's."""
         return self.size if self.prefix is None else self.checked_header.file_size
+
+    @property
+    def range_bytes(self) -> int:
+        """Bytes of the object a range item copies (after its built header, if any)."""
+        return self.file_bytes - len(self.prefix or b"")
 
     @property
     def source(self) -> str:
