@@ -164,7 +164,8 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
     if obj.companion is not None:
         from .remote_pairs import plan_pair
 
-        return plan_pair(fs, obj, secrets, dtype)
+        with remote_errors(obj.companion.url, secrets):
+            return plan_pair(fs, obj, dtype)
     if dtype is not None:
         token = token_dtype(dtype)
         if obj.size % token.itemsize:

@@ -68,15 +68,13 @@ def pair_item(key: str, pair: Pair) -> RemoteItem:
     return items[0]
 
 
-def plan_pair(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None) -> list[RemoteItem]:
+def plan_pair(fs: Any, obj: RemoteItem, dtype: Any = None) -> list[RemoteItem]:
     """Read and check ``obj.companion`` (the index) and make ``obj`` (the ``.bin``) the ragged
-    entry's ``values``: a built header, then the whole object."""
-    from .remote import remote_errors
-
+    entry's ``values``: a built header, then the whole object. (The caller turns a backend's
+    errors into typed ones: ``remote.remote_errors``.)"""
     index = obj.companion
     assert index is not None
-    with remote_errors(index.url, secrets):
-        parsed = read_megatron_index(_reader(fs, index), index.size, index.url)
+    parsed = read_megatron_index(_reader(fs, index), index.size, index.url)
     tokens, offsets, extra = megatron_documents(parsed, dtype, obj.size, obj.url, index.url)
     obj.prefix = build_header(parsed[3], (tokens,), False)
     obj.header = NpyHeader(parsed[3], (tokens,), False, len(obj.prefix))
