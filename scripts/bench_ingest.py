@@ -48,20 +48,17 @@ from _benchlib import (
     GiB,
     MiB,
     Samples,
-    Target,
     alternated,
     environment,
     fmt_bytes,
     fmt_seconds,
     make_annotations,
     make_blob_tree,
-    markdown_table,
-    print_targets,
     scratch_base,
     scratch_dir,
     write_random_npy,
-    write_report,
 )
+from _benchrows import Row, report_rows
 
 import shmcache
 
@@ -114,52 +111,6 @@ class Context:
         """A name never used before in this run (a key, or a path under ``shm``)."""
         self._count += 1
         return f"{stem}{self._count}"
-
-
-@dataclass
-class Row:
-    """One line of the table: a method against its baseline, and the target it is held to."""
-
-    name: str
-    method: str
-    baseline: str
-    method_s: Samples
-    baseline_s: Samples
-    target: str
-    goal: float | None
-    """For a speed row the least ratio (baseline time / method time); for a time row the
-    most milliseconds; None: shown for information."""
-    kind: str = "speed"  # or "ms", "slowdown" (method time / baseline time), "bytes" (method / baseline size)
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def measured(self) -> float:
-        if self.kind == "speed":
-            return self.baseline_s.median / self.method_s.median
-        if self.kind in ("slowdown", "bytes"):
-            return self.method_s.median / self.baseline_s.median
-        return self.method_s.median * 1e3
-
-    @property
-    def measured_text(self) -> str:
-        if self.kind == "speed":
-            return f"{self.measured:.2f}x"
-        if self.kind == "slowdown":
-            return f"{self.measured:.2f}x its time"
-        if self.kind == "bytes":
-            return f"{self.measured:.2f}x its size"
-        return f"{self.measured:.1f} ms"
-
-    @property
-    def ok(self) -> bool | None:
-        if self.goal is None:
-            return None
-        return self.measured >= self.goal if self.kind == "speed" else self.measured <= self.goal
-
-    def shown(self, seconds_or_bytes: float) -> str:
-        """A measurement of this row as the table shows it."""
-        return fmt_bytes(seconds_or_bytes) if self.kind == "bytes" else fmt_seconds(seconds_or_bytes)
 
 
 def timed_pair(
@@ -626,56 +577,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     env = environment()
-    print(
+    report_rows(
+        rows,
         f"# bench_ingest ({'quick' if args.quick else 'full'}): {env['cpu']}, {env['cpus']} CPUs, "
-        f"python {env['python']}, numpy {env['numpy']}; {config.repeats} repeats, order alternated\n"
-    )
-    table = [
-        [
-            r.name,
-            r.baseline,
-            r.shown(r.baseline_s.median),
-            r.method,
-            r.shown(r.method_s.median),
-            r.measured_text,
-            r.target,
-            {True: "✓", False: "✗", None: ""}[r.ok],
-            r.note,
-        ]
-        for r in rows
-    ]
-    print(
-        markdown_table(
-            ["row", "baseline", "baseline time", "method", "method time", "measured", "target", "ok", "note"],
-            table,
-            "llrlrrll",
-        )
-    )
-    print()
-    targets = [Target(r.target, r.name, r.measured, r.measured_text, r.ok, r.note) for r in rows]
-    print_targets([t for t in targets if t.ok is not None])
-    results = {
-        r.name: {
-            "method": r.method,
-            "baseline": r.baseline,
-            "method_s": r.method_s.summary(),
-            "baseline_s": r.baseline_s.summary(),
-            "kind": r.kind,
-            "measured": r.measured,
-            "target": r.target,
-            "ok": r.ok,
-            "note": r.note,
-            **r.extra,
-        }
-        for r in rows
-    }
-    write_report(
+        f"python {env['python']}, numpy {env['numpy']}; {config.repeats} repeats, order alternated",
         args.json,
         "bench_ingest",
         quick=args.quick,
         config=asdict(config),
-        results=results,
-        targets=targets,
         elapsed_s=elapsed,
     )
     return 0

@@ -42,22 +42,32 @@ from _benchlib import (
     GiB,
     MiB,
     Samples,
-    Target,
     environment,
     fmt_bytes,
-    markdown_table,
-    print_targets,
-    write_report,
 )
-from bench_ingest import FULL, QUICK, Context, Row, _clear, context, timed_pair
+from _benchrows import PEAK_RSS_LINE, Row, report_rows, run_child
+from bench_ingest import FULL, QUICK, Context, _clear, context, timed_pair
 
-_PEAK_RSS = """
-import resource, sys, time
+_PEAK_RSS = (
+    """
+import json, sys
 import shmcache
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-shmcache.Store(sys.argv[1]).put_file("peak", sys.argv[2], overwrite=True)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+store = shmcache.Store(sys.argv[1])
 """
+    + PEAK_RSS_LINE.replace("peak =", "before =")
+    + """
+store.put_file("peak", sys.argv[2], overwrite=True)
+"""
+    + PEAK_RSS_LINE
+    + """
+print(json.dumps({"growth": peak - before}))
+"""
+)
+
+
+def _peak_growth(ctx: Context, source: str) -> int:
+    """Peak RSS growth (bytes) of a fresh process doing only ``put_file(source)``."""
+    return int(run_child(_PEAK_RSS, str(ctx.store.root), source, what=f"put_file of {source}")["growth"])
 
 
 def _write_bf16_checkpoint(path: Path, nbytes: int) -> None:
@@ -94,14 +104,8 @@ def row_bf16_safetensors(ctx: Context) -> Row | None:
         lambda: ctx.store.put_file(ctx.fresh("w"), source),
         after=lambda: _clear(ctx),
     )
-    peak = subprocess.run(
-        [sys.executable, "-c", _PEAK_RSS, str(ctx.store.root), str(source)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
     size = source.stat().st_size
-    growth = int(peak.stdout)
+    growth = _peak_growth(ctx, str(source))
     return Row(
         f"put_file of a {fmt_bytes(size)} bfloat16 .safetensors",
         "Store.put_file",
@@ -218,13 +222,7 @@ def row_tar_shards(ctx: Context) -> Row:
     base, meth = timed_pair(
         ctx, untar, lambda: ctx.store.put_file(ctx.fresh("s"), pattern), after=lambda: _clear(ctx)
     )
-    peak = subprocess.run(
-        [sys.executable, "-c", _PEAK_RSS, str(ctx.store.root), pattern],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    size, growth = sum(s.stat().st_size for s in shards), int(peak.stdout)
+    size, growth = sum(s.stat().st_size for s in shards), _peak_growth(ctx, pattern)
     return Row(
         f"put_file of {len(shards)} tar shards ({fmt_bytes(size)}, 100 KiB members)",
         "Store.put_file(pattern)",
@@ -306,47 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _clear(ctx)
     elapsed = time.perf_counter() - started
     env = environment()
-    print(
+    report_rows(
+        rows,
         f"# bench_ingest_formats ({'quick' if args.quick else 'full'}): {env['cpu']}, {env['cpus']} CPUs, "
-        f"python {env['python']}; {config.repeats} repeats, order alternated\n"
-    )
-    table = [
-        [
-            r.name,
-            r.baseline,
-            r.shown(r.baseline_s.median),
-            r.method,
-            r.shown(r.method_s.median),
-            r.measured_text,
-            r.target,
-            {True: "✓", False: "✗", None: ""}[r.ok],
-            r.note,
-        ]
-        for r in rows
-    ]
-    header = ["row", "baseline", "baseline time", "method", "method time", "measured", "target", "ok", "note"]
-    print(markdown_table(header, table, "llrlrrll"))
-    print()
-    targets = [Target(r.target, r.name, r.measured, r.measured_text, r.ok, r.note) for r in rows]
-    print_targets([t for t in targets if t.ok is not None])
-    results = {
-        r.name: {
-            "method_s": r.method_s.summary(),
-            "baseline_s": r.baseline_s.summary(),
-            "measured": r.measured,
-            "ok": r.ok,
-            "note": r.note,
-            **r.extra,
-        }
-        for r in rows
-    }
-    write_report(
+        f"python {env['python']}; {config.repeats} repeats, order alternated",
         args.json,
         "bench_ingest_formats",
         quick=args.quick,
         config=asdict(config),
-        results=results,
-        targets=targets,
         elapsed_s=elapsed,
     )
     return 0

@@ -62,6 +62,7 @@ from _benchlib import (
     scratch_dir,
     write_report,
 )
+from _benchrows import PEAK_RSS_LINE, run_child
 
 BIG_TARGET = 0.9
 MANY_TARGET = 1.0
@@ -214,23 +215,14 @@ _LOADER = textwrap.dedent(
         part = (1 << 62) if method.endswith("one part") else None
         store.put_file("k", "s3://" + path, storage_options=opts, part_size=part)
     elapsed = time.perf_counter() - start
-    with open("/proc/self/status") as fp:  # peak RSS of this process (ru_maxrss would count the parent's)
-        peak = next(int(line.split()[1]) * 1024 for line in fp if line.startswith("VmHWM:"))
-    print(json.dumps({"seconds": elapsed, "peak_rss": peak}))
     """
-)
+) + PEAK_RSS_LINE + '\nprint(json.dumps({"seconds": elapsed, "peak_rss": peak}))\n'
 
 
 def load_measured(method: str, case: Case, target: Path, endpoint: str) -> tuple[float, int]:
     """Seconds of one load in a fresh subprocess, and that process's peak RSS (bytes)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _LOADER, method, case.path, str(target), json.dumps(options(endpoint))],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode:
-        raise RuntimeError(f"{method} of {case.path} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    args = (method, case.path, str(target), json.dumps(options(endpoint)))
+    result = run_child(_LOADER, *args, what=f"{method} of {case.path}")
     return float(result["seconds"]), int(result["peak_rss"])
 
 
@@ -240,7 +232,7 @@ def bench_case(case: Case, endpoint: str, scratch: Path, repeats: int) -> dict[s
         methods.append("Store.put_file, one part")
     times = {m: Samples() for m in methods}
     peaks = {m: 0 for m in methods}
-    for method in alternated(methods, repeats):
+    for method in (m for repeat in range(repeats) for m in alternated(methods, repeat)):
         target = scratch / ("get" if method == "s3fs.get" else "cache")
         target.mkdir()
         seconds, peak = load_measured(method, case, target, endpoint)

@@ -27,7 +27,7 @@ from service_helpers import load, scratch_dir, unique  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
-from shmcache.errors import CorruptSourceError, InvalidSourceError, UnsupportedDataError  # noqa: E402
+from shmcache.errors import CorruptSourceError, InvalidSourceError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +167,7 @@ def test_torch_checkpoints_load_their_contiguous_tensors(
     group = store.open_group("c")
     assert torch.equal(as_tensor(group["w"]), state["w"])
     assert torch.equal(as_tensor(group["b"]), state["b"]) and as_tensor(group["b"]).dtype == torch.bfloat16
-    strided = io.BytesIO()
-    torch.save({"t": torch.arange(12.0).reshape(3, 4).t()}, strided)
-    _put_object(s3, bucket, "strided.pt", strided.getvalue())
-    with pytest.raises(UnsupportedDataError, match=r"strided.pt\[t\] is a strided view"):
-        store.put_file("s", f"s3://{bucket}/strided.pt", storage_options=s3.options())
-    assert not store.exists("s/t")
+    # strided views: tests/test_remote_entries.py::test_strided_torch_views_are_the_local_put_s_arrays
 
 
 def test_npz_members_stored_are_ranges_and_compressed_ones_are_inflated_from_the_object(
@@ -233,12 +228,7 @@ def test_hdf5_datasets_are_decoded_from_the_remote_file(
     assert sorted(keys) == ["h/grp/rows", "h/scalar"]
     np.testing.assert_array_equal(store.open_array("h/grp/rows"), rows)
     assert store.open_array("h/scalar")[()] == 7 and all(store.verify(key) for key in keys)
-    with h5py.File(path, "w") as h5:
-        h5.create_dataset("names", data=["a", "b"], dtype=h5py.string_dtype())
-    _put_object(s3, bucket, "s.h5", path.read_bytes())
-    with pytest.raises(UnsupportedDataError, match=r"s.h5\[names\] holds variable-length strings"):
-        store.put_file("s", f"s3://{bucket}/s.h5", storage_options=s3.options())
-    assert not store.exists("s/names") and not _staging(root)
+    # string datasets: tests/test_remote_entries.py::test_hdf5_string_datasets_are_the_local_put_s_strings
 
 
 # ---------------------------------------------------------------------- prefixes, changes, damage

@@ -57,6 +57,7 @@ _CRC_BATCH = 1 << 20
 
 BlobSource = str | os.PathLike[str] | Iterable[str | os.PathLike[str]] | Mapping[str, Any]
 Progress = Callable[[int, int], None]
+Fetch = Callable[[int, int, Path, TrailingCrc, "Progress | None"], None]
 
 
 @dataclass
@@ -78,6 +79,10 @@ class BlobSources:
     spans: list[int] | None = None
     """Where each blob starts in its file (tar members: ``files[i]`` is then the shard, the
     same object for every member of it); None: each blob is a whole file."""
+    fetch: Fetch | None = None
+    """Blobs read from a URL's objects (``remote_blobs``): ``fetch(dst, base, target, crc,
+    progress)`` writes every blob at ``base`` + its offset of ``dst`` and advances ``crc``
+    over the bytes in order; ``files`` and ``buffers`` are None then."""
 
     def close(self) -> None:
         for i, fd in enumerate(self.held):
@@ -318,6 +323,8 @@ def write_bytes(
                     done += len(buffer)
                     if progress is not None:
                         progress(done, total)
+            elif plan.fetch is not None:
+                plan.fetch(dst, len(header), target, crc, progress)
             else:
                 assert plan.files is not None
                 _FileCopy(plan, dst, len(header), target, crc, progress).run(threads or COPY_THREADS)

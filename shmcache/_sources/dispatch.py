@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import InvalidSourceError
-from .blobs import directory_fingerprint, plan_blobs, put_kind
+from .blobs import AS_KINDS, directory_fingerprint, plan_blobs, put_kind
 from .files import array_files_under, plan_sources
 from .hf_datasets import hf_fingerprint, is_hf_folder, plan_hf_folder, planned_entries
 from .planned import PlannedEntry
@@ -44,7 +44,14 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
     """The kind of source ``path`` is: a URL, a table file, blobs (``as_``, or a directory
     without array files), tar shards (``.tar`` files, a pattern or a list of them: one blobs
     entry) or array files (a raw token file when ``dtype`` is given)."""
+    if as_ not in AS_KINDS:
+        raise ValueError(f"as_ must be one of {', '.join(AS_KINDS)}; got {as_!r}")
     if not isinstance(path, (str, os.PathLike)):
+        if any(isinstance(p, str) and is_url(p) for p in path):
+            raise InvalidSourceError(
+                "put_file takes local .tar shards as a list; name shards at a URL with one brace pattern "
+                "or glob instead (s3://bucket/shards/{000..099}.tar)"
+            )
         if as_ == "arrays" or dtype is not None or not is_shard_source(path):
             raise InvalidSourceError(
                 "put_file takes a list of .tar shards only (one blobs entry, members as blobs); "
@@ -87,7 +94,9 @@ def plan_source(
     if source.kind == "remote":
         from .remote_files import plan_remote, plan_remote_table  # threads: URLs only
 
-        plan = plan_remote(key, str(source.location), storage_options, dtype=dtype)
+        plan = plan_remote(key, str(source.location), storage_options, dtype=dtype, as_=as_)
+        if plan.blobs is not None:
+            return [PlannedEntry(key, plan.url, plan.url, plan.blobs.size)]
         if plan.is_table:
             return plan_remote_table(key, plan)
         return [PlannedEntry(i.key, i.source, i.url, i.checked_header.file_size) for i in plan.items]

@@ -32,7 +32,7 @@ from ..errors import CorruptSourceError, ShmCacheError, UnsupportedDataError
 from .planned import Container, Planned, container_header, member_key
 from .source_files import SourceFile
 
-__all__ = ["plan_hdf5"]
+__all__ = ["decode_strings", "plan_hdf5"]
 
 _SLAB_BYTES = 16 << 20
 
@@ -109,6 +109,21 @@ def _check_storage(h5py: Any, dataset: Any, where: str) -> None:
 
 def _strings(key: str, path: Path, file: SourceFile, name: str, dataset: Any, where: str) -> Planned:
     """A strings entry from a 1-D dataset of variable-length strings, decoded now."""
+    container = Container("strings", *decode_strings(dataset, where))
+    return Planned(
+        key=member_key(key, name, path, "dataset"),
+        header=container_header(container),
+        source=where,
+        file=file,
+        copy_offset=None,
+        member=name,
+        container=container,
+    )
+
+
+def decode_strings(dataset: Any, where: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The strings entry's files and meta of a 1-D dataset of variable-length strings, decoded
+    (by h5py, from a local file or an object's file-like: ``remote_files``)."""
     if dataset.ndim != 1:
         raise UnsupportedDataError(
             f"{where} is a {dataset.ndim}-d dataset of variable-length strings; shmcache strings "
@@ -120,16 +135,7 @@ def _strings(key: str, path: Path, file: SourceFile, name: str, dataset: Any, wh
         raise CorruptSourceError(f"{where} holds strings that are not valid UTF-8 ({exc})") from None
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise CorruptSourceError(f"{where} cannot be decoded ({exc}): damaged or truncated") from None
-    container = Container("strings", encode_strings(values, where), {"length": len(values)})
-    return Planned(
-        key=member_key(key, name, path, "dataset"),
-        header=container_header(container),
-        source=where,
-        file=file,
-        copy_offset=None,
-        member=name,
-        container=container,
-    )
+    return encode_strings(values, where), {"length": len(values)}
 
 
 def _check_dataset(h5py: Any, dataset: Any, where: str) -> tuple[np.dtype, tuple[int, ...]]:

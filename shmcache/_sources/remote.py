@@ -24,7 +24,6 @@ directory and inflation; unpack them into ``.npy`` objects (or download and put 
 
 from __future__ import annotations
 
-import base64
 import io
 import os
 import posixpath
@@ -32,13 +31,11 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from .._disk.fs import full_is_cache_full
 from .._disk.keys import validate_key
-from .._disk.layout import ARRAY_FILE
 from .._disk.npy import NpyHeader, check_written_header, header_length, read_source_header
 from .._disk.writer import VersionWriter
 from ..errors import (
@@ -48,7 +45,12 @@ from ..errors import (
     ShmCacheError,
     SourceNotFoundError,
 )
-from .remote_parts import ByteBudget, TrailingHash, pwrite_all
+from .remote_pairs import megatron_pair, pair_item
+from .remote_parts import ByteBudget, TrailingHash, object_spans, pwrite_all
+from .remote_plan import RemoteItem, RemotePlan
+from .remote_plan import object_identity as _identity
+from .remote_plan import object_md5 as _md5_of
+from .tar_shards import expand_braces, is_shard_source
 from .urls import BACKEND_EXTRAS, redact_url, scrub, secret_strings
 
 __all__ = [
@@ -82,86 +84,14 @@ fetched whole, the others planned by ``remote_files``)."""
 _HEAD = 4096  # the first read of every object: a numpy header is almost always shorter
 
 
-@dataclass
-class RemoteItem:
-    """One object a remote put will publish as one array entry."""
-
-    key: str
-    path: str
-    """The object's path in its filesystem (never shown: may carry a query)."""
-    url: str
-    """The redacted URL: what messages and ``meta.json`` name."""
-    size: int
-    identity: str
-    """What tells this content from another (ETag, MD5, else modification time)."""
-    md5: str | None
-    header: NpyHeader | None = None
-    """Validated header: read by the plan (``plan_file``), else from the first part fetched."""
-    version: str = ""
-    crc: int = 0
-    ready: threading.Event = field(default_factory=threading.Event, repr=False)
-    prefix: bytes | None = None
-    """A byte range of the object rather than a ``.npy`` object: this built ``.npy`` header
-    (``header``'s, known from the object's index when planned) is written first, then the
-    header's ``nbytes`` from ``offset`` of the object (see ``remote_files``)."""
-    offset: int = 0
-    member: str | None = None
-    """The tensor or archive member the range holds (named in ``source``)."""
-    suffix: str = ".npy"
-    """The object's suffix (lower case), which says how it is read."""
-    decoder: Callable[[], Iterator[bytes]] | None = None
-    """For a range whose bytes must be decoded (a compressed ``.npz`` member): the whole
-    ``.npy``, in order, in chunks (``prefix`` is empty then, and ``offset`` unused)."""
-
-    @property
-    def file_bytes(self) -> int:
-        """Bytes of the entry's data file: the object's (a ``.npy``: its tail cut later), or
-        the built header's and the range's."""
-        return self.size if self.prefix is None else self.checked_header.file_size
-
-    @property
-    def source(self) -> str:
-        """What ``meta.json`` records: the redacted URL, ``[member]`` after it for a range."""
-        return self.url if self.member is None else f"{self.url}[{self.member}]"
-
-    @property
-    def checked_header(self) -> NpyHeader:
-        assert self.header is not None, "the object's header was not validated"
-        return self.header
-
-
-@dataclass
-class RemotePlan:
-    """Every object of a remote source; ``fs`` is the fsspec filesystem."""
-
-    fs: Any
-    url: str
-    path: str
-    directory: bool
-    items: list[RemoteItem]
-    secrets: list[str]
-
-    @property
-    def is_table(self) -> bool:
-        """Whether the objects are table files (one object, or a prefix of them without
-        arrays): one table entry, read by ``remote_files.read_remote_table``."""
-        from .._containers.table_arrow import TABLE_SUFFIXES
-
-        return all(item.suffix in TABLE_SUFFIXES for item in self.items)
-
-    @property
-    def object_bytes(self) -> int:
-        """Bytes of the entries' data files (at most: a ``.npy`` object may have a tail)."""
-        return sum(item.file_bytes for item in self.items)
-
-
 def list_remote(
-    key: str, url: str, storage_options: Mapping[str, Any] | None = None, dtype: Any = None
+    key: str, url: str, storage_options: Mapping[str, Any] | None = None, dtype: Any = None, as_: str = "auto"
 ) -> RemotePlan:
     """The objects under ``url`` a put takes, from one listing: one item per object (``key``,
-    or ``key/<relative name without suffix>`` under a prefix), nothing read from them yet
-    (``remote_files.plan_remote`` reads their headers and indexes)."""
-    fs, shown, path, directory, objects, secrets = _objects(key, url, storage_options, dtype)
+    or ``key/<relative name without suffix>`` under a prefix; of kind ``blob`` or ``shard``
+    for a blobs entry), nothing read from them yet (``remote_files.plan_remote`` reads their
+    headers and indexes)."""
+    fs, shown, path, directory, objects, secrets = _objects(key, url, storage_options, dtype, as_)
     return RemotePlan(fs, shown, path, directory, objects, secrets)
 
 
@@ -176,7 +106,7 @@ def read_npy_headers(plan: RemotePlan, workers: int = DEFAULT_WORKERS) -> None:
 
 
 def _objects(
-    key: str, url: str, storage_options: Mapping[str, Any] | None, dtype: Any = None
+    key: str, url: str, storage_options: Mapping[str, Any] | None, dtype: Any = None, as_: str = "auto"
 ) -> tuple[Any, str, str, bool, list[RemoteItem], list[str]]:
     """The filesystem, the redacted URL, the path, whether it is a prefix, and one item per
     object it takes (``key`` or ``key/<relative name without suffix>``), from one listing."""
@@ -185,20 +115,56 @@ def _objects(
     fs, path = _filesystem(url, storage_options, secrets)
     with remote_errors(shown, secrets):
         fs.invalidate_cache()  # a listing cached by an earlier load would hide changes
+        if dtype is None and as_ == "auto" and is_shard_source(urlsplit(url).path):
+            return fs, shown, path, False, _shard_objects(fs, key, path, shown), secrets
         listing = {}
         directory = urlsplit(url).path.endswith("/")
         if directory:  # a prefix: one listing (no lookup of the prefix itself)
             listing = _list_objects(fs, path)
         if not listing:  # an object, or a prefix without a "/", or nothing (FileNotFoundError)
-            info = fs.info(path)
+            try:
+                info = fs.info(path)
+            except FileNotFoundError:  # a Megatron pair named by its prefix, as Megatron does
+                if dtype is None and (pair := megatron_pair(fs, path, shown, None)) is not None:
+                    return fs, shown, path, False, [pair_item(key, pair)], secrets
+                raise
             directory = info.get("type") == "directory"
             listing = _list_objects(fs, path) if directory else {path: info}
+            if not directory and (pair := megatron_pair(fs, path, shown, info)) is not None:
+                return fs, shown, path, False, [pair_item(key, pair)], secrets
     if dtype is not None and directory:
         raise InvalidSourceError(
             f"dtype= takes one raw token file (e.g. nanoGPT's train.bin); {shown} is a prefix: "
             "put each token file with its own key"
         )
-    return fs, shown, path, directory, _items(key, shown, path, directory, listing, dtype), secrets
+    return fs, shown, path, directory, _items(key, shown, path, directory, listing, dtype, as_), secrets
+
+
+def _shard_objects(fs: Any, key: str, path: str, shown: str) -> list[RemoteItem]:
+    """The ``.tar`` objects a shard URL names: one, or a brace pattern's names in order, each
+    glob's matches sorted (``tar_shards.shard_paths``' rules); a name that matches nothing is
+    an error. Items of kind ``shard`` (``remote_blobs`` reads their member headers)."""
+    literal = [i for i in (path.find(c) for c in "{*?[") if i >= 0]
+    cut = min(literal, default=len(path))
+    shown_cut = len(shown) - (len(path) - cut)  # the same literal text ends both
+    found: dict[str, dict[str, Any]] = {}
+    for name in expand_braces(path):
+        if any(c in name for c in "*?["):
+            matches = fs.glob(name, detail=True)
+            if not matches:
+                raise SourceNotFoundError(f"no tar shard matches {shown[:shown_cut]}{name[cut:]}")
+            found |= {k: matches[k] for k in sorted(matches)}
+        else:
+            found[name] = fs.info(name)
+    items = []
+    for name, info in found.items():
+        url = shown[:shown_cut] + name[cut:] if name.startswith(path[:cut]) else f"{shown[:shown_cut]}{name}"
+        size = info.get("size")
+        if not isinstance(size, int) or size < 0 or info.get("type", "file") != "file":
+            raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
+        md5 = _md5_of(info)
+        items.append(RemoteItem(key, name, url, size, _identity(info), md5, kind="shard", suffix=".tar"))
+    return items
 
 
 def remote_suffix(name: str) -> str:
@@ -250,8 +216,11 @@ def fetch_remote(
     hashers: list[TrailingHash] = []
     for item in plan.items:
         item.version = writer.new_version()
-        target = writer.path(item.version, ARRAY_FILE)
-        fd = writer.create_file(item.version, ARRAY_FILE)
+        for name, array in item.files.items():  # from the index (a ragged entry's offsets)
+            crc, written = writer.write_array(item.version, f"{name}.npy", array)
+            item.written[name] = (written, crc)
+        target = writer.path(item.version, item.file_name)
+        fd = writer.create_file(item.version, item.file_name)
         try:
             if item.file_bytes:
                 with full_is_cache_full(target):  # a full tmpfs is an error now, never mid-fetch
@@ -262,27 +231,40 @@ def fetch_remote(
         if item.prefix is not None:  # a range: its header is known from the object's index
             hashers[-1].size = item.file_bytes
             item.ready.set()
+    by_object: dict[str, list[RemoteItem]] = {}  # byte ranges: read per object, not per item
+    for item, hasher in zip(plan.items, hashers, strict=True):
+        item.hasher = hasher
+        if item.prefix is not None and item.decoder is None:
+            _write_part(item, hasher, item.prefix, 0, len(item.prefix))  # the built header
+            progressed(len(item.prefix))
+            by_object.setdefault(item.path, []).append(item)
+    spans = [
+        span
+        for items in by_object.values()
+        for span in object_spans(items, lambda size: part_size or auto_part_size(size, workers))
+    ]
     tasks = [
         (item, hasher, start, min(start + part, item.file_bytes))
         for item, hasher in zip(plan.items, hashers, strict=True)
         for part in [part_size or auto_part_size(item.file_bytes, workers)]
         for start in range(0, max(item.file_bytes, 1), part)
-        if item.decoder is None or start == 0  # a decoder writes the whole file from one task
-    ]
+        if (item.decoder is None or start == 0) and (item.prefix is None or item.decoder is not None)
+    ]  # a decoder writes the whole file from one task
     tasks = [
         (item, hasher, start, item.file_bytes if item.decoder is not None else end)
         for item, hasher, start, end in tasks
     ]
 
+    def fetch_span(start: int, end: int, items: list[RemoteItem]) -> None:
+        if not stop.is_set():
+            with budget.holding(end - start):
+                progressed(_fetch_span(plan, items, start, end))
+
     def fetch(item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
         if item.decoder is not None:
             _fetch_decoded(plan, item, hasher, budget, stop, progressed)
             return
-        if item.prefix is not None:
-            if not stop.is_set():
-                with budget.holding(end - start):
-                    _fetch_range(plan, item, hasher, start, end)
-        elif start == 0:
+        if start == 0:
             try:
                 if stop.is_set():
                     return
@@ -305,8 +287,10 @@ def fetch_remote(
                     del data
         progressed(end - start)
 
-    with ThreadPoolExecutor(max(1, min(workers, len(tasks))), thread_name_prefix="shmcache-fetch") as pool:
+    threads = max(1, min(workers, len(tasks) + len(spans)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="shmcache-fetch") as pool:
         futures: list[Future[None]] = [pool.submit(fetch, *task) for task in tasks]
+        futures += [pool.submit(fetch_span, *span) for span in spans]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f for f in futures if f.done() and f.exception() is not None), None)
@@ -334,6 +318,7 @@ def fetch_remote(
         check_written_header(hasher.path, item.checked_header, item.url)
     # Bytes whose MD5 is the ETag listed at the start are that version, whole: only the
     # other objects are looked up again.
+    unproven += [item.companion for item in plan.items if item.companion is not None]
     if unproven:
         check_objects_unchanged(plan, unproven)
 
@@ -392,26 +377,30 @@ def _fetch_decoded(
         )
 
 
-def _fetch_range(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, start: int, end: int) -> None:
-    """Bytes ``start:end`` of a range item's data file: its built header's, then the object's
-    from ``item.offset`` on (one ranged read)."""
-    assert item.prefix is not None
-    built = len(item.prefix)
-    data = item.prefix[start:end]
-    if end > built:
-        low, high = item.offset + max(start, built) - built, item.offset + end - built
-        with remote_errors(item.url, plan.secrets):
-            fetched = plan.fs.cat_file(item.path, start=low, end=high)
-        if len(fetched) != high - low:
-            raise CorruptSourceError(
-                f"{item.source}: bytes {low}-{high} of the object came back as {len(fetched)} (it was "
-                "truncated or changed while loading); nothing was published, load it again"
-            )
-        data = data + fetched if data else fetched
-    _write_part(item, hasher, data, start, end)
+def _fetch_span(plan: RemotePlan, items: list[RemoteItem], start: int, end: int) -> int:
+    """Bytes ``start:end`` of one object (one ranged read), written into every range item
+    they overlap, after its built header; returns the bytes written."""
+    obj = items[0]
+    with remote_errors(obj.url, plan.secrets):
+        data = plan.fs.cat_file(obj.path, start=start, end=end)
+    if len(data) != end - start:
+        raise CorruptSourceError(
+            f"{obj.url}: bytes {start}-{end} of the object came back as {len(data)} (it was "
+            "truncated or changed while loading); nothing was published, load it again"
+        )
+    view, written = memoryview(data), 0
+    for item in items:
+        assert item.prefix is not None and item.hasher is not None
+        low, high = max(start, item.offset), min(end, item.offset + item.range_bytes)
+        at = len(item.prefix) + low - item.offset
+        _write_part(item, item.hasher, view[low - start : high - start], at, at + high - low)
+        written += high - low
+    return written
 
 
-def _write_part(item: RemoteItem, hasher: TrailingHash, data: bytes, start: int, end: int) -> None:
+def _write_part(
+    item: RemoteItem, hasher: TrailingHash, data: bytes | memoryview, start: int, end: int
+) -> None:
     if len(data) < end - start:
         raise CorruptSourceError(
             f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "
@@ -459,13 +448,20 @@ def _list_objects(fs: Any, path: str) -> dict[str, dict[str, Any]]:
 
 
 def _items(
-    key: str, shown: str, path: str, directory: bool, listing: dict[str, dict[str, Any]], dtype: Any = None
+    key: str,
+    shown: str,
+    path: str,
+    directory: bool,
+    listing: dict[str, dict[str, Any]],
+    dtype: Any = None,
+    as_: str = "auto",
 ) -> list[RemoteItem]:
     from .._containers.table_arrow import TABLE_SUFFIXES
 
     base = path.rstrip("/")
     items: list[RemoteItem] = []
     tables: list[RemoteItem] = []  # a prefix's table objects: one table, if it holds no arrays
+    others: list[RemoteItem] = []  # its other objects: blobs, if it holds no arrays or tables
     seen: dict[str, str] = {}
     for name in sorted(listing):
         info = listing[name]
@@ -475,6 +471,12 @@ def _items(
         else:  # the suffix of the URL's path (an HTTP path may end with a query)
             relative, url = urlsplit(shown).path, shown
         suffix = remote_suffix(relative)
+        size = info.get("size")
+        other = directory and suffix not in REMOTE_SUFFIXES + TABLE_SUFFIXES
+        if dtype is None and (as_ == "blobs" or other) and isinstance(size, int) and size >= 0:
+            member = relative if directory else posixpath.basename(relative)  # the blob's name
+            others.append(RemoteItem(key, name, url, size, _identity(info), None, member=member, kind="blob"))
+            continue
         if directory and dtype is None and suffix in TABLE_SUFFIXES:
             size = info.get("size")
             if isinstance(size, int) and size >= 0:
@@ -501,37 +503,15 @@ def _items(
         if not isinstance(size, int) or size < 0:
             raise InvalidSourceError(f"{url}: the server does not say how large it is; it cannot be streamed")
         items.append(RemoteItem(child, name, url, size, _identity(info), _md5_of(info), suffix=suffix))
+    if as_ == "blobs" and others:
+        return others
     if not items and tables:  # a prefix of table files (a Hub dataset's Parquet shards): one table
         return tables
+    if not items and others and as_ == "auto":  # a prefix of other files (images, texts): blobs
+        return others
     if not items:
         raise InvalidSourceError(f"{shown} holds no {', '.join(REMOTE_SUFFIXES)} or table objects")
     return items
-
-
-def _identity(info: Mapping[str, Any]) -> str:
-    # blob_id: the Hugging Face Hub's git blob hash (hf://), which changes with the content
-    names: tuple[str, ...] = ("ETag", "etag", "md5Hash", "content_md5", "crc32c", "blob_id")
-    names += ("LastModified", "mtime", "last_modified")
-    for field_name in names:
-        value = info.get(field_name)
-        if value:
-            return f"{field_name}={value}"
-    return ""
-
-
-def _md5_of(info: Mapping[str, Any]) -> str | None:
-    """The object's MD5 when the store gives it: an S3 ETag of a single-part upload, or
-    GCS's ``md5Hash`` (multipart ETags and others are not MD5s of the content)."""
-    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
-    if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag):
-        return etag
-    md5 = info.get("md5Hash")
-    if isinstance(md5, str):
-        try:
-            return base64.b64decode(md5).hex()
-        except ValueError:
-            return None
-    return None
 
 
 def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
@@ -557,8 +537,8 @@ def check_objects_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
         plan.fs.invalidate_cache()
         if plan.directory:
             now = _list_objects(plan.fs, plan.path)
-        else:
-            now = {plan.items[0].path: plan.fs.info(plan.path)}
+        else:  # one object, or a pair (a Megatron .bin and .idx)
+            now = {path: plan.fs.info(path) for path in dict.fromkeys(item.path for item in items)}
     for item in items:
         info = now.get(item.path)
         if info is None or info.get("size") != item.size or _identity(info) != item.identity:

@@ -73,13 +73,19 @@ def plan_remote(
     read_headers: bool = True,
     workers: int = DEFAULT_WORKERS,
     dtype: Any = None,
+    as_: str = "auto",
 ) -> RemotePlan:
     """List the objects under ``url`` (``key`` is valid already) and read the index of every
     object that is not a ``.npy`` (with ``dtype``: one raw token file), each in a thread.
     With ``read_headers``, also read and validate every ``.npy`` header now (a dry run);
     without, ``fetch_remote`` validates each from the object's first part before writing a
     byte of it: one request fewer per object."""
-    plan = list_remote(key, url, storage_options, dtype)
+    plan = list_remote(key, url, storage_options, dtype, as_)
+    if plan.items[0].kind in ("blob", "shard"):  # one blobs entry: a prefix of other files, tar shards
+        from .remote_blobs import plan_remote_blobs
+
+        plan.blobs = plan_remote_blobs(plan, f"blobs for key {key!r}")
+        return plan
     if plan.is_table:
         _check_tables(plan)
         return plan
@@ -154,7 +160,12 @@ class _ObjectFile(io.RawIOBase):
 
 def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None) -> list[RemoteItem]:
     """The entries one listed object becomes, from its index alone (``obj.key`` is valid):
-    a raw token file with ``dtype``, else by its suffix."""
+    a Megatron pair's ragged entry, a raw token file with ``dtype``, else by its suffix."""
+    if obj.companion is not None:
+        from .remote_pairs import plan_pair
+
+        with remote_errors(obj.companion.url, secrets):
+            return plan_pair(fs, obj, dtype)
     if dtype is not None:
         token = token_dtype(dtype)
         if obj.size % token.itemsize:
@@ -179,13 +190,10 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
 
             planned = []
             for t in read_torch_index(fp, obj.url):
-                if not t.contiguous:
-                    raise UnsupportedDataError(
-                        f"{obj.url}[{t.name}] is a strided view of its storage, which is gathered from a "
-                        "local file only; save the checkpoint with contiguous tensors "
-                        "({k: v.contiguous() for k, v in state.items()}), or download it and put the file"
-                    )
-                planned.append(_range(obj, _member_key(obj, t.name), t.name, t.dtype, t.shape, t.start))
+                item = _range(obj, _member_key(obj, t.name), t.name, t.dtype, t.shape, t.start)
+                if not t.contiguous:  # a strided view: gathered from ranged reads, as from pread locally
+                    item.decoder = _gather(fs, obj, secrets, t, item)
+                planned.append(item)
             return planned
         if suffix == ".npz":
             members = []
@@ -222,10 +230,9 @@ def _plan_hdf5(fs: Any, obj: RemoteItem, secrets: list[str]) -> list[RemoteItem]
             where = f"{obj.url}[{name}]"
             hdf5._check_storage(h5py, dataset, where)
             if h5py.check_string_dtype(dataset.dtype) is not None and dataset.dtype.kind == "O":
-                raise UnsupportedDataError(
-                    f"{where} holds variable-length strings, which are loaded from a local HDF5 file only; "
-                    "download the file and put it"
-                )
+                files, extra = hdf5.decode_strings(dataset, where)  # decoded now, as locally
+                planned.append(_decoded_item(obj, _member_key(obj, name), name, "strings", files, extra))
+                continue
             dtype, shape = hdf5._check_dataset(h5py, dataset, where)
             item = _range(obj, _member_key(obj, name), name, dtype, shape, 0)
             item.decoder = _slabs(fs, obj, secrets, h5py, name, item)
@@ -233,6 +240,23 @@ def _plan_hdf5(fs: Any, obj: RemoteItem, secrets: list[str]) -> list[RemoteItem]
     if not planned:
         raise CorruptSourceError(f"{obj.url}: the HDF5 file holds no datasets")
     return planned
+
+
+def _decoded_item(
+    obj: RemoteItem, key: str, member: str, kind: str, files: dict[str, np.ndarray], extra: dict[str, Any]
+) -> RemoteItem:
+    """An entry decoded when planned (an HDF5 strings dataset): its largest file written as the
+    item's data file, the others beside it; ``obj`` is still looked up again before publishing."""
+    main = max(files, key=lambda name: files[name].nbytes)
+    array = np.ascontiguousarray(files[main])
+    item = _range(obj, key, member, array.dtype, array.shape, 0)
+    item.kind, item.file_name = kind, f"{main}.npy"
+    item.files = {name: files[name] for name in files if name != main}
+    item.extra = extra | {"shape": [extra["length"]], "dtype": "str"}
+    assert item.prefix is not None
+    chunks: list[bytes | memoryview] = [item.prefix, array.reshape(-1).view(np.uint8).data]
+    item.decoder = lambda: iter(chunks)
+    return item
 
 
 def _h5(h5py: Any, fp: BinaryIO, url: str) -> Any:
@@ -261,6 +285,31 @@ def _slabs(fs: Any, obj: RemoteItem, secrets: list[str], h5py: Any, name: str, i
             slabs = [()] if not shape else [slice(i, i + per_slab) for i in range(0, shape[0], per_slab)]
             for slab in slabs:
                 yield hdf5._read(dataset, slab, header.dtype, where)  # type: ignore[misc]
+
+    return chunks
+
+
+def _gather(fs: Any, obj: RemoteItem, secrets: list[str], tensor: Any, item: RemoteItem) -> Any:
+    """The built header, then strided ``tensor``'s elements in C order, gathered by
+    ``torch_zip.gather_slabs`` (the local reader's slabs) from ranged reads of the object."""
+    from .torch_zip import gather_slabs
+
+    assert item.prefix is not None
+    prefix, where = item.prefix, item.source
+
+    def read(count: int, offset: int) -> bytes:
+        with remote_errors(obj.url, secrets):
+            data = fs.cat_file(obj.path, start=offset, end=offset + count)
+        if len(data) != count:
+            raise CorruptSourceError(
+                f"{where}: bytes {offset}-{offset + count} came back as {len(data)} (truncated or changed "
+                "while loading); nothing was published, load it again"
+            )
+        return bytes(data)
+
+    def chunks() -> Iterator[bytes | memoryview]:
+        yield prefix
+        yield from gather_slabs(tensor, read)
 
     return chunks
 

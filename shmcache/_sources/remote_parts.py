@@ -8,15 +8,48 @@ import hashlib
 import os
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .._disk.fs import full_is_cache_full
 
-__all__ = ["ByteBudget", "TrailingHash", "pwrite_all"]
+__all__ = ["SPAN_GAP", "ByteBudget", "Span", "TrailingHash", "object_spans", "pwrite_all"]
 
 _HASH_CHUNK = 1 << 20
+SPAN_GAP = 1 << 20
+"""Bytes between two ranges of one object read rather than split into two requests."""
+
+Span = tuple[int, int, list[Any]]
+"""``(start, end, items)``: one ranged read of an object, and the range items it fills."""
+
+
+def object_spans(items: Sequence[Any], part: Callable[[int], int]) -> list[Span]:
+    """The ranged reads that fetch every byte range of one object's ``items`` (each with
+    ``offset`` and ``range_bytes``): ranges closer than ``SPAN_GAP`` are read
+    together, and what is read is split into parts of ``part(bytes of the ranges)``. A
+    checkpoint of many tensors then costs a request per part, not one per tensor (a store
+    that charges per request, or, like moto, copies the object for every request, pays it)."""
+    ranges = [(i.offset, i.offset + i.range_bytes, i) for i in items if i.range_bytes]
+    ranges.sort(key=lambda r: (r[0], r[1]))
+    if not ranges:
+        return []
+    size = part(sum(end - start for start, end, _ in ranges))
+    extents: list[tuple[int, int]] = []
+    for start, end, _ in ranges:
+        if extents and start - extents[-1][1] <= SPAN_GAP:
+            extents[-1] = (extents[-1][0], max(extents[-1][1], end))
+        else:
+            extents.append((start, end))
+    spans: list[Span] = []
+    for low, high in extents:
+        for start in range(low, high, size):
+            end = min(start + size, high)
+            filled = [i for lo, hi, i in ranges if lo < end and hi > start]
+            if filled:  # (a part inside a gap between ranges is not read)
+                spans.append((start, end, filled))
+    return spans
 
 
 def pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:

@@ -21,10 +21,11 @@ Samples are members grouped by basename (``SharedBlobs.samples()``): ``a/000017.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._disk.fs import out_of_descriptors, too_many_open_files
@@ -37,9 +38,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_EXPANSIONS",
+    "check_shard_name",
+    "collect_members",
     "expand_braces",
     "is_shard_source",
     "plan_shards",
+    "read_members",
     "shard_paths",
     "shards_fingerprint",
 ]
@@ -162,12 +166,7 @@ def shard_paths(source: ShardSource) -> list[str]:
         found = [os.path.abspath(os.fspath(p)) for p in source]
     paths = list(dict.fromkeys(found))  # a shard named twice is read once
     for path in paths:
-        lowered = path.lower()
-        for suffix, which in _COMPRESSED_SUFFIXES.items():
-            if lowered.endswith(suffix):
-                raise InvalidSourceError(_compressed_message(path, *_COMPRESSED[which][1:]))
-        if not lowered.endswith(".tar"):
-            raise InvalidSourceError(f"{path} is not a .tar shard; a list of shards takes .tar files only")
+        check_shard_name(path)
     return paths
 
 
@@ -192,59 +191,90 @@ def plan_shards(
     they make: one blob per regular member, a byte range of its shard (``spans``)."""
     tops = tuple(os.path.realpath(top) for top in allowed)
     paths = shard_paths(source)
-    names: list[str] = []
-    sizes: list[int] = []
-    spans: list[int] = []
     files: list[SourceFile] = []
-    seen: dict[str, str] = {}
-    for path in paths:
-        try:
-            fd, file = open_checked(path, tops)
-        except OSError as exc:
-            if out_of_descriptors(exc):
-                raise too_many_open_files(exc, f"opening shard {path}") from exc
-            raise
-        try:
-            for name, offset, size in _members(fd, file):
-                other = seen.setdefault(name, path)
-                if len(seen) == len(names):  # not added: seen before
-                    where = "twice in it" if other == path else f"in {other} too"
-                    raise InvalidSourceError(
-                        f"{path}: member {name!r} is {where}; blob names must be unique across the "
-                        "shards (put such shards under separate keys)"
-                    )
-                names.append(name)
-                sizes.append(size)
-                spans.append(offset)
+
+    def shards() -> Iterator[tuple[str, Iterator[tuple[str, int, int]]]]:
+        for path in paths:
+            try:
+                fd, file = open_checked(path, tops)
+            except OSError as exc:
+                if out_of_descriptors(exc):
+                    raise too_many_open_files(exc, f"opening shard {path}") from exc
+                raise
+            try:
                 files.append(file)
-        finally:
-            os.close(fd)
-    if not names:
-        raise InvalidSourceError(f"{what}: the shards hold no files ({', '.join(paths[:3])})")
+                yield path, read_members(functools.partial(os.pread, fd), file.size, path)
+            finally:
+                os.close(fd)
+
+    names, sizes, spans, owners = collect_members(shards(), what)
+    files = [files[i] for i in owners]
     source_text = os.path.abspath(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else None
     return BlobSources(source_text, names, sizes, files, None, _names_arrays(names, sizes, what), spans=spans)
 
 
-class _HeaderReader:
-    """The file object ``tarfile`` parses headers from: ``pread`` on the checked descriptor,
-    reads bounded (a hostile long name or pax size is refused, not read)."""
+def collect_members(
+    shards: Iterable[tuple[str, Iterator[tuple[str, int, int]]]], what: str
+) -> tuple[list[str], list[int], list[int], list[int]]:
+    """Names, sizes, offsets and shard indexes of the members of ``shards`` (each ``(path,
+    members)``: local files or objects of a URL), in order; a name twice (within a shard or
+    across them) or no member at all is refused."""
+    names: list[str] = []
+    sizes: list[int] = []
+    spans: list[int] = []
+    owners: list[int] = []
+    seen: dict[str, str] = {}
+    paths: list[str] = []
+    for index, (path, members) in enumerate(shards):
+        paths.append(path)
+        for name, offset, size in members:
+            other = seen.setdefault(name, path)
+            if len(seen) == len(names):  # not added: seen before
+                where = "twice in it" if other == path else f"in {other} too"
+                raise InvalidSourceError(
+                    f"{path}: member {name!r} is {where}; blob names must be unique across the "
+                    "shards (put such shards under separate keys)"
+                )
+            names.append(name)
+            sizes.append(size)
+            spans.append(offset)
+            owners.append(index)
+    if not names:
+        raise InvalidSourceError(f"{what}: the shards hold no files ({', '.join(paths[:3])})")
+    return names, sizes, spans, owners
 
-    def __init__(self, fd: int, file: SourceFile) -> None:
-        self.fd, self.file, self.position = fd, file, 0
-        self.name = file.path
+
+def check_shard_name(path: str) -> None:
+    """Refuse a shard whose name says it is compressed, or that is not a ``.tar``."""
+    lowered = path.lower()
+    for suffix, which in _COMPRESSED_SUFFIXES.items():
+        if lowered.endswith(suffix):
+            raise InvalidSourceError(_compressed_message(path, *_COMPRESSED[which][1:]))
+    if not lowered.endswith(".tar"):
+        raise InvalidSourceError(f"{path} is not a .tar shard; a list of shards takes .tar files only")
+
+
+class _HeaderReader:
+    """The file object ``tarfile`` parses headers from: ``read(n, offset)`` of the checked
+    file (``pread``) or object (ranged reads), reads bounded (a hostile long name or pax
+    size is refused, not read)."""
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int, path: str) -> None:
+        self.pread, self.size, self.path, self.position = read, size, path, 0
+        self.name = path
 
     def read(self, size: int = -1) -> bytes:
         if size < 0 or size > _MAX_HEADER_READ:
             raise CorruptSourceError(
-                f"{self.file.path}: a tar header at byte {self.position} declares a long name or pax "
+                f"{self.path}: a tar header at byte {self.position} declares a long name or pax "
                 f"record of {size:,} bytes (at most {_MAX_HEADER_READ:,}); not a valid shard"
             )
-        data = os.pread(self.fd, size, self.position)
+        data = self.pread(size, self.position)
         self.position += len(data)
         return data
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.file.size}[whence]
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.size}[whence]
         self.position = base + offset
         return self.position
 
@@ -252,26 +282,27 @@ class _HeaderReader:
         return self.position
 
 
-def _members(fd: int, file: SourceFile) -> Iterator[tuple[str, int, int]]:
-    """``(name, data offset, size)`` of every regular member of the shard open as ``fd``.
+def read_members(read: Callable[[int, int], bytes], size: int, path: str) -> Iterator[tuple[str, int, int]]:
+    """``(name, data offset, size)`` of every regular member of the shard of ``size`` bytes
+    that ``read(n, offset)`` reads (a local ``pread``, or ranged reads of an object).
     Plain ustar/GNU headers of files and directories are read here (a few struct fields);
     anything else (long names, pax, links, devices, odd checksums) by ``tarfile``."""
     import tarfile  # here: a process that only reads entries never loads it
 
-    path = file.path
-    magic = os.pread(fd, 8, 0)
+    file_size = size
+    magic = read(8, 0)
     for prefix, codec, command in _COMPRESSED:
         if magic.startswith(prefix):
             raise InvalidSourceError(_compressed_message(path, codec, command))
-    if file.size < _BLOCK:
-        raise CorruptSourceError(f"{path} is not a tar archive ({file.size} bytes: shorter than one header)")
-    reader = _HeaderReader(fd, file)
+    if file_size < _BLOCK:
+        raise CorruptSourceError(f"{path} is not a tar archive ({file_size} bytes: shorter than one header)")
+    reader = _HeaderReader(read, file_size, path)
     archive: tarfile.TarFile | None = None
-    most = file.size // _BLOCK  # every member takes one header block at least
+    most = file_size // _BLOCK  # every member takes one header block at least
     count = offset = 0
     try:
         while True:
-            header = os.pread(fd, _BLOCK, offset)
+            header = read(_BLOCK, offset)
             plain = _plain_header(header) if archive is None or not archive.pax_headers else None
             if plain is not None:
                 raw, is_dir, start, size = plain[0], plain[1], offset + _BLOCK, plain[2]
@@ -302,17 +333,17 @@ def _members(fd: int, file: SourceFile) -> Iterator[tuple[str, int, int]]:
             if is_dir:
                 continue
             name = _member_name(raw, path)
-            if size < 0 or start + size > file.size:
+            if size < 0 or start + size > file_size:
                 raise CorruptSourceError(
                     f"{path}: member {name!r} claims {size:,} bytes from byte {start:,}, past the end of the "
-                    f"{file.size:,}-byte file: the shard is truncated; nothing was published, fetch it again"
+                    f"{file_size:,}-byte file: the shard is truncated; nothing was published, fetch it again"
                 )
             yield name, start, size
     except tarfile.TarError as exc:
         raise CorruptSourceError(
             f"{path}: {exc} (a truncated or damaged tar); nothing was published"
         ) from None
-    end = os.pread(fd, _BLOCK, offset)
+    end = read(_BLOCK, offset)
     if len(end) < _BLOCK or end.count(0) != _BLOCK:
         raise CorruptSourceError(
             f"{path}: no end-of-archive block after its last member (at byte {offset:,}): the shard "

@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 import posixpath
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -32,7 +34,16 @@ from .planned import Container, Planned, container_header
 from .source_files import SourceFile, open_checked
 from .urls import redact_url
 
-__all__ = ["MEGATRON_DTYPES", "is_token_source", "plan_token_file", "refuse_dtype_for", "token_dtype"]
+__all__ = [
+    "MEGATRON_DTYPES",
+    "MegatronIndex",
+    "is_token_source",
+    "megatron_documents",
+    "plan_token_file",
+    "read_megatron_index",
+    "refuse_dtype_for",
+    "token_dtype",
+]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
@@ -138,45 +149,65 @@ def _plan_megatron(
 ) -> Planned:
     fd, index = open_checked(str(idx_path), tops)
     try:
-        lengths, pointers, documents, token = _read_index(fd, index.size, idx_path)
+        parsed = read_megatron_index(lambda n, offset: os.pread(fd, n, offset), index.size, str(idx_path))
     finally:
         os.close(fd)
-    if dtype is not None and token_dtype(dtype) != token:
-        raise InvalidSourceError(
-            f"{idx_path} says its tokens are {token}, not {token_dtype(dtype)}; pass no dtype "
-            "(the index gives it) or the index's"
-        )
     fd, file = open_checked(str(bin_path), tops)
     os.close(fd)
+    tokens, offsets, extra = megatron_documents(parsed, dtype, file.size, str(bin_path), str(idx_path))
+    token = parsed[3]
+    container = Container(
+        kind="ragged",
+        files={"offsets": offsets},
+        extra=extra,
+        copied={"values": _raw(key, bin_path, file, token, (tokens,))},
+    )
+    return Planned(key, container_header(container), str(bin_path), file, None, container=container)
+
+
+MegatronIndex = tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype]
+"""Sequence lengths, byte pointers, document boundaries and the token dtype of an index."""
+
+
+def megatron_documents(
+    index: MegatronIndex, dtype: object | None, bin_size: int, bin_where: str, idx_where: str
+) -> tuple[int, np.ndarray, dict[str, Any]]:
+    """The ragged entry a checked index makes of its ``.bin`` of ``bin_size`` bytes: the token
+    count, the documents' token offsets and the entry's meta; a ``dtype`` other than the
+    index's, sequences not end to end from byte 0 or a ``.bin`` of another size is refused.
+    Shared by local pairs and pairs of objects (``remote_entries``)."""
+    lengths, pointers, documents, token = index
+    if dtype is not None and token_dtype(dtype) != token:
+        raise InvalidSourceError(
+            f"{idx_where} says its tokens are {token}, not {token_dtype(dtype)}; pass no dtype "
+            "(the index gives it) or the index's"
+        )
     ends = np.cumsum(lengths, dtype=np.int64)  # token offset after each sequence
     tokens = int(ends[-1]) if len(ends) else 0
     starts = np.concatenate([np.zeros(1, np.int64), ends])
     if not np.array_equal(pointers, starts[:-1] * token.itemsize):
         first = int(np.argmax(pointers != starts[:-1] * token.itemsize))
         raise CorruptSourceError(
-            f"{idx_path}: sequence {first} starts at byte {int(pointers[first])}, not "
+            f"{idx_where}: sequence {first} starts at byte {int(pointers[first])}, not "
             f"{int(starts[first]) * token.itemsize} (its sequences must lie end to end from byte 0, as "
             "Megatron's builder writes them): crafted or corrupt"
         )
-    if tokens * token.itemsize != file.size:
+    if tokens * token.itemsize != bin_size:
         raise CorruptSourceError(
-            f"{bin_path} holds {file.size} bytes, but its index {idx_path.name} counts {tokens} "
-            f"{token} tokens ({tokens * token.itemsize} bytes): truncated, or not this index's data"
+            f"{bin_where} holds {bin_size} bytes, but its index {posixpath.basename(idx_where)} counts "
+            f"{tokens} {token} tokens ({tokens * token.itemsize} bytes): truncated, or not this index's data"
         )
     offsets = starts[documents]  # the token offset of each document boundary
-    container = Container(
-        kind="ragged",
-        files={"offsets": offsets},
-        extra={"length": len(offsets) - 1, "dtype": str(token), "item_shape": [], "sequences": len(lengths)},
-        copied={"values": _raw(key, bin_path, file, token, (tokens,))},
-    )
-    return Planned(key, container_header(container), str(bin_path), file, None, container=container)
+    extra = {"length": len(offsets) - 1, "dtype": str(token), "item_shape": [], "sequences": len(lengths)}
+    return tokens, offsets, extra
 
 
-def _read_index(fd: int, size: int, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype]:
-    """Sequence lengths, byte pointers and document boundaries of an ``MMIDIDX`` index, and
-    its token dtype; every count is checked against the file's size before it is read."""
-    head = os.pread(fd, _HEAD.size, 0)
+def read_megatron_index(read: Callable[[int, int], bytes], size: int, path: str) -> MegatronIndex:
+    """Sequence lengths, byte pointers and document boundaries of an ``MMIDIDX`` index of
+    ``size`` bytes read by ``read(nbytes, offset)`` (a local ``pread``, or ranged reads of
+    an object), and its token dtype; every count is checked against ``size`` before more
+    than the header is read, so a hostile count never makes a large read or allocation."""
+    head = read(_HEAD.size, 0)
     if len(head) < _HEAD.size or head[: len(_MAGIC)] != _MAGIC:
         raise CorruptSourceError(f"{path}: not a Megatron index (no MMIDIDX header)")
     _, version, code, sequences, documents = _HEAD.unpack(head)
@@ -192,7 +223,7 @@ def _read_index(fd: int, size: int, path: Path) -> tuple[np.ndarray, np.ndarray,
             f"{path}: its header counts {sequences} sequences and {documents} document boundaries "
             f"({expected} bytes of index), but {body} bytes follow it: truncated or corrupt"
         )
-    raw = os.pread(fd, expected, _HEAD.size)
+    raw = read(expected, _HEAD.size)
     if len(raw) != expected:
         raise CorruptSourceError(f"{path}: the index ended early (changed while being read)")
     lengths = np.frombuffer(raw, "<i4", sequences, 0).astype(np.int64)

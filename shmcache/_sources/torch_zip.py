@@ -33,7 +33,7 @@ from .._disk.npy import zip_data_offset
 from .._disk.shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
 from ..errors import CorruptSourceError, UnsupportedDataError
 
-__all__ = ["TorchTensor", "gather_writer", "read_torch_index"]
+__all__ = ["TorchTensor", "gather_slabs", "gather_writer", "read_torch_index"]
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl of a state dict is ~100 bytes per tensor
 _NUMPY: dict[str, str] = {
@@ -372,8 +372,26 @@ def _contiguous(ref: _TensorRef) -> bool:
 def gather_writer(
     tensor: TorchTensor, header: bytes
 ) -> Callable[[int, int, Path, Callable[[int], None]], int]:
-    """A decoder for a strided tensor: ``header``, then its elements in C order, gathered from
-    ``pread`` reads of its storage (never a mapping of a file that could shrink: SIGBUS).
+    """A decoder for a strided tensor of a local file: ``header``, then its elements in C
+    order (:func:`gather_slabs`), gathered from ``pread`` reads of its storage (never a
+    mapping of a file that could shrink: SIGBUS)."""
+
+    def write(src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+        write_all(dst, header, target)
+        advance(len(header))
+        crc = zlib.crc32(header)
+        for slab in gather_slabs(tensor, lambda count, at: _pread_exactly(src, count, at, tensor.name)):
+            write_all(dst, slab, target)
+            crc = zlib.crc32(slab, crc)
+            advance(len(slab))
+        return crc
+
+    return write
+
+
+def gather_slabs(tensor: TorchTensor, read: Callable[[int, int], bytes | bytearray]) -> Iterator[memoryview]:
+    """A strided tensor's elements in C order, in slabs of rows (bytes), from ``read(count,
+    offset)`` of its file (``pread``, or ranged reads of an object: ``remote_files``).
 
     Slabs of rows are read one at a time when their byte spans are about as large as what
     they hold (a slice of rows); when every slab would span most of the storage (a
@@ -387,38 +405,23 @@ def gather_writer(
     slab_span = (min(per_slab, rows) - 1) * row_span + tail + itemsize
     whole = slab_span > 2 * min(per_slab, rows) * row_bytes
     strides = tuple(s * itemsize for s in tensor.strides)
-
-    def write(src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
-        write_all(dst, header, target)
-        advance(len(header))
-        crc = zlib.crc32(header)
-        if not tensor.nbytes:
-            return crc
-        span = (rows - 1) * row_span + tail + itemsize
-        source = _pread_exactly(src, span, tensor.start, tensor.name) if whole else None
-        for first in range(0, rows, per_slab):
-            count = min(per_slab, rows - first)
-            if source is None:
-                at = tensor.start + first * row_span
-                raw, offset = (
-                    _pread_exactly(src, (count - 1) * row_span + tail + itemsize, at, tensor.name),
-                    0,
-                )
-            else:
-                raw, offset = source, first * row_span
-            view = np.lib.stride_tricks.as_strided(
-                np.frombuffer(raw, dtype=tensor.dtype, offset=offset),  # offset: whole rows
-                shape=(count, *tensor.shape[1:]),
-                strides=strides,
-                writeable=False,
-            )
-            slab = np.ascontiguousarray(view)
-            write_all(dst, slab, target)
-            crc = zlib.crc32(slab.data, crc)
-            advance(slab.nbytes)
-        return crc
-
-    return write
+    if not tensor.nbytes:
+        return
+    span = (rows - 1) * row_span + tail + itemsize
+    source = read(span, tensor.start) if whole else None
+    for first in range(0, rows, per_slab):
+        count = min(per_slab, rows - first)
+        if source is None:
+            raw, offset = read((count - 1) * row_span + tail + itemsize, tensor.start + first * row_span), 0
+        else:
+            raw, offset = source, first * row_span
+        view = np.lib.stride_tricks.as_strided(
+            np.frombuffer(raw, dtype=tensor.dtype, offset=offset),  # offset: whole rows
+            shape=(count, *tensor.shape[1:]),
+            strides=strides,
+            writeable=False,
+        )
+        yield np.ascontiguousarray(view).reshape(-1).view(np.uint8).data
 
 
 def _pread_exactly(fd: int, count: int, offset: int, name: str) -> bytearray:

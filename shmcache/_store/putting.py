@@ -279,7 +279,7 @@ class Putting:
         path = source.location
         if source.kind == "remote":
             return self._put_remote(
-                key, str(path), overwrite, pin, progress, storage_options, part_size, dtype
+                key, str(path), overwrite, pin, progress, storage_options, part_size, dtype, as_
             )
         if source.kind == "hf":
             return self._put_hf_folder(key, Path(path), builtins.list(allowed_dirs), overwrite, pin, progress)
@@ -400,6 +400,7 @@ class Putting:
         storage_options: Mapping[str, Any] | None,
         part_size: int | None,
         dtype: Any = None,
+        as_: str = "auto",
     ) -> list[str]:
         """``put_file`` of a URL: every object planned and validated (a table object read),
         then streamed in."""
@@ -407,7 +408,10 @@ class Putting:
         from .._sources.remote_files import plan_remote, read_remote_table
 
         # .npy headers are validated as fetched; other formats' indexes are read now
-        plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype)
+        plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype, as_=as_)
+        if plan.blobs is not None:  # a prefix of other files, or tar shards: one blobs entry
+            self._refuse_existing([key], overwrite)
+            return [self._put_blob_sources(key, plan.blobs, overwrite, pin, progress).key]
         if plan.is_table:
             self._refuse_existing([key], overwrite)
             files, meta = read_remote_table(plan)
@@ -422,8 +426,8 @@ class Putting:
                 progress(0, total)
             fetch_remote(plan, writer, advance, part_size)
             for item in plan.items:
-                header = {"data": item.checked_header}
-                meta = version_meta(item.key, "array", item.version, header, {"data": item.crc}, pin)
+                headers, crcs = item.entry_files()  # data.npy; a Megatron pair's values and offsets
+                meta = version_meta(item.key, item.kind, item.version, headers, crcs, pin) | item.extra
                 meta["source"] = item.source  # redacted: no user information, no query
                 meta["source_fingerprint"] = {"size": item.size}
                 meta["source_identity"] = item.identity
