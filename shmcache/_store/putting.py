@@ -260,9 +260,10 @@ class Putting:
         array files, and refuses one that mixes both; ``"arrays"`` takes the array files only.
 
         Everything is validated before anything is copied: a truncated or corrupt file
-        raises a typed error naming it and publishes nothing. Payloads are copied by the
-        kernel, never through Python memory (but what must be decoded: compressed ``.npz``
-        members, HDF5 datasets, strided torch tensors). ``progress(bytes_done, bytes_total)`` is
+        raises a typed error naming it and publishes nothing. Payloads are copied once, never
+        held whole in memory: by the kernel, or through a reused 1 MiB buffer that the CRC-32
+        reads as it passes (files over 4 MiB; what must be decoded: compressed ``.npz``
+        members, HDF5 datasets, strided torch tensors, goes through Python in pieces). ``progress(bytes_done, bytes_total)`` is
         called as data is copied; an exception it raises cancels the load, and nothing
         is published. Returns the published keys.
 
