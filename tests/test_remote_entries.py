@@ -6,7 +6,6 @@ damaged input gives the local path's typed error and publishes nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from token_datasets import write_megatron
 
 import shmcache
 from shmcache._disk.layout import Layout
+from shmcache._disk.meta import read_meta
 from shmcache.errors import (
     CorruptSourceError,
     InvalidSourceError,
@@ -58,9 +58,13 @@ def _staging(root: Path) -> list[Path]:
 
 def _entry_files(store: shmcache.Store, root: Path, key: str) -> tuple[dict[str, bytes], dict]:  # type: ignore[type-arg]
     """The entry's ``.npy`` files and its ``meta.json`` less what differs between two puts."""
-    version = Layout(root).objects / store.info(key).version
+    layout = Layout(root)
+    name = store.info(key).version  # "<batch>/<n>" for an entry of a directory put
+    version = layout.objects / name
     files = {p.name: p.read_bytes() for p in sorted(version.iterdir()) if p.name != "meta.json"}
-    meta = json.loads((version / "meta.json").read_text())
+    record = read_meta(layout, name)  # meta.json, or the batch manifest's record
+    assert record is not None
+    meta = record.to_json()
     for name in ("version", "created", "source", "source_fingerprint", "source_identity", "key"):
         meta.pop(name, None)
     return files, meta
