@@ -96,7 +96,7 @@ def test_ctrl_c_anywhere_in_a_daemon_put_reports_what_ls_shows(daemon: Daemon, d
 def test_an_interrupted_client_put_file_says_how_the_load_ended(
     daemon: Daemon, data_dir: Path, fraction: float
 ) -> None:
-    source = write_big_npy(data_dir / f"{unique('client')}.npy", 32 << 20)
+    source = write_big_npy(data_dir / f"{unique('client')}.npy", SIZE)
     key = unique("client")
 
     def interrupt(done: int, total: int) -> None:

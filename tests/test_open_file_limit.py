@@ -124,7 +124,9 @@ def test_a_put_of_100000_files_under_256_descriptors(root: Path) -> None:
         # A daemon starting on 100,000 entries answers at once (it reads their meta.json in
         # the background: tests/test_daemon_start.py).
         limited = running_daemon(root, "--allow-source", str(tree), nofile=(LIMIT, LIMIT))
-        with limited as daemon, daemon.client(timeout=60) as client:
+        # The PUT checks every source header before it answers (typed errors at once, not a
+        # failed job): 100,000 headers take a while on loaded cores.
+        with limited as daemon, daemon.client(timeout=WAIT_S) as client:
             response = client.put("/v1/entries/ds", json={"source": str(tree), "overwrite": True})
             assert response.status_code == 202, response.text
             job = wait_job(client, response.json()["id"], timeout=WAIT_S)
