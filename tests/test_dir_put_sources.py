@@ -121,3 +121,16 @@ def test_a_held_file_changed_before_its_copy_publishes_nothing(
     assert str(victim) in str(info.value)
     _nothing_published(store, root)
     assert _open_under(folder) == 0
+
+
+def test_a_shared_header_is_parsed_once_but_each_size_is_checked(
+    store: Store, root: Path, folder: Path
+) -> None:
+    """Every file of ``folder`` has the same header bytes: one truncated after its header
+    (planned last) is still refused, naming it, though its header was parsed before."""
+    whole = (folder / "f000.npy").read_bytes()
+    (folder / "zz.npy").write_bytes(whole[: len(whole) - 4])
+    with pytest.raises(CorruptSourceError, match=r"zz\.npy: truncated"):
+        store.put_file("d", folder)
+    _nothing_published(store, root)
+    assert _open_under(folder) == 0
