@@ -33,7 +33,8 @@ from .._disk.npy import NpyHeader, build_header, parse_header_bytes
 from .._disk.writer import VersionWriter
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotFoundError, UnsupportedDataError
 from .files import is_array_file
-from .source_files import SourceFile, check_unchanged, descriptors_to_hold, open_checked, reopen
+from .source_files import SourceFile, check_unchanged, open_checked, reopen
+from .source_files import descriptors_to_hold as _descriptors_to_hold  # tests patch it here
 
 __all__ = [
     "AS_KINDS",
@@ -236,7 +237,7 @@ def _plan_files(
 ) -> BlobSources:
     files: list[SourceFile] = []
     held: list[int] = []
-    keep = descriptors_to_hold()
+    keep = _descriptors_to_hold()
     try:
         "/".join(names).encode("utf-8")  # names from paths are relative already: only UTF-8 to check
     except UnicodeEncodeError:
