@@ -18,7 +18,6 @@ only if it points beneath them); a symlink to a directory is refused.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from .._disk.writer import VersionWriter
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotFoundError, UnsupportedDataError
 from .files import is_array_file
 from .source_files import SourceFile, check_unchanged, open_checked, reopen
+from .source_files import descriptors_to_hold as _descriptors_to_hold  # tests patch it here
 
 __all__ = [
     "AS_KINDS",
@@ -258,19 +258,6 @@ def _plan_files(
             os.close(fd)
         raise
     return BlobSources(source, names, sizes, files, None, arrays, held)
-
-
-def _descriptors_to_hold() -> int:
-    """How many checked files may stay open until copied: half the soft limit on open
-    files, less what is open now (the rest are opened, and compared, again when copied)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 1 << 16
-    try:
-        open_now = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        open_now = soft // 4
-    return max(0, min(soft // 2 - open_now, 1 << 16))
 
 
 def _plan_buffers(mapping: Mapping[str, Any], what: str) -> BlobSources:

@@ -68,6 +68,11 @@ class Planned:
     """Decodes the source into the entry (``copy_offset`` is unused then)."""
     container: Container | None = None
     """Not an array: a container, written by ``_store/writing.write_container`` (``header`` only sizes it)."""
+    fd: int | None = None
+    """The descriptor the source was checked through, held open until the copy (a
+    directory put's ``.npy`` files, as many as the descriptor limit allows: no reopen, and
+    no second check of which file it is); None: the copy reopens ``file``. Closed by the
+    copy or by ``files.release_planned``."""
 
     @property
     def fingerprint(self) -> dict[str, int]:

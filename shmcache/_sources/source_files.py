@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import resource
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,15 @@ from typing import Any
 from .._disk.fs import out_of_descriptors, too_many_open_files
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError
 
-__all__ = ["SourceFile", "check_unchanged", "open_checked", "openat2_available", "reopen", "stat_fingerprint"]
+__all__ = [
+    "SourceFile",
+    "check_unchanged",
+    "descriptors_to_hold",
+    "open_checked",
+    "openat2_available",
+    "reopen",
+    "stat_fingerprint",
+]
 
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _DIRECTORY = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -70,6 +79,19 @@ class SourceFile:
     def fingerprint(self) -> dict[str, int]:
         """What ``meta.json`` records to tell later whether the source changed."""
         return {"size": self.size, "mtime_ns": self.mtime_ns}
+
+
+def descriptors_to_hold() -> int:
+    """How many checked files may stay open until copied: half the soft limit on open
+    files, less what is open now (the rest are opened, and compared, again when copied)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 16
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = soft // 4
+    return max(0, min(soft // 2 - open_now, 1 << 16))
 
 
 def stat_fingerprint(st: os.stat_result) -> dict[str, int]:
@@ -117,14 +139,20 @@ def check_unchanged(fd: int, source: SourceFile, same_path: bool = True) -> None
         raise _changed(source, "while loading")
     if not same_path:
         return
-    try:
-        again = _open(source.path, source.target, source.top)
-    except InvalidSourceError:
-        raise _changed(source, "while loading (it was removed or replaced)") from None
-    try:
-        st = os.fstat(again)
-    finally:
-        os.close(again)
+    if source.top is None:  # one stat of the path: it follows links as the open did
+        try:
+            st = os.stat(source.target)
+        except OSError:
+            raise _changed(source, "while loading (it was removed or replaced)") from None
+    else:  # confined: walked beneath ``top`` again, following no link
+        try:
+            again = _open(source.path, source.target, source.top)
+        except InvalidSourceError:
+            raise _changed(source, "while loading (it was removed or replaced)") from None
+        try:
+            st = os.fstat(again)
+        finally:
+            os.close(again)
     if (st.st_dev, st.st_ino) != (source.dev, source.ino):
         raise _changed(source, "while loading (it was replaced)")
 

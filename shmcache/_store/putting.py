@@ -29,8 +29,9 @@ from .._disk.trust import describe_uid
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
-from .._sources.files import copy_planned, plan_sources
+from .._sources.files import copy_planned, plan_sources, release_planned
 from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
+from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
 from .._sources.tar_shards import ShardSource, plan_shards
 from ..errors import CacheRootError, KeyExistsError, LockTimeoutError, UnsupportedDataError
@@ -292,7 +293,22 @@ class Putting:
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
             )
             return [info.key]
-        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs), dtype)
+        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs), dtype, hold=True)
+        try:
+            return self._put_planned(key, path, plan, overwrite, pin, progress)
+        finally:
+            release_planned(plan)  # what a failed put did not copy
+
+    def _put_planned(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        plan: builtins.list[Planned],
+        overwrite: bool,
+        pin: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> builtins.list[str]:
+        """``put_file`` of planned ``.npy`` sources: one batch version for several."""
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
         total = sum(item.header.file_size for item in plan)

@@ -1,0 +1,136 @@
+"""A directory put keeps each checked ``.npy`` open from its check to its copy (issue 22
+item 1): bounded by the descriptor limit, released on every outcome, and a file replaced
+or rewritten meanwhile still fails the put with nothing published."""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from service_helpers import scratch_dir
+
+from shmcache import Store
+from shmcache.errors import CorruptSourceError, KeyExistsError
+
+FILES = 60
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    with scratch_dir("dirput") as path:
+        for i in range(FILES):
+            np.save(path / f"f{i:03d}.npy", np.full((4, 8), i, np.int32))
+        yield path
+
+
+def _open_under(folder: Path) -> int:
+    """Descriptors of this process open on files under ``folder``."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}").startswith(f"{folder}/")
+        except OSError:
+            continue
+    return count
+
+
+def _at_first_progress(action: Callable[[], None]) -> Callable[[int, int], None]:
+    """A progress callback running ``action`` once: after every check, before any copy."""
+    done: list[bool] = []
+
+    def progress(_done: int, _total: int) -> None:
+        if not done:
+            done.append(True)
+            action()
+
+    return progress
+
+
+def _nothing_published(store: Store, root: Path) -> None:
+    assert store.list() == []
+    for sub in ("tmp", "objects", "entries"):
+        assert not (root / sub).exists() or os.listdir(root / sub) == [], sub
+
+
+def test_checked_files_stay_open_until_copied_then_close(store: Store, folder: Path) -> None:
+    held: list[int] = []
+    keys = store.put_file("d", folder, progress=_at_first_progress(lambda: held.append(_open_under(folder))))
+    assert held == [FILES]  # every file checked is held, none reopened for its copy
+    assert _open_under(folder) == 0
+    assert len(keys) == FILES and int(store.open_array("d/f007")[0, 0]) == 7
+
+
+def test_beyond_the_descriptor_budget_files_are_reopened(store: Store, folder: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    budget = 20
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2 * (open_now + budget), hard))
+    try:
+        count = _at_first_progress(lambda: held.append(_open_under(folder)))
+        keys = store.put_file("d", folder, progress=count)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(held) == 1 and 0 < held[0] <= budget + 2  # half the limit, less what was open
+    assert len(keys) == FILES and int(store.open_array(f"d/f{FILES - 1:03d}")[0, 0]) == FILES - 1
+    assert _open_under(folder) == 0
+
+
+def test_a_failed_put_releases_what_it_held(store: Store, root: Path, folder: Path) -> None:
+    store.put_file("d", folder)
+    with pytest.raises(KeyExistsError):
+        store.put_file("d", folder)  # refused after planning: the plan's descriptors close
+    assert _open_under(folder) == 0
+    (folder / "zz.npy").write_bytes((folder / "f000.npy").read_bytes()[:100])  # truncated, planned last
+    with pytest.raises(CorruptSourceError, match=r"zz\.npy"):
+        store.put_file("e", folder)
+    assert _open_under(folder) == 0
+
+
+def _replace(path: Path) -> Callable[[], None]:
+    def replace() -> None:
+        path.with_suffix(".new").write_bytes(path.read_bytes())
+        os.replace(path.with_suffix(".new"), path)
+
+    return replace
+
+
+def _rewrite(path: Path) -> Callable[[], None]:
+    def rewrite() -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\x07" * 16, 200)
+            os.utime(fd, ns=(0, 1))  # a time stamp the check cannot have seen
+        finally:
+            os.close(fd)
+
+    return rewrite
+
+
+@pytest.mark.parametrize("change", [_replace, _rewrite], ids=["replaced", "rewritten"])
+def test_a_held_file_changed_before_its_copy_publishes_nothing(
+    store: Store, root: Path, folder: Path, change: Callable[[Path], Callable[[], None]]
+) -> None:
+    victim = folder / "f030.npy"
+    with pytest.raises(CorruptSourceError, match="changed while loading") as info:
+        store.put_file("d", folder, progress=_at_first_progress(change(victim)))
+    assert str(victim) in str(info.value)
+    _nothing_published(store, root)
+    assert _open_under(folder) == 0
+
+
+def test_a_shared_header_is_parsed_once_but_each_size_is_checked(
+    store: Store, root: Path, folder: Path
+) -> None:
+    """Every file of ``folder`` has the same header bytes: one truncated after its header
+    (planned last) is still refused, naming it, though its header was parsed before."""
+    whole = (folder / "f000.npy").read_bytes()
+    (folder / "zz.npy").write_bytes(whole[: len(whole) - 4])
+    with pytest.raises(CorruptSourceError, match=r"zz\.npy: truncated"):
+        store.put_file("d", folder)
+    _nothing_published(store, root)
+    assert _open_under(folder) == 0
