@@ -15,6 +15,9 @@ import pytest
 
 import shmcache
 from shmcache import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError, Store
+from shmcache._disk.layout import Layout
+from shmcache._disk.meta import read_meta
+from shmcache._sources import blobs
 from shmcache._sources.tar_shards import MAX_EXPANSIONS, expand_braces, shard_paths
 from tests.cli_helpers import cli
 from tests.service_helpers import load
@@ -309,4 +312,66 @@ def test_a_shard_rewritten_while_loading_fails_the_put(store: Store, tmp_path: P
 
     with pytest.raises(CorruptSourceError, match=r"shard-002\.tar changed"):
         store.put_file("k", str(tmp_path / "s" / "shard-*.tar"), progress=rewrite_once)
+    assert not store.exists("k")
+
+
+def _written(store: Store, key: str) -> tuple[bytes, dict[str, object]]:
+    """The entry's ``bytes.npy`` and its recorded metadata, less what differs between puts."""
+    layout = Layout(store.root)
+    version = store.info(key).version
+    record = read_meta(layout, version)
+    assert record is not None
+    meta = record.to_json()
+    for name in ("version", "created", "key"):
+        meta.pop(name, None)
+    return (layout.objects / version / "bytes.npy").read_bytes(), meta
+
+
+def test_shards_copied_in_order_match_the_threaded_kernel_copy(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel cannot copy (another file system) the shards go through one buffer in
+    order, checksummed there: the same entry, and the same CRC-32 ``verify`` computes, as the
+    threaded kernel copy (members over the 1 MiB buffer and empty ones included)."""
+    members = make_shards(tmp_path / "s", count=3) | {"big.bin": os.urandom((3 << 20) + 5), "empty.txt": b""}
+    write_shard(tmp_path / "s" / "shard-003.tar", {"big.bin": members["big.bin"], "empty.txt": b""})
+    pattern = str(tmp_path / "s" / "shard-*.tar")
+    entries = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(blobs, "_kernel_copies", lambda files, dst, kernel=kernel: kernel)
+        seen: list[int] = []
+        store.put_file(f"k{kernel}", pattern, progress=lambda done, total, seen=seen: seen.append(done))
+        assert _contents(store, f"k{kernel}") == members
+        assert store.verify(f"k{kernel}") is True
+        assert seen[-1] == sum(len(v) for v in members.values())
+        entries[kernel] = _written(store, f"k{kernel}")
+    assert entries[True] == entries[False]
+
+
+def test_the_kernel_copy_is_asked_once_per_pair_of_file_systems(store: Store, tmp_path: Path) -> None:
+    make_shards(tmp_path / "s", count=2)
+    store.put_file("k", str(tmp_path / "s" / "shard-*.tar"))
+    src_dev = (tmp_path / "s").stat().st_dev
+    assert (src_dev, store.root.stat().st_dev) in blobs._kernel_copy
+    same = store.root / "shard.tar"  # the cache's own file system: the kernel copies there
+    members = _sample(7)
+    write_shard(same, members)
+    store.put_file("same", str(same))
+    assert blobs._kernel_copy[(same.stat().st_dev, store.root.stat().st_dev)] is True
+    assert _contents(store, "same") == members
+
+
+def test_a_shard_truncated_during_the_in_order_copy_fails_the_put(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blobs, "_kernel_copies", lambda files, dst: False)
+    shard = write_shard(tmp_path / "big.tar", {f"{i}.bin": os.urandom(1 << 20) for i in range(4)})
+
+    def truncate_once(done: int, total: int, state: list[int] = [0]) -> None:  # noqa: B006
+        if done and not state[0]:  # the first buffer is written: cut the shard in half
+            state[0] = 1
+            os.truncate(shard, shard.stat().st_size // 2)
+
+    with pytest.raises(CorruptSourceError, match=r"big\.tar changed while loading"):
+        store.put_file("k", str(shard), progress=truncate_once)
     assert not store.exists("k")

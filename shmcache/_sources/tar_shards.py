@@ -25,6 +25,7 @@ import functools
 import glob
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -370,13 +371,19 @@ def _plain_header(block: bytes) -> tuple[str, bool, int] | None:
         size = int(block[124:136].replace(b"\0", b" ").strip() or b"0", 8)
     except ValueError:
         return None
-    if checksum != sum(block[:148]) + 256 + sum(block[156:]):
+    if checksum != _byte_sum(block) - sum(block[148:156]) + 256:  # the field counts as 8 spaces
         return None
     name = block[:100].split(b"\0", 1)[0]
     if prefix:
         name = prefix + b"/" + name
     is_dir = block[156:157] == b"5" or (block[156:157] == b"\0" and name.endswith(b"/"))
     return name.decode("utf-8", "surrogateescape"), is_dir, size
+
+
+def _byte_sum(block: bytes) -> int:
+    """The sum of a 512-byte block's bytes, in C: Adler-32's low half is 1 + the sum of the
+    bytes modulo 65521, exact for 256 bytes (at most 65,280); a Python ``sum`` costs ~3 us."""
+    return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
 
 
 def _member_name(raw: str, path: str) -> str:
