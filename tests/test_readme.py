@@ -24,6 +24,7 @@ import ast
 import importlib.util
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -199,10 +200,11 @@ def test_python_block_runs_twice_alone(block: Block, root: Path, tmp_path: Path)
     if needs_daemon:
         pytest.importorskip("fastapi", reason="shmcache serve needs the service extra")
     code = "\n" * (block.line - 1) + block.code  # tracebacks give the document's line numbers
+    run_block = f"exec(compile({code!r}, {str(block.path)!r}, 'exec')); print({_BLOCK_DONE!r}, flush=True)"
     with running_daemon(root) if needs_daemon else nullcontext():
         for run in ("first", "second"):
             done = subprocess.run(
-                [sys.executable, "-c", f"exec(compile({code!r}, {str(block.path)!r}, 'exec'))"],
+                [sys.executable, "-c", run_block],
                 capture_output=True,
                 text=True,
                 cwd=tmp_path,
@@ -210,7 +212,25 @@ def test_python_block_runs_twice_alone(block: Block, root: Path, tmp_path: Path)
                 timeout=300,
                 check=False,
             )
+            if _arrow_exit_abort(done):
+                continue  # the block ran to its end; pyarrow aborted in interpreter teardown
             assert done.returncode == 0, f"{block.where}: the {run} run failed\n{done.stdout}\n{done.stderr}"
+            assert done.stdout.endswith(_BLOCK_DONE + "\n"), done.stdout
+
+
+_BLOCK_DONE = "<<the block ran to its end>>"
+
+
+def _arrow_exit_abort(done: subprocess.CompletedProcess[str]) -> bool:
+    """pyarrow's known abort at interpreter exit (a joinable C++ pool thread destroyed in
+    teardown; apache/arrow#34314, seen once in a loaded full run on a pandas/Parquet block)
+    after the block printed that it ran to its end: not the block's failure. Any other exit
+    status, or one before the end, fails the test."""
+    return (
+        done.returncode == -signal.SIGABRT
+        and done.stdout.endswith(_BLOCK_DONE + "\n")
+        and done.stderr.strip() == "terminate called without an active exception"
+    )
 
 
 def test_every_block_names_what_it_imports() -> None:
