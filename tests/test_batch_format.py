@@ -108,6 +108,30 @@ def test_a_damaged_manifest_is_named(store: Store, root: Path, tmp_path: Path) -
     assert int(store.open_array("d/f1")[0, 0]) == 1  # the open path reads no metadata
 
 
+@pytest.mark.parametrize(
+    ("where", "number"),
+    [(8, 1 << 62), (16, 1 << 40), (16, 1 << 62), ("end of entry 1", 1 << 62), ("start of entry 1", 1 << 63)],
+)
+def test_a_manifest_with_a_huge_number_is_damaged_not_a_huge_read(
+    store: Store, root: Path, tmp_path: Path, where: int | str, number: int
+) -> None:
+    """A count, common length or offset beyond the file is a CorruptEntryError (checked before
+    any read, never an allocation of that size); the damaged key can still be evicted, and a
+    put beside it under a budget (which counts every entry's bytes) still works."""
+    store.put_file("d", _sources(tmp_path / "src"))
+    manifest = _batch(root) / "manifest"
+    data = bytearray(manifest.read_bytes())
+    offset = where if isinstance(where, int) else 24 + 8 * (1 if where.startswith("start") else 2)
+    data[offset : offset + 8] = number.to_bytes(8, "little")
+    manifest.write_bytes(bytes(data))
+    key = "d/f1"
+    with pytest.raises(CorruptEntryError, match=rf"'{key}' is damaged: its manifest .* is damaged"):
+        store.info(key)
+    store.set_budget(1 << 30)
+    store.put_array("beside", np.arange(10))
+    assert store.evict(key) > 0 and not store.exists(key)
+
+
 def test_cleanup_removes_the_entry_of_an_evict_killed_halfway(root: Path, tmp_path: Path) -> None:
     """An evict killed by SIGKILL after unlinking the key's link, before removing its
     directory: ``cleanup`` removes that entry alone, the batch stays for the others."""

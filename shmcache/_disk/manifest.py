@@ -70,6 +70,7 @@ def read_manifest_entry(root: str, version: str) -> dict[str, Any] | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
+        size = os.fstat(fd).st_size
         head = os.pread(fd, _HEAD.size, 0)
         if len(head) < _HEAD.size:
             raise ValueError(f"the manifest of {batch} is truncated")
@@ -78,14 +79,20 @@ def read_manifest_entry(root: str, version: str) -> dict[str, Any] | None:
             raise ValueError(f"the manifest of {batch} is not a shmcache manifest")
         if index >= count:
             raise ValueError(f"the manifest of {batch} lists {count} entries, not entry {index}")
+        # Every length and offset is checked against the file's size before it is read:
+        # a damaged number costs an error, never a huge allocation.
+        body = _HEAD.size + 8 * (count + 1)
+        if body + common_length > size:
+            raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
         pair = os.pread(fd, _PAIR.size, _HEAD.size + 8 * index)
         if len(pair) < _PAIR.size:
             raise ValueError(f"the manifest of {batch} is truncated")
         start, end = _PAIR.unpack(pair)
-        body = _HEAD.size + 8 * (count + 1)
+        if not body + common_length <= start < end <= size:
+            raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
         common = os.pread(fd, common_length, body)
-        own = os.pread(fd, end - start, start) if body + common_length <= start <= end else b""
-        if len(common) != common_length or len(own) != end - start or not own:
+        own = os.pread(fd, end - start, start)
+        if len(common) != common_length or len(own) != end - start:
             raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
     finally:
         os.close(fd)
