@@ -489,3 +489,28 @@ def test_share_without_xxhash_hashes_with_sha256_and_never_reuses_an_xxh3_entry(
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["refused", "reused"]
+
+
+@pytest.mark.parametrize("recorded", ["legacy", "sha256"])
+def test_share_reuses_an_identical_entry_hashed_before_the_upgrade(root: Path, recorded: str) -> None:
+    """Roots outlive upgrades: an entry whose meta.json records the unprefixed SHA-256 of the
+    versions before XXH3 (or the prefixed SHA-256 of a process without xxhash) is reused by
+    an identical re-share, and still refused for other content."""
+    import json
+
+    from shmcache._containers.encode import content_digest, encode_any
+
+    store = shmcache.Store(root)
+    anns = [{"bbox": [1.0, 2.0, 3.0, float(i)], "label": i, "id": f"a{i}"} for i in range(50)]
+    store.share("anns", anns)
+    version = store.info("anns").version
+    kind, files, _ = encode_any(anns, "anns")
+    old_digest = content_digest(kind, files, "" if recorded == "legacy" else "sha256")
+    meta_file = store.layout.objects / version / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["content_hash"] = old_digest  # as the older code recorded it
+    meta_file.write_text(json.dumps(meta))
+    store.share("anns", [dict(a) for a in anns])
+    assert store.info("anns").version == version  # reused, not refused nor rewritten
+    with pytest.raises(shmcache.KeyExistsError, match="other content"):
+        store.share("anns", anns[:-1])

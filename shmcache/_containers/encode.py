@@ -37,6 +37,7 @@ __all__ = [
     "encode_records",
     "encode_strings",
     "fast_json",
+    "same_content",
     "utf8",
 ]
 
@@ -294,29 +295,58 @@ def encode_any(obj: Any, what: str) -> Encoded:
     )
 
 
-def content_digest(kind: str, files: Mapping[str, np.ndarray]) -> str:
+def content_digest(kind: str, files: Mapping[str, np.ndarray], algorithm: str | None = None) -> str:
     """A hash of an entry's content, so ``share`` can reuse an identical entry.
 
     XXH3-128 (xxhash): ~20 GB/s, against SHA-256's 0.2 GB/s on a CPU without SHA
     extensions, where it was a quarter of ``share()``'s time for 1M annotation dicts. A
     non-cryptographic hash is enough here: it tells one's own re-share from other
     content, and whoever can write into the root can replace entries anyway. Without
-    xxhash, SHA-256; the prefix names the algorithm, so digests of the two never match
-    (a re-share is then refused, never wrongly reused).
+    xxhash, SHA-256. The prefix names the algorithm; ``algorithm`` asks for one
+    (``"xxh3_128"``, ``"sha256"``, or ``""``: the unprefixed SHA-256 that entries shared
+    before digests named their algorithm recorded), to compare with such an entry
+    (:func:`same_content`). ``ImportError`` if it asks for XXH3 without xxhash.
     """
     digest: Any
-    try:
-        from xxhash import xxh3_128  # deferred: only share() needs it (import time)
-    except ImportError:
+    if algorithm is None:
+        try:
+            from xxhash import xxh3_128  # deferred: only share() needs it (import time)
+        except ImportError:
+            algorithm = "sha256"
+        else:
+            algorithm = "xxh3_128"
+    if algorithm == "xxh3_128":
+        from xxhash import xxh3_128
+
+        digest = xxh3_128()
+    else:
         import hashlib
 
-        digest, prefix = hashlib.sha256(), "sha256:"
-    else:
-        digest, prefix = xxh3_128(), "xxh3_128:"
+        digest = hashlib.sha256()
     digest.update(kind.encode())
     for name in sorted(files):
         array = np.ascontiguousarray(files[name])
         digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
         if array.size and array.dtype.itemsize:
             digest.update(array.reshape(-1).view(np.uint8).data)
-    return prefix + str(digest.hexdigest())[:32]
+    return (f"{algorithm}:" if algorithm else "") + str(digest.hexdigest())[:32]
+
+
+_DIGESTS = ("xxh3_128", "sha256", "")
+
+
+def same_content(recorded: str | None, kind: str, files: Mapping[str, np.ndarray], digest: str) -> bool:
+    """Whether an entry whose metadata records ``recorded`` holds this content (``digest``
+    is :func:`content_digest`'s). An entry hashed another way (before an upgrade, or by a
+    process without xxhash) is compared by hashing this content that way, once: a re-share
+    after an upgrade is reused, not refused."""
+    if recorded is None or recorded == digest:
+        return recorded is not None
+    algorithm, colon, _ = recorded.partition(":")
+    algorithm = algorithm if colon else ""
+    if algorithm not in _DIGESTS or algorithm == digest.partition(":")[0]:
+        return False
+    try:
+        return content_digest(kind, files, algorithm) == recorded
+    except ImportError:  # recorded with XXH3, and this process has no xxhash
+        return False

@@ -28,6 +28,7 @@ from .._containers.encode import (
     encode_ragged,
     encode_records,
     encode_strings,
+    same_content,
 )
 from .._containers.table_arrow import encode_table
 from .._disk.keys import validate_key
@@ -262,7 +263,7 @@ class MemberWriter:
         version = self.layout.entry_version(key)
         if version is not None:
             current = read_meta(self.layout, version)
-            if current is not None and current.content_hash == digest:
+            if current is not None and same_content(current.content_hash, kind, files, digest):
                 return current.kind
             if not overwrite:
                 raise KeyExistsError(
@@ -276,7 +277,7 @@ class MemberWriter:
         except KeyExistsError:  # another member shared it meanwhile: theirs if it is the same
             version = self.layout.entry_version(key)
             current = None if version is None else read_meta(self.layout, version)
-            if current is None or current.content_hash != digest:
+            if current is None or not same_content(current.content_hash, kind, files, digest):
                 raise
         return kind
 

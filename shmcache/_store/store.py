@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._containers.encode import content_digest, encode_any
+from .._containers.encode import content_digest, encode_any, same_content
 from .._containers.group import SharedGroup, read_group
 from .._containers.shared import (
     SharedBlobs,
@@ -213,7 +213,7 @@ class Store(Putting):
         with self._key_lock(key, self.lock_timeout):
             version = self.layout.entry_version(key)
             current = None if version is None else read_meta(self.layout, version)
-            if current is not None and current.content_hash == digest:
+            if current is not None and same_content(current.content_hash, kind, files, digest):
                 return self.open(key)
             if version is not None and not overwrite:
                 raise KeyExistsError(
