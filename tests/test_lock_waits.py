@@ -428,6 +428,11 @@ print("done", flush=True)
         subprocess.Popen([sys.executable, "-c", code, str(root), str(n)], stdout=subprocess.PIPE, text=True)
         for n in range(2)
     ]
-    outs = [proc.communicate(timeout=WAIT_S)[0] for proc in procs]
+    try:
+        outs = [proc.communicate(timeout=WAIT_S)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
     assert [proc.returncode for proc in procs] == [0, 0] and outs == ["done\n", "done\n"]
     subprocess.run([sys.executable, "-c", _TAKE_ONE, str(root), "d/f0123"], check=True)
