@@ -399,3 +399,40 @@ def test_readers_share_the_publish_lock_and_a_publisher_waits_for_them(root: Pat
     for thread in readers:
         thread.join(WAIT_S)
     assert order == ["read", "read", "published"]
+
+
+def test_overlapping_batches_in_two_processes_never_deadlock(root: Path) -> None:
+    """Batches of hundreds of keys spread over every lock file, overlapping, taken over and
+    over by 2 threads in each of 2 processes (the order each batch takes its locks in is
+    the one thing that keeps them from waiting on each other in a cycle): all finish, none
+    reaches its bound, and a single-key lock of a batched key is free again after."""
+    store = Store(root)
+    store.prepare()
+    code = """
+import random, sys, threading
+from shmcache import Store
+from shmcache._store.locks import key_locks
+layout = Store(sys.argv[1]).layout
+keys = [f"d/f{i:04d}" for i in range(600)]
+def work(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        with key_locks(layout, rng.sample(keys, 300), 60):
+            pass
+threads = [threading.Thread(target=work, args=(int(sys.argv[2]) * 2 + n,)) for n in range(2)]
+for thread in threads: thread.start()
+for thread in threads: thread.join()
+print("done", flush=True)
+"""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(root), str(n)], stdout=subprocess.PIPE, text=True)
+        for n in range(2)
+    ]
+    try:
+        outs = [proc.communicate(timeout=WAIT_S)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0] and outs == ["done\n", "done\n"]
+    subprocess.run([sys.executable, "-c", _TAKE_ONE, str(root), "d/f0123"], check=True)

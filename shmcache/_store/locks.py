@@ -30,8 +30,9 @@ Each lock is one byte of a lock file under ``locks/``, locked with ``fcntl`` (F_
   would release every lock of the process on that file), and is closed after.
 
 Waits poll (1 ms doubling to 50 ms): F_SETLKW cannot be bounded or interrupted to look at
-the holder. Keys are taken in the order of their (file, byte), so two batches never
-deadlock; a hash collision (odds 2^-58 per pair) only makes two keys share a lock.
+the holder. Keys are taken in one order of their (file, byte) (:func:`key_locks`), so
+two batches never deadlock; a hash collision (odds 2^-58 per pair) only makes two keys
+share a lock.
 """
 
 from __future__ import annotations
@@ -312,10 +313,13 @@ def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContext
 
 @contextmanager
 def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Iterator[None]:
-    """The locks of several keys, taken in the order of their slots (two batches never
-    deadlock) and released in that order (the kernel finds each at the head of the list)."""
+    """The locks of several keys, taken in one total order of their slots (two batches
+    never deadlock): lock files in order, each file's bytes highest first. The kernel keeps
+    a process's locks on a file sorted and walks them from the lowest to place a new one:
+    taken highest first, each goes at the head (100,000 keys: half the time of lowest
+    first, the other half being its scan of the file's locks for a conflict)."""
     named = {_key_slot(layout, key): key for key in keys}
-    slots = sorted(named)
+    slots = sorted(named, key=_slot_order)
     taken: list[tuple[str, int, int]] = []
     try:
         _take_free(layout, slots, taken)  # a directory put's thousands of keys: one pass
@@ -329,16 +333,25 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
         _exit_all(taken)
 
 
+def _slot_order(slot: tuple[str, int]) -> tuple[str, int]:
+    """The order batches take key locks in: by file, then highest byte first."""
+    return slot[0], -slot[1]
+
+
 def _take_free(layout: Layout, slots: list[tuple[str, int]], taken: list[tuple[str, int, int]]) -> None:
-    """Take the key locks ``slots`` (sorted) exclusive, in order, while each is free in this
+    """Take the key locks ``slots`` (in :func:`_slot_order`) exclusive, in order, while each is free in this
     process and in every other (no wait); stops at the first that is not. What ``_enter``
     does for one lock, for many under one hold of ``_cond``."""
     me = threading.get_ident()
+    openers: dict[str, Opener] = {}  # one per lock file, not one per key
     with _cond:
         for path, offset in slots:
             if (path, offset) in _slots:
                 return
-            fd = _use_file(path, True, _creating(path, layout))
+            opener = openers.get(path)
+            if opener is None:
+                opener = openers[path] = _creating(path, layout)
+            fd = _use_file(path, True, opener)
             assert fd is not None  # a writer's opener always opens
             try:
                 free = try_lock_range(fd, offset, False)
@@ -379,7 +392,7 @@ def _exit_all(taken: list[tuple[str, int, int]]) -> None:
                     os.close(fd)
             else:
                 fd = next(iter(file.fds.values()))
-                for offset in offsets:
+                for offset in reversed(offsets):  # lowest first: each at the list's head
                     unlock_range(fd, offset)
         if released:
             _wake()

@@ -263,14 +263,35 @@ def batch_common(pin: bool) -> dict[str, Any]:
 def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: Mapping[str, int]) -> bytes:
     """The manifest object of an array entry copied from a ``.npy`` (what its ``meta.json``
     would hold beyond :func:`batch_common`), encoded with a newline: formatted directly
-    (``json.dumps`` of a dict costs several times more, per file of a batch)."""
-    shape = ",".join(map(str, header.shape))
+    (``json.dumps`` of a dict costs several times more, per file of a batch), and what
+    depends on the header only (dtype, shape, sizes) formatted once per distinct header
+    (the files of a folder share a few)."""
+    described = _DESCRIBED.get(header)
+    if described is None:
+        described = _describe(header)
     return (
-        f'{{"key":"{key}","dtype":{_dtype_json(header.dtype)},"shape":[{shape}],'
-        f'"fortran_order":{"true" if header.fortran_order else "false"},'
-        f'"nbytes":{header.nbytes},"size":{header.file_size},"checksum":"crc32:data={crc:08x}",'
-        f'"source":{_json_string(source)},"source_fingerprint":{{{_json_ints(fingerprint)}}}}}\n'
+        f'{{"key":"{key}",{described}{crc:08x}","source":{_json_string(source)},'
+        f'"source_fingerprint":{{{_json_ints(fingerprint)}}}}}\n'
     ).encode()
+
+
+def _describe(header: NpyHeader) -> str:
+    """The members of an array line that depend on the header alone, up to the checksum's
+    digits; remembered."""
+    shape = ",".join(map(str, header.shape))
+    nbytes = header.nbytes
+    described = (
+        f'"dtype":{_dtype_json(header.dtype)},"shape":[{shape}],'
+        f'"fortran_order":{"true" if header.fortran_order else "false"},'
+        f'"nbytes":{nbytes},"size":{header.data_offset + nbytes},"checksum":"crc32:data='
+    )
+    if len(_DESCRIBED) > 1024:
+        _DESCRIBED.clear()
+    _DESCRIBED[header] = described
+    return described
+
+
+_DESCRIBED: dict[NpyHeader, str] = {}
 
 
 def _json_ints(numbers: Mapping[str, int]) -> str:
