@@ -313,13 +313,13 @@ def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContext
 
 @contextmanager
 def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Iterator[None]:
-    """The locks of several keys, taken in one total order of their slots (two batches
-    never deadlock): lock files in order, each file's bytes highest first. The kernel keeps
-    a process's locks on a file sorted and walks them from the lowest to place a new one:
-    taken highest first, each goes at the head (100,000 keys: half the time of lowest
-    first, the other half being its scan of the file's locks for a conflict)."""
+    """The locks of several keys, taken in the order of their slots (two batches never
+    deadlock) and released in that order. The order is part of the root's format: every
+    version that writes a root must take them alike, or an older and a newer batch could
+    wait on each other. (Taking each file's bytes highest first halves the kernel's cost
+    of placing 100,000 locks, but would change that order: not done.)"""
     named = {_key_slot(layout, key): key for key in keys}
-    slots = sorted(named, key=_slot_order)
+    slots = sorted(named)
     taken: list[tuple[str, int, int]] = []
     try:
         _take_free(layout, slots, taken)  # a directory put's thousands of keys: one pass
@@ -333,13 +333,8 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
         _exit_all(taken)
 
 
-def _slot_order(slot: tuple[str, int]) -> tuple[str, int]:
-    """The order batches take key locks in: by file, then highest byte first."""
-    return slot[0], -slot[1]
-
-
 def _take_free(layout: Layout, slots: list[tuple[str, int]], taken: list[tuple[str, int, int]]) -> None:
-    """Take the key locks ``slots`` (in :func:`_slot_order`) exclusive, in order, while each is free in this
+    """Take the key locks ``slots`` (sorted) exclusive, in order, while each is free in this
     process and in every other (no wait); stops at the first that is not. What ``_enter``
     does for one lock, for many under one hold of ``_cond``."""
     me = threading.get_ident()
@@ -392,7 +387,7 @@ def _exit_all(taken: list[tuple[str, int, int]]) -> None:
                     os.close(fd)
             else:
                 fd = next(iter(file.fds.values()))
-                for offset in reversed(offsets):  # lowest first: each at the list's head
+                for offset in offsets:
                     unlock_range(fd, offset)
         if released:
             _wake()
