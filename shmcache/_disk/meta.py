@@ -190,13 +190,7 @@ def read_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta | None:
         raise damaged(key, f"its {META_FILE} is not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise damaged(key, f"its {META_FILE} holds a {type(meta).__name__}, not an object")
-    try:
-        entry = EntryMeta.from_json(meta)
-    except ValueError as exc:
-        raise damaged(key, f"its {META_FILE} {exc}") from None
-    if entry.key is not None and entry.key != key:
-        raise damaged(key, f"its link points at the data of entry {entry.key!r}")
-    return entry
+    return _key_record(key, meta, f"its {META_FILE}")
 
 
 def _read_batch_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta | None:
@@ -222,10 +216,16 @@ def _read_batch_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta 
             f"its data {layout.version_dir(version)} vanished "
             "(`shmcache cleanup` removes entries whose data vanished)",
         )
+    return _key_record(key, meta, f"its object in the {MANIFEST_FILE}")
+
+
+def _key_record(key: str, meta: dict[str, Any], where: str) -> EntryMeta:
+    """``meta`` (from ``where``) as ``key``'s record: damaged if it is malformed or records
+    another key (a link that points at another entry's data)."""
     try:
         entry = EntryMeta.from_json(meta)
     except ValueError as exc:
-        raise damaged(key, f"its object in the {MANIFEST_FILE} {exc}") from None
+        raise damaged(key, f"{where} {exc}") from None
     if entry.key is not None and entry.key != key:
         raise damaged(key, f"its link points at the data of entry {entry.key!r}")
     return entry

@@ -83,12 +83,7 @@ class VersionWriter:
         """Create ``tmp/<version>/`` and return the version name."""
         self._count += 1
         version = f"{self.writer_id}.{self._count}"
-        path = f"{self._tmp}/{version}"
-        try:
-            os.mkdir(path, self._dir_mode)
-        except OSError as exc:
-            raise_if_full(path, exc)
-            raise
+        self._mkdir(f"{self._tmp}/{version}")
         self._pending[version] = None
         return version
 
@@ -101,13 +96,16 @@ class VersionWriter:
         """Create entry ``index``'s directory in ``tmp/<batch>/``; returns its version
         ``<batch>/<index>`` (files are created in it as in any version)."""
         version = f"{batch}/{index}"
-        path = f"{self._tmp}/{version}"
+        self._mkdir(f"{self._tmp}/{version}")
+        return version
+
+    def _mkdir(self, path: str) -> None:
+        """A version's (or a batch entry's) directory; a full file system is CacheFullError."""
         try:
             os.mkdir(path, self._dir_mode)
         except OSError as exc:
             raise_if_full(path, exc)
             raise
-        return version
 
     def write_manifest(self, batch: str, pieces: Iterable[bytes]) -> None:
         """Write ``tmp/<batch>/manifest`` (``manifest.encode_manifest``'s pieces)."""

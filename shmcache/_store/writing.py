@@ -136,11 +136,7 @@ def publish(
                     writer.swap_tree(common_prefix(keys), versions)
             published = True
     finally:
-        if published or changing:
-            bump_generations(layout, keys)
-        if published:
-            writer.remove_old_trees()
-            remove_versions(layout, replaced)
+        _settle(layout, writer, keys, changing, published, replaced)
 
 
 def write_batch(
@@ -208,11 +204,25 @@ def publish_batch(
                 replaced = writer.swap_tree(common_prefix(keys), versions, refuse)
             published = True
     finally:
-        if published or changing:
-            bump_generations(layout, keys)
-        if published:
-            writer.remove_old_trees()
-            remove_versions(layout, replaced.values())
+        _settle(layout, writer, keys, changing, published, replaced.values())
+
+
+def _settle(
+    layout: Layout,
+    writer: VersionWriter,
+    keys: Sequence[str],
+    changing: bool,
+    published: bool,
+    replaced: Iterable[str],
+) -> None:
+    """After a publish, whatever its outcome: settle the keys' generations if any link may
+    have moved (or their slots were marked changing); once published, remove the old tree
+    copies and the versions the keys held before."""
+    if published or changing:
+        bump_generations(layout, keys)
+    if published:
+        writer.remove_old_trees()
+        remove_versions(layout, replaced)
 
 
 def remove_versions(layout: Layout, versions: Iterable[str]) -> int:
