@@ -23,6 +23,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from service_helpers import (
@@ -38,6 +39,9 @@ from service_helpers import (
 
 import shmcache
 from shmcache._disk.layout import ENV_ROOT
+
+if TYPE_CHECKING:
+    from s3_helpers import MotoServer
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,3 +90,20 @@ def daemon(daemon_args: tuple[str, ...], daemon_env: dict[str, str]) -> Iterator
     """A real ``shmcache serve`` on a fresh root's Unix socket, shared by the module's tests."""
     with temporary_root() as path, running_daemon(path, *daemon_args, env=daemon_env) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[MotoServer]:
+    """A local S3 server (moto) for the module's remote tests (which skip without moto)."""
+    from s3_helpers import moto_server  # deferred: only the remote tests have moto
+
+    with scratch_dir("moto") as logs, moto_server(logs) as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: MotoServer) -> str:
+    """A new, empty bucket on ``s3`` for each test."""
+    from s3_helpers import unique_bucket
+
+    return unique_bucket(s3)

@@ -14,7 +14,6 @@ import sys
 import textwrap
 import traceback
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,17 +35,6 @@ from shmcache.errors import (
     SourceNotFoundError,
     UnsupportedDataError,
 )
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[MotoServer]:
-    with scratch_dir("moto") as logs, moto_server(logs) as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: MotoServer) -> str:
-    return unique_bucket(s3)
 
 
 def _put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:

@@ -7,7 +7,6 @@ damaged input gives the local path's typed error and publishes nothing."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +15,7 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from s3_helpers import MotoServer, moto_server, unique_bucket
-from service_helpers import scratch_dir
+from s3_helpers import MotoServer
 from test_token_files import _hostile_index
 from token_datasets import write_megatron
 
@@ -33,17 +31,6 @@ from shmcache.errors import (
 )
 
 _DOCUMENTS = [[[1, 2, 3], [4]], [[5, 6]], [[7], [8, 9, 10], [11]]]
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[MotoServer]:
-    with scratch_dir("moto") as logs, moto_server(logs) as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: MotoServer) -> str:
-    return unique_bucket(s3)
 
 
 def _upload(s3: MotoServer, bucket: str, prefix: str, files: list[Path]) -> None:

@@ -10,7 +10,6 @@ import io
 import json
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,23 +21,12 @@ pa = pytest.importorskip("pyarrow")
 
 import pyarrow.feather as feather  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from s3_helpers import KEY, MotoServer, moto_server, npy_bytes, unique_bucket  # noqa: E402
-from service_helpers import load, scratch_dir, unique  # noqa: E402
+from s3_helpers import KEY, MotoServer, npy_bytes, unique_bucket  # noqa: E402
+from service_helpers import load, unique  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
 from shmcache.errors import CorruptSourceError, InvalidSourceError  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[MotoServer]:
-    with scratch_dir("moto") as logs, moto_server(logs) as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: MotoServer) -> str:
-    return unique_bucket(s3)
 
 
 def _put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:
