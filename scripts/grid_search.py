@@ -24,6 +24,7 @@ removed at the end. Usage::
 
     python scripts/grid_search.py [--quick] [--experiments N] [--rows R] [--dim D]
                                   [--epochs E] [--workers W] [--root R] [--loader gpu]
+                                  [--loss-every-step]
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class Experiment:
     device: str
     loader: str = "dataloader"
     """"dataloader" (``workers`` worker processes) or "gpu" (``GPULoader``, none)."""
+    loss_every_step: bool = False
+    """Read each step's loss on the host (``loss.item()``: a GPU sync per step), rather than
+    keeping the losses on the device and reading them once per epoch."""
 
 
 # ---------------------------------------------------------------------- one experiment (child)
@@ -117,14 +121,20 @@ def run_experiment(exp: Experiment) -> int:
     steps = 0
     training = time.perf_counter()
     for _ in range(exp.epochs):
+        on_device: list[torch.Tensor] = []
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
-            losses.append(loss.item())
+            if exp.loss_every_step:
+                losses.append(loss.item())
+            else:
+                on_device.append(loss.detach())
             steps += 1
+        if on_device:  # one sync per epoch, inside the timed epoch
+            losses.extend(torch.stack(on_device).tolist())
     epoch_s = (time.perf_counter() - training) / max(1, exp.epochs)
     with torch.no_grad():
         held_out = slice(0, min(8192, len(dataset)))
@@ -242,7 +252,7 @@ def run_once(
                 index=i, root=str(root), features=f"{prefix}/features", labels=f"{prefix}/labels",
                 lr=LEARNING_RATES[i % len(LEARNING_RATES)], hidden=HIDDEN[(i // len(LEARNING_RATES)) % 2],
                 epochs=args.epochs, batch_size=args.batch_size, workers=args.workers,
-                device="cuda" if gpus else "cpu", loader=loader,
+                device="cuda" if gpus else "cpu", loader=loader, loss_every_step=args.loss_every_step,
             )
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)] if gpus else "")
             children.append(subprocess.Popen(
@@ -363,7 +373,8 @@ def run_grid(args: argparse.Namespace) -> int:
 
     loaders = ["gpu", "dataloader"] if args.loader == "gpu" else ["dataloader"]
     print(f"# grid_search{' (quick)' if args.quick else ''}: {n} experiments, "
-          f"{len(gpus) or 'no'} visible GPUs, {args.workers} DataLoader workers each, {os.cpu_count()} CPUs")
+          f"{len(gpus) or 'no'} visible GPUs, {args.workers} DataLoader workers each, {os.cpu_count()} CPUs, "
+          f"{args.epochs} epoch(s), losses read {'every step' if args.loss_every_step else 'once per epoch'}")
     if args.loader == "gpu" and not gpus:
         print("no GPU: GPULoader and the DataLoader both run on device cpu "
               "(the ratio below is not the GPU target)")
@@ -412,6 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--loader", choices=("dataloader", "gpu"), default="dataloader",
         help="gpu: a GPULoader grid, then the DataLoader's, and their epoch times compared",
+    )
+    parser.add_argument(
+        "--loss-every-step", action="store_true",
+        help="read each step's loss with loss.item() (a GPU sync per step) instead of once per epoch",
     )
     parser.add_argument("--run-experiment", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
