@@ -341,12 +341,13 @@ class Service:
 
     def generation_table(self) -> bytes | None:
         """A copy of the root's generation table (8 KiB), None while the root has none."""
-        if self._generations is None:
+        table = self._generations  # one read: close() may drop it meanwhile (two threads may
+        if table is None:  # both map it at first: one mapping is then dropped, no harm)
             mapped = map_generations(Layout(self.store.root))
             if mapped is None:
                 return None
-            self._generations = mapped[0]
-        return self._generations.tobytes()
+            table = self._generations = mapped[0]
+        return table.tobytes()
 
     # ------------------------------------------------------------------ the entry list
 
