@@ -22,6 +22,7 @@ from cli_helpers import cli
 
 from shmcache import CorruptEntryError, Store
 from shmcache._disk.layout import encode_key
+from shmcache._disk.manifest import encode_manifest, read_manifest_entry, read_manifest_keys
 
 KINDS: dict[str, Callable[[Store, str], None]] = {
     "array": lambda store, key: store.put_array(key, np.arange(12, dtype=np.float32).reshape(3, 4)),
@@ -216,3 +217,78 @@ def test_the_daemon_answers_a_damaged_entry_with_409_naming_the_fix(store: Store
         assert client.delete("/v1/entries/k").status_code == 200
     store.put_array("k", np.arange(3))
     assert store.info("k").shape == (3,)
+
+
+def _point_link(store: Store, key: str, at: str) -> None:
+    """Re-point ``key``'s link at the version ``at``'s link points at (a stray ``ln -sf``)."""
+    link = store.layout.entry_link(key)
+    version = store.layout.entry_version(at)
+    assert version is not None
+    os.unlink(link)
+    os.symlink(store.layout.link_target(version, key), link)
+
+
+def _folder(path: Path, first: int) -> Path:
+    path.mkdir()
+    for i in range(2):
+        np.save(path / f"f{i}.npy", np.full(4, first + i, dtype=np.int64))
+    return path
+
+
+@pytest.mark.parametrize("victim", ["an entry of its own", "an entry of a directory put"])
+@pytest.mark.parametrize("reput", ["the key alone", "its directory"])
+def test_a_reput_over_a_link_to_another_entry_leaves_that_entry(
+    store: Store, tmp_path: Path, victim: str, reput: str
+) -> None:
+    """Replacing a key whose link was damaged to point at another key's version removes
+    what it replaced only if that version records the key: the other entry keeps its data."""
+    store.put_file("d", _folder(tmp_path / "d1", 10))
+    if victim == "an entry of its own":
+        other = "b"
+        store.put_array(other, np.arange(5))
+    else:
+        other = "e/f1"
+        store.put_file("e", _folder(tmp_path / "e", 20))
+    expected = store.open_array(other).tolist()
+    _point_link(store, "d/f0", other)
+    if reput == "the key alone":
+        store.put_array("d/f0", np.full(4, 30), overwrite=True)
+        new = {"d/f0": 30, "d/f1": 11}
+    else:
+        store.put_file("d", _folder(tmp_path / "d2", 30), overwrite=True)
+        new = {"d/f0": 30, "d/f1": 31}
+    for reader in (store, Store(store.root)):
+        assert reader.open_array(other).tolist() == expected
+        assert reader.verify(other) is True
+        for key, value in new.items():
+            assert reader.open_array(key).tolist() == [value] * 4
+    store.cleanup()
+    keys = sorted([*new, other] + (["e/f0"] if other == "e/f1" else []))
+    assert [e.key for e in store.list()] == keys
+    assert all(store.verify(key) for key in keys)
+    assert Store(store.root).open_array(other).tolist() == expected
+
+
+def test_the_keys_a_manifest_records_are_read_as_its_readers_read_them(root: Path) -> None:
+    """``read_manifest_keys`` (what a replace checks before removing a directory put's
+    entries) agrees with ``read_manifest_entry`` for every way an entry records its key,
+    and refuses a damaged manifest as it does."""
+    lines = [
+        b'{"key":"d/a","dtype":"int64"}\n',  # as array_line writes it
+        json.dumps({"format": 1, "key": "d/b", "kind": "strings"}).encode() + b"\n",  # a container's
+        b'{"dtype":"int64"}\n',  # an older entry: no key
+    ]
+    batch = root / "objects" / "batch"
+    batch.mkdir(parents=True)
+    manifest = batch / "manifest"
+    manifest.write_bytes(b"".join(encode_manifest({"kind": "array"}, lines)))
+    keys = read_manifest_keys(str(root), "batch", [0, 1, 2, 3])
+    assert keys == {0: "d/a", 1: "d/b", 2: None}
+    for index, key in keys.items():
+        assert read_manifest_entry(str(root), f"batch/{index}").get("key") == key  # type: ignore[union-attr]
+    assert read_manifest_keys(str(root), "gone", [0]) == {}
+    os.truncate(manifest, manifest.stat().st_size - 5)
+    with pytest.raises(ValueError, match="truncated or its offsets are wrong"):
+        read_manifest_keys(str(root), "batch", [2])
+    with pytest.raises(ValueError, match="truncated or its offsets are wrong"):
+        read_manifest_entry(str(root), "batch/2")

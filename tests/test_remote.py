@@ -192,6 +192,51 @@ def test_an_object_changed_during_the_load_publishes_nothing(
     assert rewritten and not store.exists("x") and not _staging(root)
 
 
+def test_a_ranged_read_that_comes_back_short_is_named(s3: MotoServer, bucket: str) -> None:
+    """Every ranged read of a load (``remote_parts.read_range``) checks the bytes that came
+    back: an object shorter than when it was listed is named with the bytes asked and got."""
+    import fsspec
+
+    from shmcache._sources.remote_parts import read_range
+    from shmcache._sources.remote_plan import RemoteItem
+
+    _put_object(s3, bucket, "shrunk.bin", bytes(range(100)))
+    fs = fsspec.filesystem("s3", **s3.options())
+    url = f"s3://{bucket}/shrunk.bin"
+    listed = RemoteItem("k", f"{bucket}/shrunk.bin", url, 200, "etag", None)  # 200 bytes when listed
+    assert read_range(fs, listed, 10, 60, []) == bytes(range(10, 60))
+    assert read_range(fs, listed, 60, 60, []) == b""
+    short = r"bytes 50-150 came back as 50 \(it was truncated or changed while loading\); nothing was"
+    with pytest.raises(CorruptSourceError, match=rf"^{re.escape(url)}: {short}"):
+        read_range(fs, listed, 50, 150, [])
+    with pytest.raises(CorruptSourceError, match=rf"^{re.escape(url)}#t: {short}"):
+        read_range(fs, listed, 50, 150, [], where=f"{url}#t")
+    gone = RemoteItem("k", f"{bucket}/gone.bin", f"s3://{bucket}/gone.bin", 200, "etag", None)
+    with pytest.raises(SourceNotFoundError, match=rf"^s3://{bucket}/gone\.bin does not exist"):
+        read_range(fs, gone, 0, 10, [])
+
+
+def test_a_reput_over_a_link_to_another_entry_leaves_that_entry(
+    store: shmcache.Store, s3: MotoServer, bucket: str
+) -> None:
+    """A remote directory re-put (one version per object, published together) over a link
+    damaged to point at another key's version removes only what records its own keys."""
+    for i in range(2):
+        _put_object(s3, bucket, f"d/f{i}.npy", npy_bytes(np.full(4, i)))
+    assert store.put_file("d", f"s3://{bucket}/d/", storage_options=s3.options()) == ["d/f0", "d/f1"]
+    store.put_array("b", np.arange(5))
+    link, version = store.layout.entry_link("d/f0"), store.layout.entry_version("b")
+    assert version is not None
+    os.unlink(link)
+    os.symlink(store.layout.link_target(version, "d/f0"), link)
+    store.put_file("d", f"s3://{bucket}/d/", storage_options=s3.options(), overwrite=True)
+    store.cleanup()
+    assert [e.key for e in store.list()] == ["b", "d/f0", "d/f1"]
+    assert all(store.verify(key) for key in ("b", "d/f0", "d/f1"))
+    assert shmcache.Store(store.root).open_array("b").tolist() == list(range(5))
+    assert store.open_array("d/f0").tolist() == [0] * 4
+
+
 def test_a_load_cancelled_by_its_progress_callback_stops_and_publishes_nothing(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:

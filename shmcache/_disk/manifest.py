@@ -23,12 +23,18 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from .layout import MANIFEST_FILE, object_path
 
-__all__ = ["MANIFEST_MAGIC", "encode_manifest", "read_manifest_entry", "split_batch_version"]
+__all__ = [
+    "MANIFEST_MAGIC",
+    "encode_manifest",
+    "read_manifest_entry",
+    "read_manifest_keys",
+    "split_batch_version",
+]
 
 MANIFEST_MAGIC = b"SHMCMF1\n"
 _HEAD = struct.Struct("<8sQQ")
@@ -65,35 +71,15 @@ def read_manifest_entry(root: str, version: str) -> dict[str, Any] | None:
     if found is None:
         raise ValueError(f"{version!r} is not an entry of a directory put's version")
     batch, index = found
-    try:
-        fd = os.open(object_path(root, batch, MANIFEST_FILE), os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
+    fd = _open(root, batch)
+    if fd is None:
         return None
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, _HEAD.size, 0)
-        if len(head) < _HEAD.size:
-            raise ValueError(f"the manifest of {batch} is truncated")
-        magic, count, common_length = _HEAD.unpack(head)
-        if magic != MANIFEST_MAGIC:
-            raise ValueError(f"the manifest of {batch} is not a shmcache manifest")
-        if index >= count:
-            raise ValueError(f"the manifest of {batch} lists {count} entries, not entry {index}")
-        # Every length and offset is checked against the file's size before it is read:
-        # a damaged number costs an error, never a huge allocation.
-        body = _HEAD.size + 8 * (count + 1)
-        if body + common_length > size:
-            raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
-        pair = os.pread(fd, _PAIR.size, _HEAD.size + 8 * index)
-        if len(pair) < _PAIR.size:
-            raise ValueError(f"the manifest of {batch} is truncated")
-        start, end = _PAIR.unpack(pair)
-        if not body + common_length <= start < end <= size:
-            raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
-        common = os.pread(fd, common_length, body)
-        own = os.pread(fd, end - start, start)
-        if len(common) != common_length or len(own) != end - start:
-            raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
+        head = _Head.read(fd, batch)
+        if index >= head.entries:
+            raise ValueError(f"the manifest of {batch} lists {head.entries} entries, not entry {index}")
+        common = head.common(fd)
+        own = head.entry(fd, index)
     finally:
         os.close(fd)
     meta = json.loads(common)
@@ -103,3 +89,88 @@ def read_manifest_entry(root: str, version: str) -> dict[str, Any] | None:
     meta.update(entry)
     meta["version"] = version
     return meta
+
+
+def read_manifest_keys(root: str, batch: str, indices: Iterable[int]) -> dict[int, str | None]:
+    """The key each entry ``n`` of ``indices`` records in ``batch``'s manifest (None: none),
+    the manifest opened and its head read once for all (a replace of many keys checks what
+    each replaced version records). An index it does not list is left out; empty if the
+    manifest is gone. ``ValueError`` if it is damaged."""
+    fd = _open(root, batch)
+    if fd is None:
+        return {}
+    keys: dict[int, str | None] = {}
+    try:
+        head = _Head.read(fd, batch)
+        common: dict[str, Any] | None = None
+        for index in indices:
+            if not 0 <= index < head.entries:
+                continue
+            own = head.entry(fd, index)
+            if own.startswith(b'{"key":"'):  # how array_line writes it (keys need no escape)
+                end = own.find(b'"', 8)
+                if end > 0 and b"\\" not in own[8:end]:
+                    keys[index] = own[8:end].decode()
+                    continue
+            entry = json.loads(own)
+            if common is None:
+                common = json.loads(head.common(fd))
+            if not isinstance(entry, dict) or not isinstance(common, dict):
+                raise ValueError(f"the manifest of {batch} holds no JSON object for entry {index}")
+            key = entry.get("key", common.get("key"))
+            keys[index] = key if isinstance(key, str) else None
+    finally:
+        os.close(fd)
+    return keys
+
+
+def _open(root: str, batch: str) -> int | None:
+    """A descriptor of ``batch``'s manifest; None if the batch or its manifest is gone."""
+    try:
+        return os.open(object_path(root, batch, MANIFEST_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class _Head(NamedTuple):
+    """A manifest's head, checked against the file's size: a damaged number costs an
+    error, never a huge allocation."""
+
+    batch: str
+    entries: int  # how many
+    body: int  # where the common part starts
+    common_length: int
+    size: int
+
+    @classmethod
+    def read(cls, fd: int, batch: str) -> _Head:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HEAD.size, 0)
+        if len(head) < _HEAD.size:
+            raise ValueError(f"the manifest of {batch} is truncated")
+        magic, count, common_length = _HEAD.unpack(head)
+        if magic != MANIFEST_MAGIC:
+            raise ValueError(f"the manifest of {batch} is not a shmcache manifest")
+        body = _HEAD.size + 8 * (count + 1)
+        if body + common_length > size:
+            raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
+        return cls(batch, count, body, common_length, size)
+
+    def common(self, fd: int) -> bytes:
+        common = os.pread(fd, self.common_length, self.body)
+        if len(common) != self.common_length:
+            raise ValueError(f"the manifest of {self.batch} is truncated or its offsets are wrong")
+        return common
+
+    def entry(self, fd: int, index: int) -> bytes:
+        """Entry ``index``'s own bytes (``index`` < ``count``)."""
+        pair = os.pread(fd, _PAIR.size, _HEAD.size + 8 * index)
+        if len(pair) < _PAIR.size:
+            raise ValueError(f"the manifest of {self.batch} is truncated")
+        start, end = _PAIR.unpack(pair)
+        if not self.body + self.common_length <= start < end <= self.size:
+            raise ValueError(f"the manifest of {self.batch} is truncated or its offsets are wrong")
+        own = os.pread(fd, end - start, start)
+        if len(own) != end - start:
+            raise ValueError(f"the manifest of {self.batch} is truncated or its offsets are wrong")
+        return own

@@ -28,9 +28,8 @@ import io
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,7 +45,7 @@ from ..errors import (
     SourceNotFoundError,
 )
 from .remote_pairs import megatron_pair, pair_item
-from .remote_parts import ByteBudget, TrailingHash, object_spans, pwrite_all
+from .remote_parts import ByteBudget, TrailingHash, object_spans, pwrite_all, read_range, remote_errors
 from .remote_plan import RemoteItem, RemotePlan
 from .remote_plan import object_identity as _identity
 from .remote_plan import object_md5 as _md5_of
@@ -281,8 +280,7 @@ def fetch_remote(
                 with budget.holding(fetched - start):
                     if stop.is_set():
                         return
-                    with remote_errors(item.url, plan.secrets):
-                        data = plan.fs.cat_file(item.path, start=start, end=fetched)
+                    data = read_range(plan.fs, item, start, fetched, plan.secrets)
                     _write_part(item, hasher, data, start, fetched)
                     del data
         progressed(end - start)
@@ -326,21 +324,13 @@ def fetch_remote(
 def _fetch_first(plan: RemotePlan, item: RemoteItem, hasher: TrailingHash, end: int) -> None:
     """Fetch an object's first part, validate its header (against the plan's, if read) and
     only then write the part."""
-    with remote_errors(item.url, plan.secrets):
-        data = plan.fs.cat_file(item.path, start=0, end=end)
-        head = data
-        if len(head) >= 12 and head[:6] == b"\x93NUMPY" and end < item.size:
-            try:
-                needed = min(header_length(head, item.url), item.size)
-            except CorruptEntryError:
-                needed = len(head)
-            if needed > len(head):  # a header longer than the part (tiny parts)
-                head = head + plan.fs.cat_file(item.path, start=len(head), end=needed)
-    if len(data) != end:
-        raise CorruptSourceError(
-            f"{item.url} changed while loading (bytes 0-{end} came back as {len(data)}); "
-            "nothing was published, load it again"
-        )
+    data = head = read_range(plan.fs, item, 0, end, plan.secrets)
+    if len(head) >= 12 and head[:6] == b"\x93NUMPY" and end < item.size:
+        try:
+            needed = min(header_length(head, item.url), item.size)
+        except CorruptEntryError:
+            needed = len(head)
+        head = head + read_range(plan.fs, item, len(head), needed, plan.secrets)  # a longer header
     header = read_source_header(io.BytesIO(head), item.size, item.url)
     if item.header is not None and header != item.header:
         raise CorruptSourceError(f"{item.url} changed while loading; nothing was published, load it again")
@@ -380,14 +370,7 @@ def _fetch_decoded(
 def _fetch_span(plan: RemotePlan, items: list[RemoteItem], start: int, end: int) -> int:
     """Bytes ``start:end`` of one object (one ranged read), written into every range item
     they overlap, after its built header; returns the bytes written."""
-    obj = items[0]
-    with remote_errors(obj.url, plan.secrets):
-        data = plan.fs.cat_file(obj.path, start=start, end=end)
-    if len(data) != end - start:
-        raise CorruptSourceError(
-            f"{obj.url}: bytes {start}-{end} of the object came back as {len(data)} (it was "
-            "truncated or changed while loading); nothing was published, load it again"
-        )
+    data = read_range(plan.fs, items[0], start, end, plan.secrets)
     view, written = memoryview(data), 0
     for item in items:
         assert item.prefix is not None and item.hasher is not None
@@ -401,11 +384,9 @@ def _fetch_span(plan: RemotePlan, items: list[RemoteItem], start: int, end: int)
 def _write_part(
     item: RemoteItem, hasher: TrailingHash, data: bytes | memoryview, start: int, end: int
 ) -> None:
-    if len(data) < end - start:
-        raise CorruptSourceError(
-            f"{item.url} changed while loading (bytes {start}-{end} came back as {len(data)}); "
-            "nothing was published, load it again"
-        )
+    """Write ``data``, at least ``end - start`` bytes (a ranged read checked by ``read_range``,
+    or a decoder's chunk), at ``start`` of the item's staging file."""
+    assert len(data) >= end - start, (item.url, start, end, len(data))
     part = memoryview(data)[: end - start]
     pwrite_all(hasher.path, part, start)
     hasher.done(start, end, part)
@@ -515,15 +496,14 @@ def _items(
 
 
 def _read_header(fs: Any, item: RemoteItem, secrets: list[str]) -> NpyHeader:
-    with remote_errors(item.url, secrets):
-        head = fs.cat_file(item.path, start=0, end=min(item.size, _HEAD))
-        if len(head) >= 12 and head[:6] == b"\x93NUMPY":
-            try:
-                needed = header_length(head, item.url)
-            except CorruptEntryError:
-                needed = len(head)
-            if needed > len(head) and needed <= item.size:
-                head += fs.cat_file(item.path, start=len(head), end=needed)
+    head = read_range(fs, item, 0, min(item.size, _HEAD), secrets)
+    if len(head) >= 12 and head[:6] == b"\x93NUMPY":
+        try:
+            needed = header_length(head, item.url)
+        except CorruptEntryError:
+            needed = len(head)
+        if needed <= item.size:
+            head = head + read_range(fs, item, len(head), needed, secrets)
     return read_source_header(io.BytesIO(head), item.size, item.url)
 
 
@@ -546,24 +526,3 @@ def check_objects_unchanged(plan: RemotePlan, items: list[RemoteItem]) -> None:
                 f"{item.url} changed while loading (its size or ETag is not what it was); "
                 "nothing was published, load it again"
             )
-
-
-@contextmanager
-def remote_errors(where: str, secrets: list[str]) -> Iterator[None]:
-    """A backend's exceptions as typed errors naming ``where`` (the redacted URL), with any
-    secret scrubbed from their text and their chain dropped (it may quote credentials)."""
-    try:
-        yield
-    except ShmCacheError:
-        raise
-    except FileNotFoundError:
-        raise SourceNotFoundError(f"{where} does not exist") from None
-    except PermissionError as exc:
-        raise InvalidSourceError(
-            f"{where}: access denied ({scrub(str(exc), secrets)}); check the credentials "
-            "(the filesystem's standard chain: environment, config files, instance role; or storage options)"
-        ) from None
-    except Exception as exc:
-        raise InvalidSourceError(
-            f"{where} could not be read: {type(exc).__name__}: {scrub(str(exc), secrets)}"
-        ) from None

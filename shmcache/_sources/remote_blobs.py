@@ -26,10 +26,9 @@ from typing import Any
 
 from .._disk.checksum import TrailingCrc
 from .._disk.fs import full_is_cache_full
-from ..errors import CorruptSourceError
 from .blobs import BlobSources, Progress, _check_name, _names_arrays
-from .remote import DEFAULT_WORKERS, IN_FLIGHT_BYTES, check_objects_unchanged, remote_errors
-from .remote_parts import ByteBudget
+from .remote import DEFAULT_WORKERS, IN_FLIGHT_BYTES, check_objects_unchanged
+from .remote_parts import ByteBudget, read_range
 from .remote_plan import RemoteItem, RemotePlan
 from .tar_shards import check_shard_name, collect_members, read_members
 
@@ -72,13 +71,7 @@ def _reader(plan: RemotePlan, obj: RemoteItem) -> Any:
         assert isinstance(block, bytes)
         if start < 0 or offset < start or offset + nbytes > start + len(block):
             end = min(obj.size, offset + max(nbytes, _HEADER_BLOCK))
-            with remote_errors(obj.url, plan.secrets):
-                block = bytes(plan.fs.cat_file(obj.path, start=offset, end=end)) if end > offset else b""
-            if len(block) != end - offset:
-                raise CorruptSourceError(
-                    f"{obj.url}: bytes {offset}-{end} came back as {len(block)} (it changed while loading); "
-                    "nothing was published, load it again"
-                )
+            block = bytes(read_range(plan.fs, obj, offset, end, plan.secrets))
             cached[0], cached[1], start = offset, block, offset
         return block[offset - start : offset - start + nbytes]
 
@@ -124,13 +117,7 @@ class _Fetch:
                 return
             obj = self.plan.items[owner]
             with budget.holding(end - start):
-                with remote_errors(obj.url, self.plan.secrets):
-                    data = self.plan.fs.cat_file(obj.path, start=start, end=end) if end > start else b""
-                if len(data) != end - start:
-                    raise CorruptSourceError(
-                        f"{obj.url}: bytes {start}-{end} came back as {len(data)} (it was truncated or "
-                        "changed while loading); nothing was published, load it again"
-                    )
+                data = read_range(self.plan.fs, obj, start, end, self.plan.secrets)
                 view = memoryview(data)
                 with full_is_cache_full(target):
                     for at, length, out in copies:

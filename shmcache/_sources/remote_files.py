@@ -49,6 +49,7 @@ from .remote import (
     read_npy_headers,
     remote_errors,
 )
+from .remote_parts import read_range
 from .token_files import token_dtype
 
 __all__ = [
@@ -165,7 +166,7 @@ def plan_object(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None)
         from .remote_pairs import plan_pair
 
         with remote_errors(obj.companion.url, secrets):
-            return plan_pair(fs, obj, dtype)
+            return plan_pair(fs, obj, secrets, dtype)
     if dtype is not None:
         token = token_dtype(dtype)
         if obj.size % token.itemsize:
@@ -298,14 +299,7 @@ def _gather(fs: Any, obj: RemoteItem, secrets: list[str], tensor: Any, item: Rem
     prefix, where = item.prefix, item.source
 
     def read(count: int, offset: int) -> bytes:
-        with remote_errors(obj.url, secrets):
-            data = fs.cat_file(obj.path, start=offset, end=offset + count)
-        if len(data) != count:
-            raise CorruptSourceError(
-                f"{where}: bytes {offset}-{offset + count} came back as {len(data)} (truncated or changed "
-                "while loading); nothing was published, load it again"
-            )
-        return bytes(data)
+        return bytes(read_range(fs, obj, offset, offset + count, secrets, where))
 
     def chunks() -> Iterator[bytes | memoryview]:
         yield prefix
@@ -429,14 +423,7 @@ def _table_bytes(plan: RemotePlan, item: RemoteItem) -> BinaryIO:
 
     def fetch(start: int) -> None:
         end = min(start + _TABLE_PART, item.size)
-        with remote_errors(item.url, plan.secrets):
-            data = plan.fs.cat_file(item.path, start=start, end=end)
-        if len(data) != end - start:
-            raise CorruptSourceError(
-                f"{item.url}: bytes {start}-{end} came back as {len(data)} (it was truncated or changed "
-                "while loading); nothing was published, load it again"
-            )
-        view[start:end] = data
+        view[start:end] = read_range(plan.fs, item, start, end, plan.secrets)
 
     starts = range(0, item.size, _TABLE_PART)
     threads = max(1, min(DEFAULT_WORKERS, len(starts)))

@@ -17,6 +17,7 @@ from typing import Any
 
 from .._disk.npy import NpyHeader, build_header
 from ..errors import CorruptSourceError, SourceNotFoundError
+from .remote_parts import read_range
 from .remote_plan import RemoteItem, object_identity, object_md5
 from .token_files import megatron_documents, read_megatron_index
 
@@ -68,13 +69,13 @@ def pair_item(key: str, pair: Pair) -> RemoteItem:
     return items[0]
 
 
-def plan_pair(fs: Any, obj: RemoteItem, dtype: Any = None) -> list[RemoteItem]:
+def plan_pair(fs: Any, obj: RemoteItem, secrets: list[str], dtype: Any = None) -> list[RemoteItem]:
     """Read and check ``obj.companion`` (the index) and make ``obj`` (the ``.bin``) the ragged
     entry's ``values``: a built header, then the whole object. (The caller turns a backend's
     errors into typed ones: ``remote.remote_errors``.)"""
     index = obj.companion
     assert index is not None
-    parsed = read_megatron_index(_reader(fs, index), index.size, index.url)
+    parsed = read_megatron_index(_reader(fs, index, secrets), index.size, index.url)
     tokens, offsets, extra = megatron_documents(parsed, dtype, obj.size, obj.url, index.url)
     obj.prefix = build_header(parsed[3], (tokens,), False)
     obj.header = NpyHeader(parsed[3], (tokens,), False, len(obj.prefix))
@@ -83,9 +84,11 @@ def plan_pair(fs: Any, obj: RemoteItem, dtype: Any = None) -> list[RemoteItem]:
     return [obj]
 
 
-def _reader(fs: Any, index: RemoteItem) -> Any:
+def _reader(fs: Any, index: RemoteItem, secrets: list[str]) -> Any:
+    """``read(n, offset)`` of the index: short past its listed size only (the index reader
+    names a truncated index)."""
+
     def read(nbytes: int, offset: int) -> bytes:
-        end = min(offset + nbytes, index.size)
-        return bytes(fs.cat_file(index.path, start=offset, end=end)) if end > offset else b""
+        return bytes(read_range(fs, index, offset, min(offset + nbytes, index.size), secrets))
 
     return read

@@ -1,6 +1,6 @@
-"""The parts of a remote load: bytes written at their offsets, the bound on the bytes held
-at once, and the checksums of a staging file whose parts arrive in any order (``remote``'s
-fetch uses all three)."""
+"""The parts of a remote load: one ranged read (its length checked, a backend's errors
+typed), bytes written at their offsets, the bound on the bytes held at once, and the
+checksums of a staging file whose parts arrive in any order (``remote``'s fetch uses all)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from .._disk.fs import full_is_cache_full
+from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
+from .remote_plan import RemoteItem
+from .urls import scrub
 
-__all__ = ["SPAN_GAP", "ByteBudget", "Span", "TrailingHash", "object_spans", "pwrite_all"]
+__all__ = [
+    "SPAN_GAP",
+    "ByteBudget",
+    "Span",
+    "TrailingHash",
+    "object_spans",
+    "pwrite_all",
+    "read_range",
+    "remote_errors",
+]
 
 _HASH_CHUNK = 1 << 20
 SPAN_GAP = 1 << 20
@@ -23,6 +35,45 @@ SPAN_GAP = 1 << 20
 
 Span = tuple[int, int, list[Any]]
 """``(start, end, items)``: one ranged read of an object, and the range items it fills."""
+
+
+def read_range(
+    fs: Any, obj: RemoteItem, start: int, end: int, secrets: list[str], where: str | None = None
+) -> bytes:
+    """Bytes ``start:end`` of ``obj`` by one ranged read (none for an empty range). Fewer
+    bytes than asked means the object was truncated or replaced since it was listed:
+    :class:`CorruptSourceError` naming ``where`` (default: the object's redacted URL)."""
+    if end <= start:
+        return b""
+    with remote_errors(obj.url, secrets):
+        data = fs.cat_file(obj.path, start=start, end=end)
+    if len(data) != end - start:
+        raise CorruptSourceError(
+            f"{where or obj.url}: bytes {start}-{end} came back as {len(data)} (it was truncated or "
+            "changed while loading); nothing was published, load it again"
+        )
+    return data  # type: ignore[no-any-return]
+
+
+@contextmanager
+def remote_errors(where: str, secrets: list[str]) -> Iterator[None]:
+    """A backend's exceptions as typed errors naming ``where`` (the redacted URL), with any
+    secret scrubbed from their text and their chain dropped (it may quote credentials)."""
+    try:
+        yield
+    except ShmCacheError:
+        raise
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"{where} does not exist") from None
+    except PermissionError as exc:
+        raise InvalidSourceError(
+            f"{where}: access denied ({scrub(str(exc), secrets)}); check the credentials "
+            "(the filesystem's standard chain: environment, config files, instance role; or storage options)"
+        ) from None
+    except Exception as exc:
+        raise InvalidSourceError(
+            f"{where} could not be read: {type(exc).__name__}: {scrub(str(exc), secrets)}"
+        ) from None
 
 
 def object_spans(items: Sequence[Any], part: Callable[[int], int]) -> list[Span]:

@@ -19,8 +19,8 @@ from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations, mark_changing
 from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, Layout
-from .._disk.manifest import encode_manifest
-from .._disk.meta import META_FORMAT
+from .._disk.manifest import encode_manifest, read_manifest_keys, split_batch_version
+from .._disk.meta import META_FORMAT, read_meta
 from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
@@ -40,6 +40,7 @@ __all__ = [
     "publish_batch",
     "remove_versions",
     "version_meta",
+    "versions_of",
     "write_batch",
     "write_container",
 ]
@@ -111,7 +112,7 @@ def publish(
     writer dies. Then bump the generations of those keys once, and remove replaced
     versions (processes that map them keep reading them)."""
     published = changing = False
-    replaced: list[str] = []
+    replaced: dict[str, str] = {}
     keys = [key for key, _ in versions]
     ensure_tree_format(layout)
     try:
@@ -121,7 +122,7 @@ def publish(
                 if old is not None:
                     if not overwrite:
                         raise KeyExistsError(f"entry {key!r} was published by another process meanwhile")
-                    replaced.append(old)
+                    replaced[key] = old
             for _, version in versions:
                 writer.promote(version)
             if len(versions) == 1:
@@ -204,7 +205,7 @@ def publish_batch(
                 replaced = writer.swap_tree(common_prefix(keys), versions, refuse)
             published = True
     finally:
-        _settle(layout, writer, keys, changing, published, replaced.values())
+        _settle(layout, writer, keys, changing, published, replaced)
 
 
 def _settle(
@@ -213,16 +214,45 @@ def _settle(
     keys: Sequence[str],
     changing: bool,
     published: bool,
-    replaced: Iterable[str],
+    replaced: Mapping[str, str],
 ) -> None:
     """After a publish, whatever its outcome: settle the keys' generations if any link may
     have moved (or their slots were marked changing); once published, remove the old tree
-    copies and the versions the keys held before."""
+    copies and the versions the keys held before (``replaced``: key -> version), those
+    that record these keys only (:func:`versions_of`)."""
     if published or changing:
         bump_generations(layout, keys)
     if published:
         writer.remove_old_trees()
-        remove_versions(layout, replaced)
+        remove_versions(layout, versions_of(layout, replaced))
+
+
+def versions_of(layout: Layout, replaced: Mapping[str, str]) -> list[str]:
+    """The versions of ``replaced`` (key -> the version its link pointed at) that record
+    that key, as ``evict`` checks before removing: a link damaged to point at another
+    entry's version must not take that version with it. Metadata without a key (older
+    entries) is the key's; a version whose record cannot be read is kept (``cleanup``
+    removes what no link points at). One ``meta.json`` read per version of its own, one
+    opening of each batch's manifest for its entries."""
+    owned: list[str] = []
+    in_batches: dict[str, dict[int, tuple[str, str]]] = {}
+    for key, version in replaced.items():
+        found = split_batch_version(version)
+        if found is not None:
+            in_batches.setdefault(found[0], {})[found[1]] = (key, version)
+            continue
+        meta = read_meta(layout, version)
+        if meta is not None and meta.key in (None, key):
+            owned.append(version)
+    for batch, entries in in_batches.items():
+        try:
+            recorded = read_manifest_keys(str(layout.root), batch, entries)
+        except ValueError:  # a damaged manifest: its entries stay for cleanup
+            continue
+        for index, (key, version) in entries.items():
+            if index in recorded and recorded[index] in (None, key):
+                owned.append(version)
+    return owned
 
 
 def remove_versions(layout: Layout, versions: Iterable[str]) -> int:
