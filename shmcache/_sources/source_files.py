@@ -32,6 +32,7 @@ from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedErr
 __all__ = [
     "SourceFile",
     "check_unchanged",
+    "check_unchanged_path",
     "descriptors_to_hold",
     "open_checked",
     "openat2_available",
@@ -80,6 +81,12 @@ class SourceFile:
         """What ``meta.json`` records to tell later whether the source changed."""
         return {"size": self.size, "mtime_ns": self.mtime_ns}
 
+    @property
+    def fingerprint_json(self) -> str:
+        """:attr:`fingerprint`'s members as JSON (``"size":N,"mtime_ns":M``), for a manifest
+        line formatted without a dict per file."""
+        return f'"size":{self.size},"mtime_ns":{self.mtime_ns}'
+
 
 def descriptors_to_hold() -> int:
     """How many checked files may stay open until copied: half the soft limit on open
@@ -99,10 +106,11 @@ def stat_fingerprint(st: os.stat_result) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def open_checked(path: str, allowed: Sequence[str] = ()) -> tuple[int, SourceFile]:
+def open_checked(path: str, allowed: Sequence[str] = (), *, absolute: bool = False) -> tuple[int, SourceFile]:
     """Open a regular file for reading, beneath one of ``allowed`` (real paths) if any
-    are given; returns the descriptor and what was opened."""
-    target = os.path.realpath(path) if allowed else os.path.abspath(path)
+    are given; returns the descriptor and what was opened. ``absolute``: ``path`` is
+    absolute and normal already (a directory walk's: no ``abspath`` per file)."""
+    target = os.path.realpath(path) if allowed else path if absolute else os.path.abspath(path)
     top = None
     if allowed:
         top = next((d for d in allowed if target == d or target.startswith(d.rstrip("/") + "/")), None)
@@ -155,6 +163,22 @@ def check_unchanged(fd: int, source: SourceFile, same_path: bool = True) -> None
             os.close(again)
     if (st.st_dev, st.st_ino) != (source.dev, source.ino):
         raise _changed(source, "while loading (it was replaced)")
+
+
+def check_unchanged_path(source: SourceFile) -> None:
+    """After a copy from bytes read whole when ``source`` was checked (and its descriptor
+    closed): one ``stat`` of its path shows the same file, size and time stamps, so the
+    bytes read are the file's whole content as checked and its path still names it (what
+    :func:`check_unchanged` proves of a descriptor). Not for a confined source."""
+    assert source.top is None, "a confined source is checked through a descriptor"
+    try:
+        st = os.stat(source.target)
+    except OSError:
+        raise _changed(source, "while loading (it was removed or replaced)") from None
+    if (st.st_dev, st.st_ino) != (source.dev, source.ino):
+        raise _changed(source, "while loading (it was replaced)")
+    if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (source.size, source.mtime_ns, source.ctime_ns):
+        raise _changed(source, "while loading")
 
 
 def _changed(source: SourceFile, when: str) -> CorruptSourceError:
