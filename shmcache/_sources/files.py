@@ -36,6 +36,7 @@ from .source_files import (
     check_unchanged_path,
     descriptors_to_hold,
     open_checked,
+    open_plain,
     reopen,
 )
 from .tables import is_table_file
@@ -157,21 +158,24 @@ def _plan_sources_unchecked(
     # file swapped for a link out with SourceNotAllowedError rather than copy the old one
     budget = descriptors_to_hold() if hold and not tops else 0
     keep = _KEEP_TOTAL if hold and not tops else 0  # bytes of small files read whole
-    headers: dict[bytes, NpyHeader] = {}
+    headers: dict[bytes, tuple[NpyHeader, int]] = {}
+    base = top if top.endswith("/") else f"{top}/"
     for parts in _files_under(top):
         name = parts[-1]
-        suffix = _suffix(name)
+        dot = name.rfind(".")
+        suffix = name[dot:] if dot > 0 else ""  # _suffix, inline: once per file
         lower = suffix.lower()
         if lower not in PLANNERS:
             continue
-        file = os.path.join(top, *parts)
-        relative = "/".join((*parts[:-1], name[: -len(suffix)]))
-        child = _child_key(key, relative, file)
+        relative = name if len(parts) == 1 else "/".join(parts)
+        file = base + relative  # absolute and normal: names from a walk
+        child = _child_key(key, relative[: -len(suffix)], file)
         if lower == ".npy":  # the common case, without a Path or a Python file object
-            item = _plan_npy_fd(child, file, tops, budget > 0, headers, min(keep, _KEEP))
-            budget -= item.fd is not None
+            item = _plan_npy_fd(child, file, tops, budget > 0, headers, keep if keep < _KEEP else _KEEP)
             if item.data is not None:
                 keep -= len(item.data)
+            elif item.fd is not None:
+                budget -= 1
             plan.append(item)
         else:
             plan.extend(_plan_file(child, Path(file), tops))
@@ -243,18 +247,23 @@ def _plan_file(key: str, path: Path, tops: tuple[str, ...]) -> list[Planned]:
 
 
 def _plan_npy_fd(
-    key: str, path: str, tops: tuple[str, ...], hold: bool, headers: dict[bytes, NpyHeader], keep: int = 0
+    key: str,
+    path: str,
+    tops: tuple[str, ...],
+    hold: bool,
+    headers: dict[bytes, tuple[NpyHeader, int]],
+    keep: int = 0,
 ) -> Planned:
     """A ``.npy`` checked through one ``open``, ``fstat`` and ``pread`` of its header (``path``
     is absolute and normal); its descriptor is kept for the copy if ``hold``, else closed. A
     file of at most ``keep`` bytes is read whole by that ``pread`` instead and closed
     (``Planned.data``). ``headers``: those parsed so far in this plan, by their bytes."""
-    fd, file = open_checked(path, tops, absolute=True)
+    fd, file = open_checked(path, tops, absolute=True) if tops else open_plain(path)
     whole = file.size <= keep
     try:
         head = os.pread(fd, file.size if whole else min(file.size, _HEAD), 0)
-        header = _npy_header(fd, head, file.size, path, headers)
-        data = _whole_file(head, header, file) if whole else None
+        header, size = _npy_header(fd, head, file.size, path, headers)
+        data = _whole_file(head, size, file) if whole else None
     except BaseException:
         os.close(fd)
         raise
@@ -264,10 +273,9 @@ def _plan_npy_fd(
     return Planned(key, header, path, file, 0, fd=fd)
 
 
-def _whole_file(head: bytes, header: NpyHeader, file: SourceFile) -> bytes:
-    """The entry's bytes out of a small file read whole: its first ``header.file_size``
-    (a file that shrank while read fails as changed)."""
-    size = header.file_size
+def _whole_file(head: bytes, size: int, file: SourceFile) -> bytes:
+    """The entry's bytes out of a small file read whole: its first ``size`` (the header's
+    ``file_size``; a file that shrank while read fails as changed)."""
     if len(head) < size:
         raise CorruptSourceError(
             f"{file.path} changed while loading (it ended at byte {len(head)}, expected {size}); "
@@ -276,21 +284,25 @@ def _whole_file(head: bytes, header: NpyHeader, file: SourceFile) -> bytes:
     return head if len(head) == size else head[:size]
 
 
-def _npy_header(fd: int, head: bytes, size: int, where: str, headers: dict[bytes, NpyHeader]) -> NpyHeader:
-    """``read_source_header_fd`` given the file's first bytes ``head``, each distinct header
-    parsed once per plan: a directory's files mostly share a few (parsing one is ~15 us,
-    more than the rest of its check). The same bytes give the same header; only the file's
-    size is checked again."""
+def _npy_header(
+    fd: int, head: bytes, size: int, where: str, headers: dict[bytes, tuple[NpyHeader, int]]
+) -> tuple[NpyHeader, int]:
+    """``read_source_header_fd`` given the file's first bytes ``head``, and the header's
+    ``file_size``; each distinct header parsed once per plan (and its size computed once):
+    a directory's files mostly share a few (parsing one is ~15 us, more than the rest of
+    its check). The same bytes give the same header; only the file's size is checked again."""
     if len(head) >= 12 and head[:6] == _MAGIC and head[6] in (1, 2) and head[7] == 0:
         end = header_length(head, where)
         if end <= len(head):
             raw = head[:end]
             known = headers.get(raw)
-            if known is not None and size >= known.file_size:
+            if known is not None and size >= known[1]:
                 return known
-            header = headers[raw] = source_header(head, size, where)
-            return header
-    return read_source_header_fd(fd, size, where)
+            header = source_header(head, size, where)
+            found = headers[raw] = (header, header.file_size)
+            return found
+    header = read_source_header_fd(fd, size, where)
+    return header, header.file_size
 
 
 def _plan_npy(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
@@ -345,7 +357,7 @@ def copy_planned(
         data, item.data = item.data, None
         check_unchanged_path(item.file)
         crc = crc32(data)
-        write_all(dst, data, target)
+        _write_small(dst, data, target)
         advance(len(data))
         return crc
     held, item.fd = item.fd, None
@@ -367,6 +379,18 @@ def copy_planned(
     if check_header:
         check_written_header(target, item.header, item.source)
     return crc
+
+
+def _write_small(dst: int, data: bytes, target: str | Path) -> None:
+    """``write_all`` of a small buffer: one ``write``; ``write_all``'s view and loop only
+    for the rest of a short write, or to raise the typed error of a failed one (a failed
+    ``write`` wrote nothing: it is tried again there)."""
+    try:
+        done = os.write(dst, data)
+    except OSError:
+        done = 0
+    if done < len(data):
+        write_all(dst, memoryview(data)[done:], target)
 
 
 def _copy_small(item: Planned, src: int, dst: int, target: str | Path, advance: Callable[[int], None]) -> int:
