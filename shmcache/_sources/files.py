@@ -1,6 +1,7 @@
 """Sources of ``put_file``: every file is checked before any byte is copied (a regular file,
-beneath the allowed directories if any are given, a valid header), then reopened as the
-same file and copied through a small buffer that the CRC-32 recorded for ``verify`` is
+beneath the allowed directories if any are given, a valid header), then copied from the
+same file (held open since, or reopened and compared; a directory's small ``.npy`` files
+are read whole by the check) through a buffer that the CRC-32 recorded for ``verify`` is
 computed on (one pass, as ``cp`` reads and writes); a file that changes meanwhile fails the
 load. Compressed ``.npz`` members
 are inflated. Which suffixes are taken, and what each file becomes, is :data:`PLANNERS`
