@@ -1,6 +1,7 @@
-"""A directory put keeps each checked ``.npy`` open from its check to its copy (issue 22
-item 1): bounded by the descriptor limit, released on every outcome, and a file replaced
-or rewritten meanwhile still fails the put with nothing published."""
+"""A directory put keeps each checked ``.npy`` open from its check to its copy, or reads a
+small one whole when it checks it (issue 22 item 1): bounded by the descriptor limit and
+a total of bytes, released on every outcome, and a file replaced or rewritten meanwhile
+still fails the put with nothing published."""
 
 from __future__ import annotations
 
@@ -14,17 +15,35 @@ import pytest
 from service_helpers import scratch_dir
 
 from shmcache import Store
+from shmcache._sources import files
 from shmcache.errors import CorruptSourceError, KeyExistsError
 
 FILES = 60
+BIG = (2100, 8)  # int32: 67,328 bytes with its header, above what is read whole (64 KiB)
+SMALL = (4, 8)  # 256 bytes: read whole when checked
+
+
+def _folder(shape: tuple[int, int]) -> Iterator[Path]:
+    with scratch_dir("dirput") as path:
+        for i in range(FILES):
+            np.save(path / f"f{i:03d}.npy", np.full(shape, i, np.int32))
+        yield path
 
 
 @pytest.fixture
 def folder() -> Iterator[Path]:
-    with scratch_dir("dirput") as path:
-        for i in range(FILES):
-            np.save(path / f"f{i:03d}.npy", np.full((4, 8), i, np.int32))
-        yield path
+    """Files too big to be read whole when checked: held open until copied."""
+    yield from _folder(BIG)
+
+
+@pytest.fixture
+def small_folder() -> Iterator[Path]:
+    yield from _folder(SMALL)
+
+
+@pytest.fixture(params=["held", "read-whole"])
+def any_folder(request: pytest.FixtureRequest) -> Iterator[Path]:
+    yield from _folder(BIG if request.param == "held" else SMALL)
 
 
 def _open_under(folder: Path) -> int:
@@ -80,7 +99,31 @@ def test_beyond_the_descriptor_budget_files_are_reopened(store: Store, folder: P
     assert _open_under(folder) == 0
 
 
-def test_a_failed_put_releases_what_it_held(store: Store, root: Path, folder: Path) -> None:
+def test_small_files_are_read_whole_when_checked_and_closed(store: Store, small_folder: Path) -> None:
+    held: list[int] = []
+    count = _at_first_progress(lambda: held.append(_open_under(small_folder)))
+    keys = store.put_file("d", small_folder, progress=count)
+    assert held == [0]  # every file read whole and closed when checked, none open for its copy
+    assert len(keys) == FILES and int(store.open_array("d/f007")[3, 7]) == 7
+    assert store.verify("d/f059") is True  # the CRC recorded is that of the bytes written
+
+
+def test_what_is_read_whole_is_capped_the_rest_held(
+    store: Store, small_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = (small_folder / "f000.npy").stat().st_size
+    monkeypatch.setattr(files, "_KEEP_TOTAL", 10 * size)  # room for 10 files' bytes
+    held: list[int] = []
+    keys = store.put_file(
+        "d", small_folder, progress=_at_first_progress(lambda: held.append(_open_under(small_folder)))
+    )
+    assert held == [FILES - 10]
+    assert _open_under(small_folder) == 0
+    assert [int(store.open_array(k)[0, 0]) for k in keys] == list(range(FILES))
+
+
+def test_a_failed_put_releases_what_it_held(store: Store, root: Path, any_folder: Path) -> None:
+    folder = any_folder
     store.put_file("d", folder)
     with pytest.raises(KeyExistsError):
         store.put_file("d", folder)  # refused after planning: the plan's descriptors close
@@ -113,8 +156,10 @@ def _rewrite(path: Path) -> Callable[[], None]:
 
 @pytest.mark.parametrize("change", [_replace, _rewrite], ids=["replaced", "rewritten"])
 def test_a_held_file_changed_before_its_copy_publishes_nothing(
-    store: Store, root: Path, folder: Path, change: Callable[[Path], Callable[[], None]]
+    store: Store, root: Path, any_folder: Path, change: Callable[[Path], Callable[[], None]]
 ) -> None:
+    """Held open or read whole when checked: changed before its copy, it fails the put."""
+    folder = any_folder
     victim = folder / "f030.npy"
     with pytest.raises(CorruptSourceError, match="changed while loading") as info:
         store.put_file("d", folder, progress=_at_first_progress(change(victim)))
@@ -124,10 +169,11 @@ def test_a_held_file_changed_before_its_copy_publishes_nothing(
 
 
 def test_a_shared_header_is_parsed_once_but_each_size_is_checked(
-    store: Store, root: Path, folder: Path
+    store: Store, root: Path, any_folder: Path
 ) -> None:
     """Every file of ``folder`` has the same header bytes: one truncated after its header
     (planned last) is still refused, naming it, though its header was parsed before."""
+    folder = any_folder
     whole = (folder / "f000.npy").read_bytes()
     (folder / "zz.npy").write_bytes(whole[: len(whole) - 4])
     with pytest.raises(CorruptSourceError, match=r"zz\.npy: truncated"):

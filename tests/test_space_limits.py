@@ -113,6 +113,42 @@ def test_running_out_of_inodes_is_cache_full(
     }
 
 
+def test_a_directory_put_out_of_inodes_is_cache_full(few_inodes: Path, tmp_path: Path) -> None:
+    """A directory put (one batch version) run out of inodes at each file it creates, the
+    entries' directories and data files among them (made relative to the batch's
+    directory): always CacheFullError naming what it was creating, nothing left behind."""
+    root = few_inodes / "cache"
+    store = Store(root)
+    store.put_array("first", np.arange(3))
+    folder = tmp_path / "folder"  # on another file system
+    folder.mkdir()
+    for i in range(3):
+        np.save(folder / f"a{i}.npy", np.full(10, i))
+    fillers = few_inodes / "fillers"
+    named = set()
+    for inodes in range(24):
+        for slots in (root / "locks").glob("key-slots.*.lock"):
+            slots.unlink()
+        _leave_free(fillers, inodes)
+        try:
+            keys = store.put_file("d", folder)
+        except CacheFullError as exc:
+            assert "inodes" in str(exc) and "nr_inodes" in str(exc)
+            assert os.listdir(root / "tmp") == []
+            assert [e.key for e in store.list()] == ["first"]
+            path = Path(str(exc).split(" while creating ", 1)[1].split(": it has no free inodes", 1)[0])
+            if path.name == "data.npy" and path.parent.parent.parent == root / "tmp":
+                named.add("entry data.npy")
+            elif path.name.isdigit() and path.parent.parent == root / "tmp":
+                named.add("entry directory")
+            continue
+        assert [int(store.open_array(key)[0]) for key in keys] == [0, 1, 2]
+        break
+    else:
+        pytest.fail("no directory put succeeded with up to 23 free inodes")
+    assert named == {"entry directory", "entry data.npy"}
+
+
 # ---------------------------------------------------------------------- other writers' reservations
 
 

@@ -118,7 +118,7 @@ def put_kind(path: Path, as_: str) -> str:
         return "arrays" if as_ == "auto" else as_
     arrays = others = 0
     for _, name, _ in _walk(path, "", dir_links=False):
-        if is_array_file(Path(name)):
+        if is_array_file(name):
             arrays += 1
         else:
             others += 1

@@ -1,6 +1,7 @@
 """Sources of ``put_file``: every file is checked before any byte is copied (a regular file,
-beneath the allowed directories if any are given, a valid header), then reopened as the
-same file and copied through a small buffer that the CRC-32 recorded for ``verify`` is
+beneath the allowed directories if any are given, a valid header), then copied from the
+same file (held open since, or reopened and compared; a directory's small ``.npy`` files
+are read whole by the check) through a buffer that the CRC-32 recorded for ``verify`` is
 computed on (one pass, as ``cp`` reads and writes); a file that changes meanwhile fails the
 load. Compressed ``.npz`` members
 are inflated. Which suffixes are taken, and what each file becomes, is :data:`PLANNERS`
@@ -30,7 +31,15 @@ from .._disk.npy import (
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, SourceNotFoundError
 from . import array_files
 from .planned import Planned
-from .source_files import SourceFile, check_unchanged, descriptors_to_hold, open_checked, reopen
+from .source_files import (
+    SourceFile,
+    check_unchanged,
+    check_unchanged_path,
+    descriptors_to_hold,
+    open_checked,
+    open_plain,
+    reopen,
+)
 from .tables import is_table_file
 from .token_files import is_token_source, plan_token_file
 
@@ -48,6 +57,12 @@ __all__ = [
 _SMALL = 4 << 20  # files up to this size are copied through a buffer in the calling thread
 _HEAD = 4096  # a planned .npy's first read: its whole header, nearly always
 _MAGIC = b"\x93NUMPY"
+_KEEP = 64 << 10
+"""A directory put's ``.npy`` files up to this size are read whole when checked and their
+descriptors closed (``Planned.data``): the copy is one ``write`` after one ``stat``."""
+_KEEP_TOTAL = 64 << 20
+"""At most this many bytes of such files are kept per put (memory stays bounded whatever
+the file count: the files beyond are held open, or reopened, as bigger ones are)."""
 _BUFFER = 1 << 20
 """Larger files: one copy through this buffer, checksummed there. It stays in the CPU's
 cache between the read, the CRC and the write: a 256 MiB token file from /tmp to /dev/shm
@@ -55,10 +70,11 @@ took 0.90x ``cp``'s time, vs 0.62x for the kernel's copy with a trailing thread 
 copy back for the CRC, and 0.62x with an 8 MiB buffer (7 interleaved runs, 2 busy cores)."""
 
 
-def is_array_file(path: Path) -> bool:
+def is_array_file(path: str | os.PathLike[str]) -> bool:
     """Whether ``put_file`` stores ``path`` as arrays: its suffix has a planner (``PLANNERS``);
-    in a directory, the other files are what a blobs entry takes (``blobs.put_kind``)."""
-    return path.suffix.lower() in PLANNERS
+    in a directory, the other files are what a blobs entry takes (``blobs.put_kind``). A
+    string is taken as it is (no ``Path`` per file of a directory walk)."""
+    return _suffix(os.path.basename(path)).lower() in PLANNERS
 
 
 Planner = Callable[[str, Path, SourceFile, BinaryIO], list[Planned]]
@@ -78,9 +94,10 @@ def plan_sources(
     (``key`` must be valid already). With ``allowed`` directories, every file must lie
     beneath one of them once links are resolved, and is later opened without following any.
     ``dtype``, or a Megatron ``.bin``/``.idx``: a token file (``token_files``). ``hold``:
-    a directory's ``.npy`` files stay open from their check to their copy (``Planned.fd``,
-    up to half the descriptor limit; not with ``allowed``); the caller must
-    :func:`release_planned` the plan."""
+    a directory's small ``.npy`` files are read whole when checked (``Planned.data``, up to
+    ``_KEEP_TOTAL`` bytes in all) and the others stay open from their check to their copy
+    (``Planned.fd``, up to half the descriptor limit); neither with ``allowed``; the caller
+    must :func:`release_planned` the plan."""
     path = Path(os.path.abspath(path))
     if dtype is None and not path.exists() and Path(f"{path}.idx").is_file():
         path = Path(f"{path}.idx")  # a Megatron pair named as Megatron does: by its prefix
@@ -117,9 +134,10 @@ def plan_sources(
 
 
 def release_planned(plan: Sequence[Planned]) -> None:
-    """Close the descriptors ``plan`` still holds (``plan_sources(hold=True)``): after its
-    put, whether the put copied every item or failed."""
+    """Close the descriptors ``plan`` still holds and drop the bytes it kept
+    (``plan_sources(hold=True)``): after its put, whether the put copied every item or failed."""
     for item in plan:
+        item.data = None
         if item.fd is not None:
             fd, item.fd = item.fd, None
             os.close(fd)
@@ -140,19 +158,25 @@ def _plan_sources_unchecked(
     # confined (``allowed``): reopened beneath the allowed directory, which refuses a
     # file swapped for a link out with SourceNotAllowedError rather than copy the old one
     budget = descriptors_to_hold() if hold and not tops else 0
-    headers: dict[bytes, NpyHeader] = {}
+    keep = _KEEP_TOTAL if hold and not tops else 0  # bytes of small files read whole
+    headers: dict[bytes, tuple[NpyHeader, int]] = {}
+    base = top if top.endswith("/") else f"{top}/"
     for parts in _files_under(top):
         name = parts[-1]
-        suffix = _suffix(name)
+        dot = name.rfind(".")
+        suffix = name[dot:] if dot > 0 else ""  # _suffix, inline: once per file
         lower = suffix.lower()
         if lower not in PLANNERS:
             continue
-        file = os.path.join(top, *parts)
-        relative = "/".join((*parts[:-1], name[: -len(suffix)]))
-        child = _child_key(key, relative, file)
+        relative = name if len(parts) == 1 else "/".join(parts)
+        file = base + relative  # absolute and normal: names from a walk
+        child = _child_key(key, relative[: -len(suffix)], file)
         if lower == ".npy":  # the common case, without a Path or a Python file object
-            item = _plan_npy_fd(child, file, tops, budget > 0, headers)
-            budget -= item.fd is not None
+            item = _plan_npy_fd(child, file, tops, budget > 0, headers, keep if keep < _KEEP else _KEEP)
+            if item.data is not None:
+                keep -= len(item.data)
+            elif item.fd is not None:
+                budget -= 1
             plan.append(item)
         else:
             plan.extend(_plan_file(child, Path(file), tops))
@@ -224,37 +248,62 @@ def _plan_file(key: str, path: Path, tops: tuple[str, ...]) -> list[Planned]:
 
 
 def _plan_npy_fd(
-    key: str, path: str, tops: tuple[str, ...], hold: bool, headers: dict[bytes, NpyHeader]
+    key: str,
+    path: str,
+    tops: tuple[str, ...],
+    hold: bool,
+    headers: dict[bytes, tuple[NpyHeader, int]],
+    keep: int = 0,
 ) -> Planned:
-    """A ``.npy`` checked through one ``open``, ``fstat`` and ``pread`` of its header; its
-    descriptor is kept for the copy if ``hold``, else closed. ``headers``: those parsed so
-    far in this plan, by their bytes."""
-    fd, file = open_checked(path, tops)
+    """A ``.npy`` checked through one ``open``, ``fstat`` and ``pread`` of its header (``path``
+    is absolute and normal); its descriptor is kept for the copy if ``hold``, else closed. A
+    file of at most ``keep`` bytes is read whole by that ``pread`` instead and closed
+    (``Planned.data``). ``headers``: those parsed so far in this plan, by their bytes."""
+    fd, file = open_checked(path, tops, absolute=True) if tops else open_plain(path)
+    whole = file.size <= keep
     try:
-        header = _npy_header(fd, file.size, path, headers)
+        head = os.pread(fd, file.size if whole else min(file.size, _HEAD), 0)
+        header, size = _npy_header(fd, head, file.size, path, headers)
+        data = _whole_file(head, size, file) if whole else None
     except BaseException:
         os.close(fd)
         raise
-    if not hold:
+    if whole or not hold:
         os.close(fd)
-    return Planned(key, header, path, file, 0, fd=fd if hold else None)
+        return Planned(key, header, path, file, 0, data=data)
+    return Planned(key, header, path, file, 0, fd=fd)
 
 
-def _npy_header(fd: int, size: int, where: str, headers: dict[bytes, NpyHeader]) -> NpyHeader:
-    """``read_source_header_fd``, each distinct header parsed once per plan: a directory's
-    files mostly share a few (parsing one is ~15 us, more than the rest of its check). The
-    same bytes give the same header; only the file's size is checked again."""
-    head = os.pread(fd, min(size, _HEAD), 0)
+def _whole_file(head: bytes, size: int, file: SourceFile) -> bytes:
+    """The entry's bytes out of a small file read whole: its first ``size`` (the header's
+    ``file_size``; a file that shrank while read fails as changed)."""
+    if len(head) < size:
+        raise CorruptSourceError(
+            f"{file.path} changed while loading (it ended at byte {len(head)}, expected {size}); "
+            "nothing was published, load it again"
+        )
+    return head if len(head) == size else head[:size]
+
+
+def _npy_header(
+    fd: int, head: bytes, size: int, where: str, headers: dict[bytes, tuple[NpyHeader, int]]
+) -> tuple[NpyHeader, int]:
+    """``read_source_header_fd`` given the file's first bytes ``head``, and the header's
+    ``file_size``; each distinct header parsed once per plan (and its size computed once):
+    a directory's files mostly share a few (parsing one is ~15 us, more than the rest of
+    its check). The same bytes give the same header; only the file's size is checked again."""
     if len(head) >= 12 and head[:6] == _MAGIC and head[6] in (1, 2) and head[7] == 0:
         end = header_length(head, where)
         if end <= len(head):
             raw = head[:end]
             known = headers.get(raw)
-            if known is not None and size >= known.file_size:
+            if known is not None and size >= known[1]:
                 return known
-            header = headers[raw] = source_header(head, size, where)
-            return header
-    return read_source_header_fd(fd, size, where)
+            header = source_header(head, size, where)
+            found = headers[raw] = (header, header.file_size)
+            return found
+    header = read_source_header_fd(fd, size, where)
+    return header, header.file_size
 
 
 def _plan_npy(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Planned]:
@@ -294,19 +343,29 @@ def _suffixes() -> str:
 
 
 def copy_planned(
-    item: Planned, dst: int, target: Path, advance: Callable[[int], None], *, check_header: bool = True
+    item: Planned, dst: int, target: str | Path, advance: Callable[[int], None], *, check_header: bool = True
 ) -> int:
     """Copy one planned ``.npy`` to the end of ``dst`` from the very file that was checked;
-    returns the CRC-32 of the bytes written. A source that changed since it was checked,
-    or while it was copied, raises :class:`CorruptSourceError`. ``check_header=False``:
-    the writer cannot read ``target`` back (a team member fills a daemon's file, which
-    the daemon checks itself). A descriptor the plan held (``item.fd``) is copied from
-    and closed; its file is the one checked by construction."""
+    returns the CRC-32 of the bytes written (``target`` names ``dst`` in errors). A source
+    that changed since it was checked, or while it was copied, raises
+    :class:`CorruptSourceError`. ``check_header=False``: the writer cannot read ``target``
+    back (a team member fills a daemon's file, which the daemon checks itself). A
+    descriptor the plan held (``item.fd``) is copied from and closed; its file is the one
+    checked by construction. Bytes the plan read whole (``item.data``) are written after
+    one ``stat`` of the path shows the file unchanged since (their header was parsed from
+    these very bytes)."""
+    if item.data is not None:
+        data, item.data = item.data, None
+        check_unchanged_path(item.file)
+        crc = crc32(data)
+        _write_small(dst, data, target)
+        advance(len(data))
+        return crc
     held, item.fd = item.fd, None
     src = reopen(item.file) if held is None else held
     try:
         if item.write is not None:
-            crc = item.write(src, dst, target, advance)
+            crc = item.write(src, dst, Path(target), advance)
         elif item.copy_offset is not None and item.header.file_size <= _SMALL:
             crc = _copy_small(item, src, dst, target, advance)
             check_unchanged(src, item.file)
@@ -323,7 +382,19 @@ def copy_planned(
     return crc
 
 
-def _copy_small(item: Planned, src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+def _write_small(dst: int, data: bytes, target: str | Path) -> None:
+    """``write_all`` of a small buffer: one ``write``; ``write_all``'s view and loop only
+    for the rest of a short write, or to raise the typed error of a failed one (a failed
+    ``write`` wrote nothing: it is tried again there)."""
+    try:
+        done = os.write(dst, data)
+    except OSError:
+        done = 0
+    if done < len(data):
+        write_all(dst, memoryview(data)[done:], target)
+
+
+def _copy_small(item: Planned, src: int, dst: int, target: str | Path, advance: Callable[[int], None]) -> int:
     """A small file in one ``pread`` and one ``write`` from this thread, checksummed in
     between: the bytes written are the buffer checksummed, and their header is checked
     in the buffer (a thread and a read-back cost more than the copy itself)."""
@@ -350,7 +421,9 @@ def _copy_small(item: Planned, src: int, dst: int, target: Path, advance: Callab
     return crc
 
 
-def _copy_buffered(item: Planned, src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+def _copy_buffered(
+    item: Planned, src: int, dst: int, target: str | Path, advance: Callable[[int], None]
+) -> int:
     """One copy through a reused buffer, checksummed there: ``pread``, CRC-32, ``write``, in
     the calling thread (what ``cp`` does, plus the CRC on bytes already in cache); the
     bytes checksummed are the bytes written."""
@@ -379,7 +452,9 @@ def _copy_buffered(item: Planned, src: int, dst: int, target: Path, advance: Cal
     return crc
 
 
-def _inflate_member(item: Planned, src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
+def _inflate_member(
+    item: Planned, src: int, dst: int, target: str | Path, advance: Callable[[int], None]
+) -> int:
     """Copy a compressed ``.npz`` member (zipfile checks its CRC while inflating);
     returns the CRC-32 of what was written."""
     written = 0
@@ -403,4 +478,3 @@ def _inflate_member(item: Planned, src: int, dst: int, target: Path, advance: Ca
     if written < item.header.file_size:
         raise CorruptSourceError(f"{item.source}: truncated member ({written} bytes)")
     return crc
-

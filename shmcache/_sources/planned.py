@@ -73,6 +73,11 @@ class Planned:
     directory put's ``.npy`` files, as many as the descriptor limit allows: no reopen, and
     no second check of which file it is); None: the copy reopens ``file``. Closed by the
     copy or by ``files.release_planned``."""
+    data: bytes | None = None
+    """The whole ``.npy`` (``header.file_size`` bytes), read when the file was checked (a
+    directory put's small files, within a total cap: ``files._KEEP_TOTAL``), its descriptor
+    closed then: the copy writes these bytes after one ``stat`` shows the file unchanged,
+    with no reopen and no second read. Dropped by the copy or by ``files.release_planned``."""
 
     @property
     def fingerprint(self) -> dict[str, int]:

@@ -8,7 +8,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -145,27 +144,29 @@ def write_batch(
     plan: Sequence[Planned],
     pin: bool,
     advance: Callable[[int], None],
-    copy: Callable[[Planned, int, Path, Callable[[int], None]], int],
+    copy: Callable[[Planned, int, str, Callable[[int], None]], int],
 ) -> str:
     """Write every planned entry of a directory put into one new batch version (entry n in
     ``<batch>/<n>/``, no ``meta.json``; ``item.version`` set), then its manifest; returns
-    the batch. ``copy`` copies a planned ``.npy`` (``_sources.files.copy_planned``)."""
+    the batch. ``copy`` copies a planned ``.npy`` (``_sources.files.copy_planned``; the
+    target it is given is a ``str``: no ``Path`` per entry). The entries are made relative
+    to the batch's directory (``BatchEntries``)."""
     batch = writer.new_batch()
     lines = []
-    for index, item in enumerate(plan):
-        version = item.version = writer.new_batch_entry(batch, index)
-        if item.container is not None:  # decoded when checked: HDF5 variable-length strings
-            meta = write_container(writer, item, pin, advance, copy, with_meta_file=False)
-            meta.pop("version")
-            lines.append(json.dumps(meta).encode() + b"\n")
-            continue
-        target = writer.path(version, ARRAY_FILE)
-        dst = writer.create_file(version, ARRAY_FILE)
-        try:
-            crc = copy(item, dst, target, advance)
-        finally:
-            os.close(dst)
-        lines.append(array_line(item.key, item.header, crc, item.source, item.fingerprint))
+    with writer.batch_entries(batch) as entries:
+        for index, item in enumerate(plan):
+            item.version = entries.new_entry(index)
+            if item.container is not None:  # decoded when checked: HDF5 variable-length strings
+                meta = write_container(writer, item, pin, advance, copy, with_meta_file=False)
+                meta.pop("version")
+                lines.append(json.dumps(meta).encode() + b"\n")
+                continue
+            dst = entries.create_file(index, ARRAY_FILE)
+            try:
+                crc = copy(item, dst, entries.path(index, ARRAY_FILE), advance)
+            finally:
+                os.close(dst)
+            lines.append(array_line(item.key, item.header, crc, item.source, item.file.fingerprint_json))
     writer.write_manifest(batch, encode_manifest(batch_common(pin), lines))
     return batch
 
@@ -300,18 +301,27 @@ def batch_common(pin: bool) -> dict[str, Any]:
     }
 
 
-def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: Mapping[str, int]) -> bytes:
+def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: str) -> bytes:
     """The manifest object of an array entry copied from a ``.npy`` (what its ``meta.json``
     would hold beyond :func:`batch_common`), encoded with a newline: formatted directly
     (``json.dumps`` of a dict costs several times more, per file of a batch), and what
     depends on the header only (dtype, shape, sizes) formatted once per distinct header
-    (the files of a folder share a few)."""
-    described = _DESCRIBED.get(header)
-    if described is None:
-        described = _describe(header)
+    (the files of a folder share a few; found by identity first: a plan shares one header
+    object between the files with the same header bytes, and hashing a header costs more
+    than the rest of the line). ``fingerprint``: the source's fingerprint as JSON members
+    (``SourceFile.fingerprint_json``)."""
+    last = _LAST_DESCRIBED
+    if last and last[0] is header:
+        described = last[1]
+    else:
+        described = _DESCRIBED.get(header)
+        if described is None:
+            described = _describe(header)
+        _LAST_DESCRIBED[:] = [header, described]
+    if not (source.isascii() and source.isprintable() and '"' not in source and "\\" not in source):
+        source = json.dumps(source)[1:-1]
     return (
-        f'{{"key":"{key}",{described}{crc:08x}","source":{_json_string(source)},'
-        f'"source_fingerprint":{{{_json_ints(fingerprint)}}}}}\n'
+        f'{{"key":"{key}",{described}{crc:08x}","source":"{source}","source_fingerprint":{{{fingerprint}}}}}\n'
     ).encode()
 
 
@@ -332,18 +342,7 @@ def _describe(header: NpyHeader) -> str:
 
 
 _DESCRIBED: dict[NpyHeader, str] = {}
-
-
-def _json_ints(numbers: Mapping[str, int]) -> str:
-    """The members of a JSON object of integers named by plain words (a fingerprint)."""
-    return ",".join([f'"{name}":{int(value)}' for name, value in numbers.items()])
-
-
-def _json_string(text: str) -> str:
-    """``json.dumps(text)``: quoted as it is when nothing in it needs escaping (a path)."""
-    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
-        return f'"{text}"'
-    return json.dumps(text)
+_LAST_DESCRIBED: list[Any] = []  # [header, its description]: the last one, found by identity
 
 
 def _dtype_json(dtype: np.dtype) -> str:
@@ -381,7 +380,7 @@ def write_container(
     item: Planned,
     pin: bool,
     advance: Callable[[int], None],
-    copy: Callable[[Planned, int, Path, Callable[[int], None]], int] | None = None,
+    copy: Callable[[Planned, int, str, Callable[[int], None]], int] | None = None,
     *,
     with_meta_file: bool = True,
 ) -> dict[str, Any]:
@@ -402,7 +401,7 @@ def write_container(
         advance(headers[name].file_size)
     for name, part in item.container.copied.items():
         assert copy is not None, "a container with copied files needs copy="
-        target = writer.path(item.version, f"{name}.npy")
+        target = str(writer.path(item.version, f"{name}.npy"))
         dst = writer.create_file(item.version, f"{name}.npy")
         try:
             crcs[name] = copy(part, dst, target, advance)
