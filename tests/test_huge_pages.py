@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cli_helpers import invoke
 
 import shmcache
 from shmcache._disk import huge_map
@@ -278,3 +279,12 @@ def test_a_kernel_refusal_falls_back_silently(store: shmcache.Store) -> None:
     assert result["pmd"] == 0 and result["collapsed"] == 0
     assert result["reason"].startswith("not supported by this kernel")
     assert np.array_equal(np.array(result["rows"], np.float32), feats[[4, 2, 8000]])
+
+
+def test_doctor_offers_the_route_without_root(root: Path) -> None:
+    report = json.loads(invoke("doctor", "--json", "--root", str(root)).stdout)
+    check = {c["name"]: c for c in report["checks"]}["huge_pages"]
+    assert check["details"]["madv_collapse"] is huge_map.supported()
+    if check["details"]["huge"] == "never" and check["details"]["shmem_enabled"] not in ("force", "deny"):
+        assert ("huge_pages=True" in check["fix"]) is huge_map.supported()
+        assert "huge=within_size" in check["fix"]  # the administrator's way, for every reader

@@ -178,7 +178,12 @@ def map_collapsed(fd: int, size: int) -> tuple[HugeBuffer, Collapsed] | None:
     buffer = map_aligned(fd, size)
     if buffer is None:
         return None
-    return buffer, collapse(ctypes.addressof(buffer), size)
+    done = collapse(ctypes.addressof(buffer), size)
+    if done.reason is not None:  # not the user's error: said for who looks (logging at DEBUG)
+        import logging
+
+        logging.getLogger(__name__).debug("huge pages for a %d-byte entry: %s", size, done.reason)
+    return buffer, done
 
 
 def _strerror(error: int) -> str:
