@@ -5,7 +5,6 @@ mocked: where this kernel cannot collapse, the tests that need it skip and say w
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -75,7 +74,7 @@ def test_an_aligned_mapping_holds_the_files_bytes_and_goes_with_its_last_array(f
     finally:
         os.close(fd)  # the mapping outlives the descriptor
     assert buffer is not None
-    address = ctypes.addressof(buffer)
+    address = huge_map.address_of(buffer)
     assert address % HUGE == 0
     array = np.frombuffer(buffer, dtype=np.uint8)
     assert np.array_equal(array, expected)
@@ -94,6 +93,34 @@ def test_an_aligned_mapping_holds_the_files_bytes_and_goes_with_its_last_array(f
 
 
 @needs_collapse
+def test_a_shared_aligned_view_is_read_only_and_a_private_one_keeps_its_writes(file_on_tmpfs: Path) -> None:
+    expected = file_on_tmpfs.read_bytes()
+    fd = os.open(file_on_tmpfs, os.O_RDONLY)
+    try:
+        shared = huge_map.map_aligned(fd, len(expected), private=False)
+        private = huge_map.map_aligned(fd, len(expected))
+    finally:
+        os.close(fd)
+    assert shared is not None and private is not None
+    assert huge_map.address_of(shared) % HUGE == 0 and huge_map.address_of(private) % HUGE == 0
+    perms = sorted(
+        line.split()[1]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if line.endswith(str(file_on_tmpfs))
+    )
+    assert perms == ["r--s", "rw-p"]
+    read_only = np.frombuffer(shared, dtype=np.uint8)
+    assert not read_only.flags.writeable
+    with pytest.raises(ValueError):
+        read_only[0] = 1  # refused by numpy, not a SIGSEGV
+    tensor = torch.from_numpy(np.frombuffer(private, dtype=np.uint8))
+    tensor[: 3 * MiB] += 1  # through torch, over huge and small pages alike
+    assert bytes(tensor[:4].tolist()) == bytes((b + 1) % 256 for b in expected[:4])
+    assert file_on_tmpfs.read_bytes() == expected  # copy-on-write: the file keeps its bytes
+    assert read_only.tobytes() == expected
+
+
+@needs_collapse
 def test_collapse_maps_the_file_with_huge_pages(file_on_tmpfs: Path) -> None:
     size = file_on_tmpfs.stat().st_size
     fd = os.open(file_on_tmpfs, os.O_RDONLY)
@@ -103,11 +130,11 @@ def test_collapse_maps_the_file_with_huge_pages(file_on_tmpfs: Path) -> None:
         os.close(fd)
     assert buffer is not None
     assert _pmd_mapped(str(file_on_tmpfs)) == (1, 0)  # /dev/shm without huge=: 4 KiB pages
-    done = huge_map.collapse(ctypes.addressof(buffer), size)
+    done = huge_map.collapse(huge_map.address_of(buffer), size)
     assert done == huge_map.Collapsed(size // HUGE * HUGE, None)  # whole pages only
     assert _pmd_mapped(str(file_on_tmpfs)) == (1, size // HUGE * HUGE)
     assert bytes(buffer) == file_on_tmpfs.read_bytes()
-    again = huge_map.collapse(ctypes.addressof(buffer), size)  # already done: nothing to do, no error
+    again = huge_map.collapse(huge_map.address_of(buffer), size)  # already done: nothing to do, no error
     assert again.reason is None
 
 

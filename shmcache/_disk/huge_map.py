@@ -27,7 +27,9 @@ import weakref
 from functools import cache
 from typing import NamedTuple
 
-__all__ = ["Collapsed", "collapse", "map_aligned", "map_collapsed", "pmd_size", "supported"]
+import numpy as np
+
+__all__ = ["Collapsed", "address_of", "collapse", "map_aligned", "map_collapsed", "pmd_size", "supported"]
 
 _PMD_SIZE_FILE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -39,8 +41,6 @@ _MADV_COLLAPSE = 25
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP)
 _TRANSIENT = (errno.EAGAIN, errno.ENOMEM, errno.EBUSY)
-
-HugeBuffer = ctypes.Array[ctypes.c_char]
 
 
 class Collapsed(NamedTuple):
@@ -103,14 +103,14 @@ def _munmap(address: int, length: int) -> None:
     _libc().munmap(address, length)
 
 
-def map_aligned(fd: int, size: int, *, private: bool = True) -> HugeBuffer | None:
+def map_aligned(fd: int, size: int, *, private: bool = True) -> memoryview | None:
     """``size`` bytes of ``fd`` from offset 0, mapped at a huge-page-aligned address.
 
     ``private``: ``MAP_PRIVATE | MAP_NORESERVE`` with ``PROT_READ | PROT_WRITE``, the
     copy-on-write mapping ``attach`` makes (a write copies its page into this mapping,
-    never into the file); else ``MAP_SHARED`` with ``PROT_READ``. The buffer is a ctypes
-    char array over the mapping (numpy and torch take it); the mapping is removed when
-    the buffer, and every array over it, is gone. None where this module declines, or
+    never into the file); else ``MAP_SHARED`` with ``PROT_READ``, and the view is
+    read-only (numpy refuses writes instead of a SIGSEGV). The mapping is removed when
+    the view, and every array over it, is gone. None where this module declines, or
     the file is smaller than one huge page (nothing to gain), or the kernel refuses the
     mapping (the caller's ordinary ``mmap`` then says why).
     """
@@ -138,10 +138,16 @@ def map_aligned(fd: int, size: int, *, private: bool = True) -> HugeBuffer | Non
         libc.munmap(reserved, start - reserved)
     if reserved + huge > start:
         libc.munmap(start + length, reserved + huge - start)
-    buffer = (ctypes.c_char * size).from_address(start)
+    buffer = (ctypes.c_char * size).from_address(start)  # the view holds it; it holds the mapping
     unmap = weakref.finalize(buffer, _munmap, start, length)
     unmap.atexit = False  # at exit, arrays over it may outlive the finalizers: leave it to the kernel
-    return buffer
+    view = memoryview(buffer).cast("B")
+    return view if private else view.toreadonly()
+
+
+def address_of(view: memoryview) -> int:
+    """The address of the first byte of a :func:`map_aligned` view (read-only ones too)."""
+    return int(np.frombuffer(view, dtype=np.uint8, count=1).ctypes.data)
 
 
 def collapse(address: int, size: int) -> Collapsed:
@@ -173,12 +179,12 @@ def collapse(address: int, size: int) -> Collapsed:
     return Collapsed(done, f"{done >> 20} of {(end - start) >> 20} MiB collapsed ({_strerror(last)})")
 
 
-def map_collapsed(fd: int, size: int) -> tuple[HugeBuffer, Collapsed] | None:
+def map_collapsed(fd: int, size: int) -> tuple[memoryview, Collapsed] | None:
     """:func:`map_aligned` (private), then :func:`collapse` over it; None where declined."""
     buffer = map_aligned(fd, size)
     if buffer is None:
         return None
-    done = collapse(ctypes.addressof(buffer), size)
+    done = collapse(address_of(buffer), size)
     if done.reason is not None:  # not the user's error: said for who looks (logging at DEBUG)
         import logging
 
