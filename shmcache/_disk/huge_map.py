@@ -166,7 +166,11 @@ def collapse(address: int, size: int) -> Collapsed:
         return Collapsed(end - start, None)
     error = ctypes.get_errno()
     if error not in _TRANSIENT:
-        return Collapsed(0, f"not supported by this kernel ({_strerror(error)})")
+        return Collapsed(
+            0,
+            f"not supported by this kernel for this file ({_strerror(error)}; MADV_COLLAPSE needs "
+            "Linux >= 6.1, a tmpfs file, huge pages not disabled for this process)",
+        )
     done, last = 0, error  # partly: page by page, to go on past the pages it could not do
     for page in range(start, end, huge):
         if libc.madvise(page, huge, _MADV_COLLAPSE) == 0:
