@@ -27,6 +27,7 @@ import argparse
 import functools
 import gc
 import os
+import pickle
 import sys
 import time
 import warnings
@@ -58,6 +59,7 @@ from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler
 
 import shmcache
 import shmcache.torch
+from shmcache._disk import huge_map
 from shmcache.torch import GatheredBatch
 
 THROUGHPUT_TARGET = 1.0
@@ -228,7 +230,9 @@ def bench_reads(datasets: dict[str, tuple[Dataset[Any], Any]], config: Config) -
     return round_robin(loops, max(5, config.repeats * 2), alternate=True)
 
 
-def bench_first_pass(store: shmcache.Store, root: str, config: Config) -> dict[str, Samples]:
+def bench_first_pass(
+    store: shmcache.Store, root: str, config: Config, huge_pages: bool = True
+) -> tuple[dict[str, Samples], dict[str, float]]:
     """Seconds per item of one pass over a *fresh* dataset (issue 22 item 3), in-process:
     ``CachedDataset`` built (untimed), then its columns mapped on first use (a new mapping,
     as in each worker: timed) and read in random batches of 256 over every row (an epoch),
@@ -236,10 +240,32 @@ def bench_first_pass(store: shmcache.Store, root: str, config: Config) -> dict[s
     tensors, pages mapped already) read the same way. Page faults of the fresh mapping, or
     mapping its pages in up front, are inside the timing. Timed as this thread's CPU time
     (page faults included: the kernel's work on our behalf): on a shared machine, wall time
-    mostly measures who else runs."""
+    mostly measures who else runs.
+
+    ``huge_pages`` (where ``_disk/huge_map`` is supported): also ``CachedDataset(...,
+    huge_pages=True)`` over a copy of the entries (so that the plain rows keep their 4 KiB
+    pages), each repeat a fresh unpickled one as a worker gets (its aligned mapping, and
+    the ``MADV_COLLAPSE`` that finds the pages collapsed, timed). The first construction,
+    which collapses the copy's pages, is timed apart: the second dict (wall and CPU
+    seconds per GiB, then the same for a second construction)."""
     feats = store.open_array("loader/feats").copy()  # in-memory: anonymous (huge) pages
     labels = store.open_array("loader/labels").copy()
     in_memory = InProcessBatched(feats, labels)
+    collapse: dict[str, float] = {}
+    huge_template: shmcache.torch.CachedDataset | None = None
+    if huge_pages and huge_map.supported():
+        store.put_array("loader/huge/feats", feats)
+        store.put_array("loader/huge/labels", labels)
+        gib = (feats.nbytes + labels.nbytes) / (1 << 30)
+        for turn in ("first", "again"):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            huge_template = shmcache.torch.CachedDataset(
+                "loader/huge/feats", "loader/huge/labels", root=root, huge_pages=True
+            )
+            collapse[f"{turn}: wall s per GiB"] = (time.perf_counter() - wall) / gib
+            collapse[f"{turn}: CPU s per GiB"] = (time.thread_time() - cpu) / gib
+        huge_pmd = _pmd_mapped_bytes(store.info("loader/huge/feats").version)
+        collapse["feats mapped on huge pages, share"] = huge_pmd / feats.nbytes
     rng = np.random.default_rng(3)
     epoch = rng.permutation(config.rows).tolist()
     batches = [epoch[i : i + config.batch_size] for i in range(0, len(epoch), config.batch_size)]
@@ -268,18 +294,41 @@ def bench_first_pass(store: shmcache.Store, root: str, config: Config) -> dict[s
     def fresh() -> shmcache.torch.CachedDataset:
         return shmcache.torch.CachedDataset("loader/feats", "loader/labels", root=root)
 
+    def fresh_huge() -> shmcache.torch.CachedDataset:  # what a worker gets: no columns yet
+        loaded: shmcache.torch.CachedDataset = pickle.loads(pickle.dumps(huge_template))
+        return loaded
+
     loops = {
         "CachedDataset, fresh: batches of 256, one epoch": batched(fresh),
         "InProcessBatched: batches of 256, one epoch": batched(lambda: in_memory),
         "CachedDataset, fresh: ds[i] per row": per_row(fresh),
         "InProcessBatched: ds[i] per row": per_row(lambda: in_memory),
     }
+    if huge_template is not None:
+        loops["CachedDataset(huge_pages=True), fresh: batches of 256, one epoch"] = batched(fresh_huge)
+        loops["CachedDataset(huge_pages=True), fresh: ds[i] per row"] = per_row(fresh_huge)
     results = {name: Samples() for name in loops}
     for repeat in range(max(5, config.repeats * 2)):
         for name in alternated(list(loops), repeat):
             results[name].add(loops[name]())
             gc.collect()  # the fresh dataset's mappings go before the next one
-    return results
+    huge_template = None  # its mappings go
+    gc.collect()
+    return results, collapse
+
+
+def _pmd_mapped_bytes(version: str) -> int:
+    """Bytes of this process's mappings of ``<version>/data.npy`` mapped with huge page
+    entries (``/proc/self/smaps``)."""
+    pmd, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if not first.endswith(":") or "-" in first:  # a mapping's first line
+                inside = line.rstrip().endswith(f"/{version}/data.npy")
+            elif inside and first in ("ShmemPmdMapped:", "FilePmdMapped:"):
+                pmd += int(line.split()[1]) * 1024
+    return pmd
 
 
 def _copy_row(array: np.ndarray, index: int) -> np.ndarray:
@@ -328,6 +377,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--items", type=int, help="items read per DataLoader run")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="directory of the PNG")
     parser.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--no-huge-pages",
+        dest="huge_pages",
+        action="store_false",
+        help="leave out the CachedDataset(huge_pages=True) rows of the first pass",
+    )
+    parser.add_argument(
+        "--first-pass-only", action="store_true", help="only the fresh-dataset pass (issue 22 item 3)"
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     overrides = {k: v for k, v in (("repeats", args.repeats), ("items", args.items)) if v}
@@ -340,9 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = str(scratch / "root")
         store = shmcache.Store(root)
         datasets = make_datasets(store, root, config)
-        reads = bench_reads(datasets, config)
-        first = bench_first_pass(store, root, config)
-        loaders = bench_loaders(datasets, config)
+        reads = {} if args.first_pass_only else bench_reads(datasets, config)
+        first, collapse = bench_first_pass(store, root, config, huge_pages=args.huge_pages)
+        loaders = {} if args.first_pass_only else bench_loaders(datasets, config)
         del datasets
     elapsed = time.perf_counter() - started
 
@@ -385,8 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ok=ratio >= THROUGHPUT_TARGET,
                     )
                 )
-    print("DataLoader items/s:\n")
-    print(markdown_table(["workers", "Dataset", "median", "min", "max", "vs in-process"], rows, "rlrrrr"))
+    if loaders:
+        print("DataLoader items/s:\n")
+        print(markdown_table(["workers", "Dataset", "median", "min", "max", "vs in-process"], rows, "rlrrrr"))
 
     read_rows: list[list[object]] = []
     for name, s in reads.items():
@@ -410,9 +469,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         read_rows.append(
             [dataset_name, how, fmt_seconds(s.median), fmt_seconds(s.min), fmt_seconds(s.max), ratio_text]
         )
-    print(f"\nIn-process reads, time per item ({config.read_items:,} random items per loop):\n")
-    print(markdown_table(["Dataset", "read", "median", "min", "max", "vs in-process"], read_rows, "llrrrr"))
-    for name, batched_read, row_read in (
+    if reads:
+        print(f"\nIn-process reads, time per item ({config.read_items:,} random items per loop):\n")
+        headers = ["Dataset", "read", "median", "min", "max", "vs in-process"]
+        print(markdown_table(headers, read_rows, "llrrrr"))
+    for name, batched_read, row_read in () if not reads else (
         (
             "CachedDataset",
             "CachedDataset (batched): __getitems__ per batch",
@@ -446,9 +507,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nA fresh dataset, one pass in-process, time per item (mapping and page faults included):\n")
     headers = ["read", "median", "min", "max", "speed vs in-memory (median / min)"]
     print(markdown_table(headers, first_rows, "lrrrr"))
+    if collapse:
+        print(
+            "\nhuge_pages=True, the first dataset over an entry (MADV_COLLAPSE of its pages): "
+            f"{collapse['first: wall s per GiB']:.2f} s per GiB wall, "
+            f"{collapse['first: CPU s per GiB']:.2f} s CPU; a second one: "
+            f"{collapse['again: wall s per GiB'] * 1e3:.1f} ms per GiB wall; feats mapped "
+            f"{collapse['feats mapped on huge pages, share']:.0%} on huge pages"
+        )
+    elif args.huge_pages:
+        print("\n(no huge_pages rows: MADV_COLLAPSE is not supported here, see docs/huge-pages.md)")
     print()
     print_targets(targets)
-    png = plot(loaders, config, args.out)
+    png = plot(loaders, config, args.out) if loaders else None
     if png is not None:
         print(f"\nplot: {png}")
     print(f"({elapsed:.1f} s)")
@@ -463,6 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "read_s_per_item": {n: s.summary() for n, s in reads.items()},
             "first_pass_s_per_item": {n: s.summary() for n, s in first.items()},
+            "huge_pages_collapse": collapse,
         },
         targets=targets,
         elapsed_s=elapsed,

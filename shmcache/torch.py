@@ -141,9 +141,22 @@ class CachedDataset(Dataset[Any]):
     Batches are gathered with one fancy index per array (``__getitems__``); pass
     ``collate_fn=shmcache.torch.collate`` to use them without a second copy.
     ``team="vision"`` reads that team's root (``docs/team.md``) instead of ``root``.
+
+    ``huge_pages=True`` maps columns of 2 MiB or more on 2 MiB pages where the kernel
+    allows it without root (Linux >= 6.1, ``docs/huge-pages.md``): random rows then miss
+    the TLB as seldom as in an in-memory array. The first dataset over an entry pays a
+    one-time copy of its pages (about 1-2 s per GiB, done here, in the constructor);
+    later ones, and every DataLoader worker, map the pages already made. Where the
+    kernel declines, columns are mapped as without it.
     """
 
-    def __init__(self, *keys: str | Mapping[str, str], root: Root = None, team: str | None = None) -> None:
+    def __init__(
+        self,
+        *keys: str | Mapping[str, str],
+        root: Root = None,
+        team: str | None = None,
+        huge_pages: bool = False,
+    ) -> None:
         if len(keys) == 1 and isinstance(keys[0], Mapping):
             self._names: list[str] | None = list(keys[0])
             self._keys = list(keys[0].values())
@@ -157,7 +170,11 @@ class CachedDataset(Dataset[Any]):
         self._fork = -1
         self._tensors: list[torch.Tensor] = []
         self._copy_rows = False
-        lengths = {len(self._store().open_array(k, raw=True)) for k in self._keys}
+        self._huge_pages = bool(huge_pages)
+        if self._huge_pages:  # collapse the pages now, once, before workers map them
+            lengths = {len(column) for column in self._columns()}
+        else:
+            lengths = {len(self._store().open_array(k, raw=True)) for k in self._keys}
         if len(lengths) != 1:
             raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
         self._length = lengths.pop()
@@ -177,6 +194,8 @@ class CachedDataset(Dataset[Any]):
 
     def _column(self, store: Any, key: str) -> torch.Tensor:
         try:
+            if self._huge_pages:
+                return tensor_of(store.open_private_array(key, huge_pages=True))
             return tensor_of(store.open_private_array(key))
         except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
             self._copy_rows = True
@@ -210,10 +229,12 @@ class CachedDataset(Dataset[Any]):
             "_root": self._root,
             "_team": self._team,
             "_length": self._length,
+            "_huge_pages": self._huge_pages,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._team = None  # pickled before teams existed
+        self._huge_pages = False  # or before huge pages
         self.__dict__.update(state)
         self._fork = -1
         self._tensors = []

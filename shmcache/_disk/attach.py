@@ -137,17 +137,27 @@ def map_entry_file(
 
 
 def attach_array(
-    root: str, version: str, filename: str, key: str, *, mode: MapMode = COPY_ON_WRITE
+    root: str,
+    version: str,
+    filename: str,
+    key: str,
+    *,
+    mode: MapMode = COPY_ON_WRITE,
+    huge_pages: bool = False,
 ) -> np.ndarray:
     """The array a published ``.npy`` file holds (a plain ``ndarray``), read-only
     unless ``mode="writable"`` (see the module docstring for the modes).
+    ``huge_pages`` (``"writable"`` only): a mapping on 2 MiB pages where
+    ``huge_map`` can make one (the file's pages collapsed once), else the usual one.
 
     The header is read with ``pread`` rather than through the mapping: touching the
     mapping would cost a page fault, more than the rest of the attach together.
     Raises FileNotFoundError if the version is gone (replaced or evicted), and
     :class:`MappingRefusedError` if the kernel refuses a ``"writable"`` mapping.
     """
-    mapping, head, end = _map(root, version, filename, key, True, mode)
+    if huge_pages and mode != WRITABLE:
+        raise ValueError("huge_pages=True maps a private writable array: mode='writable'")
+    mapping, head, end = _map(root, version, filename, key, True, mode, huge_pages)
     dtype, shape, fortran_order, offset = parse_header_bytes(head, end, f"entry {key!r}")
     try:
         if fortran_order:
@@ -172,8 +182,14 @@ def is_shared_read_only(array: np.ndarray) -> bool:
 
 
 def _map(
-    root: str, version: str, filename: str, key: str, read_header: bool, mode: MapMode = COPY_ON_WRITE
-) -> tuple[mmap.mmap, bytes, int]:
+    root: str,
+    version: str,
+    filename: str,
+    key: str,
+    read_header: bool,
+    mode: MapMode = COPY_ON_WRITE,
+    huge: bool = False,
+) -> tuple[Any, bytes, int]:
     if mode != COPY_ON_WRITE and mode != SHARED and mode != WRITABLE:
         raise ValueError(f"unknown mapping mode {mode!r}: one of 'copy-on-write', 'shared', 'writable'")
     path = object_path(root, version, filename)
@@ -193,7 +209,7 @@ def _map(
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: {path} is truncated inside its header")
         try:
-            mapping = _mmap(fd, key, mode)
+            mapping = _mmap(fd, key, mode, huge)
         except ValueError as exc:  # an empty file cannot be mapped
             raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
         except OSError as exc:
@@ -213,8 +229,9 @@ def _map(
     return mapping, head, end
 
 
-def _mmap(fd: int, key: str, mode: MapMode) -> mmap.mmap:
-    """One mapping of ``fd`` in ``mode``; a copy-on-write one is a shared read-only one
+def _mmap(fd: int, key: str, mode: MapMode, huge: bool = False) -> Any:
+    """One mapping of ``fd`` in ``mode`` (an ``mmap``, or with ``huge`` a ``huge_map``
+    buffer where one can be made); a copy-on-write one is a shared read-only one
     under strict overcommit, or where the kernel refuses it (ENOMEM: RLIMIT_DATA)."""
     if mode == COPY_ON_WRITE:
         if not _STRICT_OVERCOMMIT:
@@ -235,6 +252,12 @@ def _mmap(fd: int, key: str, mode: MapMode) -> mmap.mmap:
         mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
         mapping.shared = True
         return mapping
+    if huge and not _STRICT_OVERCOMMIT:
+        from .huge_map import map_collapsed  # deferred: ctypes only for who asks
+
+        made = map_collapsed(fd, os.fstat(fd).st_size)
+        if made is not None:  # a refused collapse still maps: 4 KiB pages, aligned
+            return made[0]
     try:
         return mmap.mmap(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY)
     except OSError as exc:

@@ -131,10 +131,11 @@ class Reader:
             vanished = "" if where.is_dir() else " (`shmcache cleanup` removes entries whose data vanished)"
             raise damaged(key, f"its data ({ARRAY_FILE}) is missing from {where}{vanished}")
 
-    def open_private_array(self, key: str) -> np.ndarray:
+    def open_private_array(self, key: str, *, huge_pages: bool = False) -> np.ndarray:
         """A writable copy-on-write array of ``key`` on a mapping of its own (for tensors):
         reads share the cache's pages, writes stay in this array. Raises
-        ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit)."""
+        ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit).
+        ``huge_pages``: on 2 MiB pages where the kernel allows (``_disk/huge_map.py``)."""
         validate_key(key)
         self.trust_root()
         for _ in range(_RESOLVE_RETRIES):
@@ -142,7 +143,9 @@ class Reader:
             if version is None:
                 raise self.not_found(key)
             try:
-                return attach_array(self._root_str, version, ARRAY_FILE, key, mode=WRITABLE)
+                return attach_array(
+                    self._root_str, version, ARRAY_FILE, key, mode=WRITABLE, huge_pages=huge_pages
+                )
             except FileNotFoundError:
                 self._explain_missing_array(key, version)
             except (CorruptEntryError, ValueError, TypeError) as exc:

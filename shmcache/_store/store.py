@@ -134,11 +134,12 @@ class Store(Putting):
         """
         return self._reader.open_array(key, raw)
 
-    def open_private_array(self, key: str) -> np.ndarray:
+    def open_private_array(self, key: str, *, huge_pages: bool = False) -> np.ndarray:
         """A writable copy-on-write array over the entry (a mapping of its own, no copy):
         writes stay in this array. What ``shmcache.torch`` builds tensors on.
-        ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit)."""
-        return self._reader.open_private_array(key)
+        ``MappingRefusedError`` where the kernel refuses the mapping (strict overcommit).
+        ``huge_pages``: mapped on 2 MiB pages where the kernel allows (docs/huge-pages.md)."""
+        return self._reader.open_private_array(key, huge_pages=huge_pages)
 
     @descriptors_typed
     def open(self, key: str) -> Any:
