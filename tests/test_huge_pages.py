@@ -11,6 +11,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,28 @@ import shmcache.torch  # noqa: E402
 
 MiB = 1 << 20
 HUGE = huge_map.pmd_size() or 2 * MiB
-needs_collapse = pytest.mark.skipif(
-    not huge_map.supported(),
-    reason="no MADV_COLLAPSE here (needs Linux >= 6.1 on a 64-bit x86/ARM/RISC-V/s390, "
-    "transparent huge pages built in, shmem_enabled not 'deny')",
-)
+
+
+def _why_no_collapse() -> str | None:
+    """Why a collapse cannot be shown here, from a real one on a scratch file of /dev/shm
+    (None: it works): the sysfs checks of ``supported()`` do not see a container or a
+    ``prctl`` that disables huge pages for this process, nor a memory too fragmented."""
+    if not huge_map.supported():
+        return ("no MADV_COLLAPSE here (needs Linux >= 6.1 on a 64-bit x86/ARM/RISC-V/s390, "
+                "transparent huge pages built in, shmem_enabled not 'deny')")
+    with tempfile.TemporaryFile(dir="/dev/shm") as scratch:
+        scratch.write(b"\1" * (2 * HUGE))
+        scratch.flush()
+        view = huge_map.map_aligned(scratch.fileno(), 2 * HUGE)
+        if view is None:
+            return "the kernel refused an aligned mapping of a /dev/shm file"
+        done = huge_map.collapse(huge_map.address_of(view), 2 * HUGE)
+        del view
+    return None if done.collapsed else f"MADV_COLLAPSE refused here: {done.reason}"
+
+
+_NO_COLLAPSE = _why_no_collapse() if os.path.isdir("/dev/shm") else "no /dev/shm"
+needs_collapse = pytest.mark.skipif(_NO_COLLAPSE is not None, reason=_NO_COLLAPSE or "")
 
 
 def _pmd_mapped(path_suffix: str) -> tuple[int, int]:
