@@ -10,7 +10,9 @@ Each lock is one byte of a lock file under ``locks/``, locked with ``fcntl`` (F_
   holds at most that many descriptors, whatever the open-file limit (one file per key, as
   before, ran out of descriptors at 1,024 files). Several files, not one: the kernel scans
   a file's whole list of locks on every lock, so 100,000 on one file cost minutes; spread
-  over 32, about a second.
+  over 32, about 3 s. So a batch with hundreds of keys in one file locks the whole file
+  instead where no other process holds a byte of it (one lock, without waiting), and
+  narrows it to its keys' bytes before it waits for anything (:func:`key_locks`).
 - **Released on death.** The kernel drops a process's locks when it exits, even by
   ``kill -9``; a fork does not inherit them (a DataLoader worker forked during a load does
   not keep the key locked after its parent dies, as it did an ``flock``).
@@ -31,8 +33,9 @@ Each lock is one byte of a lock file under ``locks/``, locked with ``fcntl`` (F_
 
 Waits poll (1 ms doubling to 50 ms): F_SETLKW cannot be bounded or interrupted to look at
 the holder. Keys are taken in one order of their (file, byte) (:func:`key_locks`), so
-two batches never deadlock; a hash collision (odds 2^-58 per pair) only makes two keys
-share a lock.
+two batches never deadlock, whatever version of shmcache each runs (a whole file counts
+as all its bytes at once, and is never held during a wait); a hash collision (odds 2^-58
+per pair) only makes two keys share a lock.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ __all__ = [
     "KEY_LOCK_FILES",
     "STOPPED_GRACE_S",
     "STORE_TIMEOUT",
+    "WHOLE_FILE_KEYS",
     "StoreTimeout",
     "key_lock",
     "key_locks",
@@ -85,7 +89,7 @@ _POLL_FIRST_S = 0.001
 _POLL_S = 0.05
 
 
-@dataclass
+@dataclass(slots=True)
 class _Hold:
     """One locked byte in this process: who holds it, and whether the process has it yet."""
 
@@ -100,6 +104,7 @@ class _File:
 
     fds: dict[bool, int] = field(default_factory=dict)  # writable -> fd
     users: int = 0  # bytes held or being taken
+    whole: object | None = None  # the batch holding all the file (offset 0 to its end), if one does
 
 
 Opener = Callable[[bool], int | None]
@@ -150,14 +155,16 @@ def _use_file(path: str, writable: bool, opener: Opener) -> int | None:
 
 def _drop_file(path: str, offset: int | None) -> None:
     """One user of ``path`` is done (called holding ``_cond``): unlock ``offset`` (if
-    given), or close the file when it was the last, which releases everything at once."""
+    given), or close the file when it was the last, which releases everything at once.
+    While a batch holds the whole file, the byte stays under its lock and is released with
+    it (unlocking it would also cut the batch's lock there)."""
     file = _files[path]
     file.users -= 1
     if file.users == 0:
         del _files[path]
         for fd in file.fds.values():
             os.close(fd)
-    elif offset is not None:
+    elif offset is not None and file.whole is None:
         unlock_range(next(iter(file.fds.values())), offset)
 
 
@@ -200,7 +207,7 @@ def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener)
         with _cond:
             if epoch == _epoch:
                 del _slots[slot]
-                _drop_file(path, None)
+                _drop_file(path, offset)  # no other thread of the process holds it: unlocking is safe
                 _wake()
         raise
     with _cond:
@@ -304,6 +311,16 @@ def _key_slot(layout: Layout, key: str) -> tuple[str, int]:
     return _slot_files(layout)[digest % KEY_LOCK_FILES], digest >> 6
 
 
+def _key_slots(layout: Layout, keys: Iterable[str]) -> list[dict[int, str]]:
+    """:func:`_key_slot` of each key, per lock file: byte -> key (the files looked up once)."""
+    named: list[dict[int, str]] = [{} for _ in range(KEY_LOCK_FILES)]
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    for key in keys:
+        digest = from_bytes(blake2b(key.encode(), digest_size=8).digest(), "little")
+        named[digest % KEY_LOCK_FILES][digest >> 6] = key
+    return named
+
+
 def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContextManager[None]:
     """The lock of one key; ``timeout`` bounds the wait on a running holder (None: no
     bound, 0: no wait); a holder stopped for :data:`STOPPED_GRACE_S` ends it sooner."""
@@ -311,59 +328,187 @@ def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContext
     return _Locked(path, offset, False, timeout, f"the lock of key {key!r}", _creating(path, layout))
 
 
+WHOLE_FILE_KEYS = 256
+"""A batch with at least this many keys in one lock file tries to lock the whole file
+(one ``fcntl``, without waiting) instead of their bytes. The kernel walks the file's list
+of locks on every new one: the n-th byte costs ~n x 18 ns on top of ~1 us of fixed cost
+(a ``fcntl`` from Python), so at 256 bytes a file the walk has grown to the fixed cost
+(2.1 us a lock, measured) and from there on it dominates (3,125 a file, a batch of
+100,000 keys: 20 us a lock). Below, one lock instead of a few hundred saves little, and a
+whole file also keeps other processes' unrelated keys of that file (1/32 of all keys)
+waiting until the batch is published."""
+
+
 @contextmanager
 def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Iterator[None]:
-    """The locks of several keys, taken in the order of their slots (two batches never
-    deadlock) and released in that order. The order is part of the root's format: every
-    version that writes a root must take them alike, or an older and a newer batch could
-    wait on each other. (Taking each file's bytes highest first halves the kernel's cost
-    of placing 100,000 locks, but would change that order: not done.)"""
-    named = {_key_slot(layout, key): key for key in keys}
-    slots = sorted(named)
-    taken: list[tuple[str, int, int]] = []
+    """The locks of several keys, taken in the order of their slots (file, then byte: two
+    batches never deadlock) and released together.
+
+    The order is part of the root's format: every version that writes a root must take
+    them alike, or an older and a newer batch could wait on each other. (Taking each
+    file's bytes highest first halves the kernel's cost of placing 100,000 locks, but
+    would change that order: not done.)
+
+    **Whole files.** Where the batch has :data:`WHOLE_FILE_KEYS` keys or more in one lock
+    file and this process holds no byte of that file (no other thread, no enclosing lock
+    of this thread: a lock of the same process never conflicts, and unlocking a range
+    would release the other holder's bytes in it), it tries, at that file's place in the
+    order, one write lock on the whole file without waiting; where any other process holds
+    any byte of it, it takes the file's bytes instead, as before. Such a file is all its
+    bytes taken at once, in order; and before the batch waits for any lock, it first
+    narrows every whole file it holds to its own keys' bytes (unlocking the gaps, highest
+    first: no waiting, a few microseconds a key). So while it waits it holds exactly the
+    bytes a batch of any older version would hold, all before the one it waits for, and
+    the argument that no two batches wait on each other in a cycle is unchanged: a waiter
+    at (file, byte), of whatever version, holds only locks before it. A batch holding a
+    whole file waits for no key lock, only for the publish lock (exclusive), whose holders
+    never take a key lock under it. Another process's waiter on any byte of the file learns
+    the batch's pid from ``F_GETLK``, as for a byte. Each key keeps its own slot here, so
+    another thread of this process waits for the batch's keys as before (and gets the
+    file's other keys at once: the process holds them); the whole file is released by
+    closing it or, where other threads still hold bytes of it, by unlocking the gaps
+    around theirs."""
+    named = _key_slots(layout, keys)
+    batch = _Batch(layout, named)
     try:
-        _take_free(layout, slots, taken)  # a directory put's thousands of keys: one pass
-        for path, offset in slots[len(taken) :]:  # from the first busy one on: wait, in order
-            wait = _Waiting(timeout, f"the lock of key {named[path, offset]!r}")
+        while batch.next < len(batch.slots):
+            batch.take_free()  # a directory put's thousands of keys: one pass, whole files
+            if batch.next == len(batch.slots):
+                break
+            path, offset = batch.slots[batch.next]  # busy: wait for it, holding only bytes before it
+            batch.narrow()
+            wait = _Waiting(timeout, f"the lock of key {batch.key(path, offset)!r}")
             epoch = _enter(path, offset, False, wait, _creating(path, layout))
             assert epoch is not None
-            taken.append((path, offset, epoch))
+            batch.taken.append((path, offset, epoch))
+            batch.next += 1
         yield
     finally:
-        _exit_all(taken)
+        _exit_all(batch.taken, batch)
 
 
-def _take_free(layout: Layout, slots: list[tuple[str, int]], taken: list[tuple[str, int, int]]) -> None:
-    """Take the key locks ``slots`` (sorted) exclusive, in order, while each is free in this
-    process and in every other (no wait); stops at the first that is not. What ``_enter``
-    does for one lock, for many under one hold of ``_cond``."""
-    me = threading.get_ident()
-    openers: dict[str, Opener] = {}  # one per lock file, not one per key
-    with _cond:
-        for path, offset in slots:
-            if (path, offset) in _slots:
-                return
-            opener = openers.get(path)
-            if opener is None:
-                opener = openers[path] = _creating(path, layout)
-            fd = _use_file(path, True, opener)
-            assert fd is not None  # a writer's opener always opens
+class _Batch:
+    """The key locks of one :func:`key_locks` call: its sorted slots, how far it got, what
+    it holds, and the files it holds whole."""
+
+    def __init__(self, layout: Layout, named: list[dict[int, str]]) -> None:
+        self.layout, self.named, self.next = layout, named, 0
+        self.slots: list[tuple[str, int]] = []  # sorted: by file (their names sort as their numbers), byte
+        self.taken: list[tuple[str, int, int]] = []  # (path, offset, epoch), in order
+        self.whole: dict[str, tuple[int, int]] = {}  # path held whole -> its slots' range
+        self.runs: dict[str, tuple[int, int]] = {}  # path with enough keys -> their range
+        for path, offsets in zip(_slot_files(layout), named, strict=True):
+            first = len(self.slots)
+            self.slots += [(path, offset) for offset in sorted(offsets)]
+            if len(offsets) >= WHOLE_FILE_KEYS:
+                self.runs[path] = first, len(self.slots)
+
+    def key(self, path: str, offset: int) -> str:
+        """The key of one of the batch's slots (for a wait's messages)."""
+        return self.named[_slot_files(self.layout).index(path)][offset]
+
+    def take_free(self) -> None:
+        """Take the locks from ``next`` on, in order, while each is free in this process and
+        in every other (no wait): a file with enough keys whole where it can be, else
+        byte by byte; stops at the first that is not free. What ``_enter`` does for one
+        lock, for many under one hold of ``_cond``."""
+        me = threading.get_ident()
+        openers: dict[str, Opener] = {}  # one per lock file, not one per key
+        slots, i = self.slots, self.next
+        with _cond:
             try:
-                free = try_lock_range(fd, offset, False)
-            except BaseException:
-                _drop_file(path, None)
-                raise
-            if not free:
-                _drop_file(path, None)
-                return
-            _slots[path, offset] = _Hold(False, {me: 1}, pending=False)
-            taken.append((path, offset, _epoch))
+                while i < len(slots):
+                    path, offset = slots[i]
+                    run = self.runs.get(path)
+                    if run is not None and run[0] == i and path not in _files and self._take_whole(path, run):
+                        i = run[1]
+                        continue
+                    if (path, offset) in _slots:
+                        return
+                    opener = openers.get(path)
+                    if opener is None:
+                        opener = openers[path] = _creating(path, self.layout)
+                    fd = _use_file(path, True, opener)
+                    assert fd is not None  # a writer's opener always opens
+                    try:
+                        free = try_lock_range(fd, offset, False)
+                    except BaseException:
+                        _drop_file(path, offset)
+                        raise
+                    if not free:
+                        _drop_file(path, None)
+                        return
+                    _slots[path, offset] = _Hold(False, {me: 1}, pending=False)
+                    self.taken.append((path, offset, _epoch))
+                    i += 1
+            finally:
+                self.next = i
+
+    def _take_whole(self, path: str, run: tuple[int, int]) -> bool:
+        """Lock all of ``path`` for the keys ``slots[run[0]:run[1]]`` if no process holds a
+        byte of it (called holding ``_cond``, this process holding none of it)."""
+        fd = _use_file(path, True, _creating(path, self.layout))
+        assert fd is not None
+        try:
+            free = try_lock_range(fd, 0, False, 0)
+        except BaseException:
+            _drop_file(path, None)  # the last user: closing releases whatever it got
+            raise
+        if not free:
+            _drop_file(path, None)
+            return False
+        file = _files[path]
+        file.whole = self
+        file.users += run[1] - run[0] - 1
+        me, epoch = threading.get_ident(), _epoch
+        for slot in self.slots[run[0] : run[1]]:
+            _slots[slot] = _Hold(False, {me: 1}, pending=False)
+            self.taken.append((*slot, epoch))
+        self.whole[path] = run
+        return True
+
+    def narrow(self) -> None:
+        """Before a wait: hold only the bytes of the batch's keys (and those other threads
+        hold) in each file held whole, as a batch of bytes would."""
+        with _cond:
+            for path, (first, last) in self.whole.items():
+                file = _files.get(path)
+                if file is None or file.whole is not self:
+                    continue  # forked meanwhile: the child holds none of it
+                own = [offset for _, offset in self.slots[first:last]]
+                keep = own if file.users == len(own) else _held_offsets(path)
+                _unlock_gaps(next(iter(file.fds.values())), keep)
+                file.whole = None
+            self.whole.clear()
 
 
-def _exit_all(taken: list[tuple[str, int, int]]) -> None:
+def _held_offsets(path: str) -> list[int]:
+    """The bytes of ``path`` this process holds or is taking, sorted (holding ``_cond``)."""
+    return sorted(offset for slot_path, offset in _slots if slot_path == path)
+
+
+def _unlock_gaps(fd: int, keep: list[int]) -> None:
+    """Unlock all of the file but the bytes ``keep`` (sorted), highest gap first: each
+    unlock then splits the first lock of the process's list and the kernel walks no
+    further, where lowest first would walk every byte already kept."""
+    end: int | None = None  # the gap ends before this byte; None: at the end of the file
+    for offset in reversed(keep):
+        if end is None:
+            unlock_range(fd, offset + 1, 0)
+        elif end > offset + 1:
+            unlock_range(fd, offset + 1, end - offset - 1)
+        end = offset
+    if end is None:
+        unlock_range(fd, 0, 0)
+    elif end > 0:
+        unlock_range(fd, 0, end)
+
+
+def _exit_all(taken: list[tuple[str, int, int]], batch: _Batch | None = None) -> None:
     """Release ``taken`` (each held once by this thread): what ``_exit`` does for each, but
     a lock file this process no longer needs is closed (which releases all its bytes at
-    once) rather than unlocked byte by byte."""
+    once) rather than unlocked byte by byte; a file ``batch`` holds whole that other
+    threads still use is unlocked around their bytes."""
     me = threading.get_ident()
     with _cond:
         released: dict[str, list[int]] = {}
@@ -385,10 +530,14 @@ def _exit_all(taken: list[tuple[str, int, int]]) -> None:
                 del _files[path]
                 for fd in file.fds.values():
                     os.close(fd)
-            else:
+            elif file.whole is None:
                 fd = next(iter(file.fds.values()))
                 for offset in offsets:
                     unlock_range(fd, offset)
+            elif file.whole is batch:
+                _unlock_gaps(next(iter(file.fds.values())), _held_offsets(path))
+                file.whole = None
+            # else another batch holds the file whole: the bytes go with its lock
         if released:
             _wake()
 
