@@ -218,21 +218,17 @@ def test_other_threads_wait_for_the_batchs_keys_get_the_files_others_and_keep_th
             done.set()
 
     thread = threading.Thread(target=other)
-    with key_locks(store.layout, batch, 0):
-        assert _holders(path0, FAR) == [me]  # whole
-        thread.start()
-        assert got.wait(WAIT_S) and errors == []
-    # the batch let go: its keys and the rest of the file are free, the other thread's key is not
     outside_byte, later_byte = _slot(store, outside)[1], _slot(store, later)[1]
-    assert _holders(path0, outside_byte, later_byte, _slot(store, batch[7])[1], FAR, outside_byte + 1, 0) == [
-        me,
-        None,
-        None,
-        None,
-        None,
-        None,
-    ]
-    release.set()
+    try:
+        with key_locks(store.layout, batch, 0):
+            assert _holders(path0, FAR) == [me]  # whole
+            thread.start()
+            assert got.wait(WAIT_S) and errors == []
+        # the batch let go: its keys and the rest of the file are free, the other thread's key is not
+        probed = [outside_byte, later_byte, _slot(store, batch[7])[1], FAR, outside_byte + 1, 0]
+        assert _holders(path0, *probed) == [me, None, None, None, None, None]
+    finally:
+        release.set()
     assert done.wait(WAIT_S) and errors == []
     thread.join(WAIT_S)
     assert _holders(path0, outside_byte) == [None]
