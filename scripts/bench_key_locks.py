@@ -8,9 +8,8 @@ hits all alike:
 
 - ``bytes``: one ``fcntl`` byte lock per key, as before whole files (the threshold
   ``WHOLE_FILE_KEYS`` set out of reach);
-- ``whole``: each lock file with enough keys locked whole (the default);
-- ``narrowed``: whole files, then narrowed to the keys' bytes, as a batch does before it
-  waits (here: a thread of this process holds the batch's last key and lets go at once);
+- ``whole``: each lock file with enough keys locked whole, then its gaps unlocked (the
+  default);
 - ``busy-file``: whole files, but another process holds an unrelated byte of one file,
   whose keys are then taken byte by byte.
 
@@ -27,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
@@ -45,7 +43,6 @@ def main() -> None:
         store.prepare()
         layout = store.layout
         keys = [f"d/f{i:06d}.npy" for i in range(args.keys)]
-        last = max(keys, key=lambda key: locks._key_slot(layout, key))
         threshold = locks.WHOLE_FILE_KEYS
 
         def batch() -> tuple[float, float]:
@@ -61,23 +58,6 @@ def main() -> None:
             finally:
                 locks.WHOLE_FILE_KEYS = threshold
 
-        def narrowed() -> tuple[float, float]:
-            held, go = threading.Event(), threading.Event()
-
-            def hold() -> None:
-                with locks.key_lock(layout, last, 60):
-                    held.set()
-                    go.wait(60)
-
-            thread = threading.Thread(target=hold)
-            thread.start()
-            held.wait(60)
-            threading.Timer(0.05, go.set).start()  # the batch waits for it 50 ms, included
-            try:
-                return batch()
-            finally:
-                thread.join()
-
         # another process holds a byte of one lock file that no key of the batch maps to
         path = locks._slot_files(layout)[0]
         holder = subprocess.Popen(
@@ -90,7 +70,6 @@ def main() -> None:
         ways: dict[str, Callable[[], tuple[float, float]]] = {
             "bytes": by_bytes,
             "whole": batch,
-            "narrowed": narrowed,
         }
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in [*ways, "busy-file"]}
         try:

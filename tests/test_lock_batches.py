@@ -1,12 +1,15 @@
-"""A batch with many keys in one lock file locks the file whole: seen from other processes
-(``F_GETLK``) as holding every byte of it; falling back to bytes where another process
-holds any; narrowed to its bytes before it waits (so a process that locks keys out of
-order cannot deadlock with it where it could not before); and, inside this process,
-exactly the per-key locks it was before (other threads wait for its keys, get the file's
-others, keep theirs when it lets go; a thread's own key lock nests)."""
+"""A batch with many keys in one lock file locks the file whole (one ``fcntl``, seen going
+to the kernel), then unlocks the gaps between its keys: seen from other processes
+(``F_GETLK``) it holds its keys' bytes and no other; it takes a file byte by byte where
+another process holds any byte of it; it never waits holding a whole file (a process that
+locks keys out of order cannot deadlock with it where it could not before, nor can a
+batch of an older version); and, inside this process, it is the per-key locks it was
+(other threads wait for its keys, get the file's others, keep theirs when it lets go; a
+thread's own key lock nests either way)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,23 +74,72 @@ def store(root: Path) -> Store:
     return store
 
 
-def test_a_batch_with_many_keys_in_a_file_locks_it_whole(store: Store) -> None:
+_AUDITED_BATCH = """
+import collections, fcntl, json, os, struct, sys
+from shmcache import Store
+from shmcache._store.locks import key_locks
+calls = collections.Counter()
+def audit(event, args):  # every fcntl F_SETLK this process makes, by file and kind
+    if event == "fcntl.fcntl" and args[1] == fcntl.F_SETLK:
+        kind, _, start, length, _ = struct.unpack("hhqqi4x", args[2])
+        what = "unlock" if kind == fcntl.F_UNLCK else "whole" if (start, length) == (0, 0) else "byte"
+        calls[f"{os.path.basename(os.readlink(f'/proc/self/fd/{args[0]}'))} {what}"] += 1
+sys.addaudithook(audit)
+with key_locks(Store(sys.argv[1]).layout, sys.argv[2:], 0):
+    print(json.dumps(calls), flush=True)
+    sys.stdin.readline()
+"""
+
+
+class AuditedBatch:
+    """A real process holding ``key_locks`` of ``keys`` until closed; ``calls`` counts its
+    ``F_SETLK`` calls (``"key-slots.00.lock whole"``: locks of a whole file, ``byte``: of
+    one byte, ``unlock``: unlocks), as Python's audit hook saw them go to the kernel."""
+
+    def __init__(self, store: Store, keys: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _AUDITED_BATCH, str(store.root), *keys],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.calls: dict[str, int] = json.loads(self.proc.stdout.readline())
+
+    def __enter__(self) -> AuditedBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.communicate("\n", timeout=WAIT_S)
+        assert self.proc.returncode == 0
+
+
+def test_a_batch_with_many_keys_in_a_file_locks_it_whole_then_unlocks_the_gaps(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 10)
-    path0, path1 = (locks._slot_files(store.layout)[i] for i in (0, 1))
-    me = os.getpid()
-    many, few = keys[0][:WHOLE_FILE_KEYS], keys[1][:10]
-    with key_locks(store.layout, many + few, 0):
-        # a byte no key maps to: held in the file of many keys, free in the file of few
-        assert _holders(path0, FAR, 12345) == [me, me]
-        assert _holders(path1, FAR, _slot(store, few[0])[1]) == [None, me]
-    assert _holders(path0, FAR, _slot(store, many[0])[1]) == [None, None]
-    with key_locks(store.layout, keys[0][: WHOLE_FILE_KEYS - 1], 0):  # below the threshold: bytes
-        assert _holders(path0, FAR) == [None]
+    path0 = locks._slot_files(store.layout)[0]
+    many, few, outside = keys[0][:WHOLE_FILE_KEYS], keys[1][:10], keys[0][WHOLE_FILE_KEYS]
+    with AuditedBatch(store, many + few) as batch:
+        calls = batch.calls
+        assert (calls["key-slots.00.lock whole"], calls.get("key-slots.00.lock byte")) == (1, None)
+        assert calls["key-slots.00.lock unlock"] == WHOLE_FILE_KEYS + 1  # the gaps around its keys
+        assert (calls.get("key-slots.01.lock whole"), calls["key-slots.01.lock byte"]) == (None, 10)
+        # it holds its keys' bytes and nothing else, as byte by byte
+        probed = [_slot(store, key)[1] for key in (many[0], many[-1], outside)]
+        assert _holders(path0, *probed, FAR, 0) == [batch.proc.pid, batch.proc.pid, None, None, None]
+        with (
+            pytest.raises(LockTimeoutError, match=f"process {batch.proc.pid} "),
+            key_lock(store.layout, many[5], 0),
+        ):
+            pass
+    assert _holders(path0, _slot(store, many[0])[1]) == [None]
+    with AuditedBatch(store, many[1:]) as batch:  # below the threshold: byte by byte
+        assert batch.calls.get("key-slots.00.lock whole") is None
+        assert batch.calls["key-slots.00.lock byte"] == WHOLE_FILE_KEYS - 1
 
 
 def test_a_file_another_process_holds_a_byte_of_is_taken_byte_by_byte(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS)
-    path0, path1 = (locks._slot_files(store.layout)[i] for i in (0, 1))
+    path0 = locks._slot_files(store.layout)[0]
     holder = subprocess.Popen(
         [sys.executable, "-c", _BYTE_HOLDER, path0, str(FAR)],
         stdin=subprocess.PIPE,
@@ -96,10 +148,12 @@ def test_a_file_another_process_holds_a_byte_of_is_taken_byte_by_byte(store: Sto
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        me = os.getpid()
-        with key_locks(store.layout, keys[0] + keys[1], 0):  # no wait: the holder's byte is no key's
-            assert _holders(path0, FAR, FAR + 1, _slot(store, keys[0][5])[1]) == [holder.pid, None, me]
-            assert _holders(path1, FAR) == [me]  # the next file is still taken whole
+        # no wait (timeout 0): the holder's byte is no key's
+        with AuditedBatch(store, keys[0][:WHOLE_FILE_KEYS] + keys[1][:WHOLE_FILE_KEYS]) as batch:
+            calls = batch.calls
+            assert (calls["key-slots.00.lock whole"], calls["key-slots.00.lock byte"]) == (1, WHOLE_FILE_KEYS)
+            assert (calls["key-slots.01.lock whole"], calls.get("key-slots.01.lock byte")) == (1, None)
+            assert _holders(path0, FAR, _slot(store, keys[0][5])[1]) == [holder.pid, batch.proc.pid]
         assert _holders(path0, FAR, _slot(store, keys[0][5])[1]) == [holder.pid, None]
     finally:
         holder.communicate("\n", timeout=WAIT_S)
@@ -118,11 +172,12 @@ with key_lock(layout, sys.argv[2], 5):
 """
 
 
-def test_a_batch_narrows_its_whole_files_before_it_waits(store: Store) -> None:
+def test_a_batch_holds_no_whole_file_while_it_waits(store: Store) -> None:
     """Another process holds key A (lock file 1) and then wants key B of file 0, which the
-    batch does not lock; the batch has many keys of file 0 and A. It takes file 0 whole,
-    then must wait for A: had it kept file 0 whole, the two would wait on each other (until
-    the other process's bound); it holds only its keys' bytes while waiting, so B is free."""
+    batch does not lock; the batch has many keys of file 0 and A. It takes file 0 through
+    the whole file, then must wait for A: had it kept file 0 whole, the two would wait on
+    each other (until the other process's bound); it holds only its keys' bytes, so B is
+    free, as it is for a batch that locks byte by byte."""
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 1)
     b, a = keys[0][0], keys[1][0]
     batch = [*keys[0][1:], a]
@@ -221,7 +276,7 @@ def test_other_threads_wait_for_the_batchs_keys_get_the_files_others_and_keep_th
     outside_byte, later_byte = _slot(store, outside)[1], _slot(store, later)[1]
     try:
         with key_locks(store.layout, batch, 0):
-            assert _holders(path0, FAR) == [me]  # whole
+            assert _holders(path0, FAR) == [None]  # its keys' bytes only
             thread.start()
             assert got.wait(WAIT_S) and errors == []
         # the batch let go: its keys and the rest of the file are free, the other thread's key is not
@@ -239,18 +294,24 @@ def test_a_thread_nests_key_locks_and_a_batch_either_way(store: Store) -> None:
     path0 = locks._slot_files(store.layout)[0]
     batch, outside = keys[0][:WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS]
     me = os.getpid()
-    # a batch inside a key lock of this thread (one of its keys): bytes, the key reentered
-    with key_lock(store.layout, batch[3], 0):
+    byte = {key: _slot(store, key)[1] for key in (batch[3], batch[9], outside)}
+    # a batch inside a key lock of this thread, in the same file: byte by byte (a whole file
+    # narrowed to the batch's keys would have let go of the outer lock's byte too)
+    with key_lock(store.layout, outside, 0):
         with key_locks(store.layout, batch, 0):
-            assert _holders(path0, FAR, _slot(store, batch[9])[1]) == [None, me]
-        assert _holders(path0, _slot(store, batch[3])[1], _slot(store, batch[9])[1]) == [me, None]
+            assert _holders(path0, byte[outside], byte[batch[9]], FAR) == [me, me, None]
+        assert _holders(path0, byte[outside], byte[batch[9]]) == [me, None]
+    with key_lock(store.layout, batch[3], 0):  # one of its keys: reentered
+        with key_locks(store.layout, batch, 0):
+            pass
+        assert _holders(path0, byte[batch[3]], byte[batch[9]]) == [me, None]
     # key locks inside a whole-file batch (``share()`` publishes under its key's lock)
     with key_locks(store.layout, batch, 0):
         with key_lock(store.layout, batch[3], 0), key_lock(store.layout, outside, 0):
             pass
-        assert _holders(path0, FAR, _slot(store, batch[3])[1]) == [me, me]  # still whole
+        assert _holders(path0, byte[batch[3]], byte[outside], FAR) == [me, None, None]
         with key_locks(store.layout, [*batch[:5], outside], 0):  # a nested batch of some of them
             pass
-        assert _holders(path0, FAR, _slot(store, batch[3])[1]) == [me, me]
-    assert _holders(path0, FAR, _slot(store, batch[3])[1], _slot(store, outside)[1]) == [None, None, None]
+        assert _holders(path0, byte[batch[3]], byte[outside]) == [me, None]
+    assert _holders(path0, byte[batch[3]], byte[outside]) == [None, None]
     assert locks._slots == {} and locks._files == {}

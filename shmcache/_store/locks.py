@@ -11,8 +11,8 @@ Each lock is one byte of a lock file under ``locks/``, locked with ``fcntl`` (F_
   before, ran out of descriptors at 1,024 files). Several files, not one: the kernel scans
   a file's whole list of locks on every lock, so 100,000 on one file cost minutes; spread
   over 32, about 3 s. So a batch with hundreds of keys in one file locks the whole file
-  instead where no other process holds a byte of it (one lock, without waiting), and
-  narrows it to its keys' bytes before it waits for anything (:func:`key_locks`).
+  where no other process holds a byte of it (one lock, without waiting), then unlocks the
+  gaps between its keys at once (:func:`key_locks`): about 0.5 s.
 - **Released on death.** The kernel drops a process's locks when it exits, even by
   ``kill -9``; a fork does not inherit them (a DataLoader worker forked during a load does
   not keep the key locked after its parent dies, as it did an ``flock``).
@@ -104,7 +104,6 @@ class _File:
 
     fds: dict[bool, int] = field(default_factory=dict)  # writable -> fd
     users: int = 0  # bytes held or being taken
-    whole: object | None = None  # the batch holding all the file (offset 0 to its end), if one does
 
 
 Opener = Callable[[bool], int | None]
@@ -155,16 +154,14 @@ def _use_file(path: str, writable: bool, opener: Opener) -> int | None:
 
 def _drop_file(path: str, offset: int | None) -> None:
     """One user of ``path`` is done (called holding ``_cond``): unlock ``offset`` (if
-    given), or close the file when it was the last, which releases everything at once.
-    While a batch holds the whole file, the byte stays under its lock and is released with
-    it (unlocking it would also cut the batch's lock there)."""
+    given), or close the file when it was the last, which releases everything at once."""
     file = _files[path]
     file.users -= 1
     if file.users == 0:
         del _files[path]
         for fd in file.fds.values():
             os.close(fd)
-    elif offset is not None and file.whole is None:
+    elif offset is not None:
         unlock_range(next(iter(file.fds.values())), offset)
 
 
@@ -329,14 +326,13 @@ def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContext
 
 
 WHOLE_FILE_KEYS = 256
-"""A batch with at least this many keys in one lock file tries to lock the whole file
-(one ``fcntl``, without waiting) instead of their bytes. The kernel walks the file's list
-of locks on every new one: the n-th byte costs ~n x 18 ns on top of ~1 us of fixed cost
-(a ``fcntl`` from Python), so at 256 bytes a file the walk has grown to the fixed cost
-(2.1 us a lock, measured) and from there on it dominates (3,125 a file, a batch of
-100,000 keys: 20 us a lock). Below, one lock instead of a few hundred saves little, and a
-whole file also keeps other processes' unrelated keys of that file (1/32 of all keys)
-waiting until the batch is published."""
+"""A batch with at least this many keys in one lock file locks them through the whole file
+(:func:`key_locks`). The kernel walks the file's list of locks on every new lock (not on an
+unlock): the n-th byte costs ~n x 18 ns on top of ~1 us of fixed cost (a ``fcntl`` from
+Python), so at 256 bytes a file the walk has grown to the fixed cost (2.1 us a lock,
+measured) and from there on it dominates (3,125 a file, a batch of 100,000 keys: 20 us a
+lock), while the whole file costs one lock and an unlock (~2 us) per key. Below, the
+gain is a fraction of a millisecond a file."""
 
 
 @contextmanager
@@ -349,34 +345,38 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
     file's bytes highest first halves the kernel's cost of placing 100,000 locks, but
     would change that order: not done.)
 
-    **Whole files.** Where the batch has :data:`WHOLE_FILE_KEYS` keys or more in one lock
-    file and this process holds no byte of that file (no other thread, no enclosing lock
-    of this thread: a lock of the same process never conflicts, and unlocking a range
-    would release the other holder's bytes in it), it tries, at that file's place in the
-    order, one write lock on the whole file without waiting; where any other process holds
-    any byte of it, it takes the file's bytes instead, as before. Such a file is all its
-    bytes taken at once, in order; and before the batch waits for any lock, it first
-    narrows every whole file it holds to its own keys' bytes (unlocking the gaps, highest
-    first: no waiting, a few microseconds a key). So while it waits it holds exactly the
-    bytes a batch of any older version would hold, all before the one it waits for, and
-    the argument that no two batches wait on each other in a cycle is unchanged: a waiter
-    at (file, byte), of whatever version, holds only locks before it. A batch holding a
-    whole file waits for no key lock, only for the publish lock (exclusive), whose holders
-    never take a key lock under it. Another process's waiter on any byte of the file learns
-    the batch's pid from ``F_GETLK``, as for a byte. Each key keeps its own slot here, so
-    another thread of this process waits for the batch's keys as before (and gets the
-    file's other keys at once: the process holds them); the whole file is released by
-    closing it or, where other threads still hold bytes of it, by unlocking the gaps
-    around theirs."""
-    named = _key_slots(layout, keys)
-    batch = _Batch(layout, named)
+    **Whole files, then their bytes.** Where the batch has :data:`WHOLE_FILE_KEYS` keys or
+    more in one lock file and this process holds no byte of it, it tries, at that file's
+    place in the order, one write lock on the whole file (offset 0 to its end) without
+    waiting, and at once unlocks the gaps between its keys' bytes, highest first (an
+    unlock does not walk the list of locks, and a split at the front stops there): it then
+    holds exactly the bytes it would have locked one by one, in linear instead of quadratic
+    time. Where another process holds any byte of the file, the try fails and the file's
+    bytes are taken one by one, as before (waiting, with the holder named, where one is
+    taken). This keeps every promise of the byte locks:
+
+    - *No deadlock, with any version.* A whole file is all its bytes taken at once at
+      their place in the order, and the batch never waits while it holds one (the try
+      does not wait; the narrowing does not either). So a waiter at (file, byte), of
+      whatever version, still holds only locks before it, and none of them cycle.
+    - *Others see what they saw.* Another process sees the whole file only for the few
+      milliseconds of its narrowing: a try fails then, naming the batch's pid
+      (``F_GETLK``), and a waiter's next poll finds its key free unless the batch has
+      it. During the publish, unrelated keys of the file stay free (a ``cache()`` on one
+      starts, an eviction takes it).
+    - *Threads see what they saw.* The lock, the narrowing and each key's slot happen in
+      one hold of ``_cond``, so no other thread of this process sees the file whole (its
+      fcntl would succeed on any byte: locks of one process never conflict). A file this
+      process already holds a byte of, or is taking one (another thread, or this one
+      around the batch: ``share()`` publishes under its key's lock), is taken byte by
+      byte: locking it whole then narrowing would release that byte too."""
+    batch = _Batch(layout, _key_slots(layout, keys))
     try:
         while batch.next < len(batch.slots):
             batch.take_free()  # a directory put's thousands of keys: one pass, whole files
             if batch.next == len(batch.slots):
                 break
-            path, offset = batch.slots[batch.next]  # busy: wait for it, holding only bytes before it
-            batch.narrow()
+            path, offset = batch.slots[batch.next]  # busy: wait for it, in order
             wait = _Waiting(timeout, f"the lock of key {batch.key(path, offset)!r}")
             epoch = _enter(path, offset, False, wait, _creating(path, layout))
             assert epoch is not None
@@ -384,19 +384,18 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
             batch.next += 1
         yield
     finally:
-        _exit_all(batch.taken, batch)
+        _exit_all(batch.taken)
 
 
 class _Batch:
-    """The key locks of one :func:`key_locks` call: its sorted slots, how far it got, what
-    it holds, and the files it holds whole."""
+    """The key locks of one :func:`key_locks` call: its sorted slots, how far it got and
+    what it holds."""
 
     def __init__(self, layout: Layout, named: list[dict[int, str]]) -> None:
         self.layout, self.named, self.next = layout, named, 0
         self.slots: list[tuple[str, int]] = []  # sorted: by file (their names sort as their numbers), byte
         self.taken: list[tuple[str, int, int]] = []  # (path, offset, epoch), in order
-        self.whole: dict[str, tuple[int, int]] = {}  # path held whole -> its slots' range
-        self.runs: dict[str, tuple[int, int]] = {}  # path with enough keys -> their range
+        self.runs: dict[str, tuple[int, int]] = {}  # file with enough keys -> their range in slots
         for path, offsets in zip(_slot_files(layout), named, strict=True):
             first = len(self.slots)
             self.slots += [(path, offset) for offset in sorted(offsets)]
@@ -409,9 +408,9 @@ class _Batch:
 
     def take_free(self) -> None:
         """Take the locks from ``next`` on, in order, while each is free in this process and
-        in every other (no wait): a file with enough keys whole where it can be, else
-        byte by byte; stops at the first that is not free. What ``_enter`` does for one
-        lock, for many under one hold of ``_cond``."""
+        in every other (no wait): a file with enough keys through the whole file where it
+        can be, else byte by byte; stops at the first that is not free. What ``_enter``
+        does for one lock, for many under one hold of ``_cond``."""
         me = threading.get_ident()
         openers: dict[str, Opener] = {}  # one per lock file, not one per key
         slots, i = self.slots, self.next
@@ -445,51 +444,31 @@ class _Batch:
                 self.next = i
 
     def _take_whole(self, path: str, run: tuple[int, int]) -> bool:
-        """Lock all of ``path`` for the keys ``slots[run[0]:run[1]]`` if no process holds a
-        byte of it (called holding ``_cond``, this process holding none of it)."""
+        """Lock the bytes of ``slots[run[0]:run[1]]`` through the whole of ``path``, if no
+        other process holds a byte of it (holding ``_cond``; this process holds none)."""
         fd = _use_file(path, True, _creating(path, self.layout))
         assert fd is not None
         try:
             free = try_lock_range(fd, 0, False, 0)
         except BaseException:
-            _drop_file(path, None)  # the last user: closing releases whatever it got
+            _drop_file(path, None)  # its last user: closing releases whatever it got
             raise
         if not free:
             _drop_file(path, None)
             return False
-        file = _files[path]
-        file.whole = self
-        file.users += run[1] - run[0] - 1
+        _files[path].users += run[1] - run[0] - 1
         me, epoch = threading.get_ident(), _epoch
-        for slot in self.slots[run[0] : run[1]]:
+        mine = self.slots[run[0] : run[1]]
+        for slot in mine:
             _slots[slot] = _Hold(False, {me: 1}, pending=False)
             self.taken.append((*slot, epoch))
-        self.whole[path] = run
+        _unlock_gaps(fd, [offset for _, offset in mine])  # if it fails, the release closes the file
         return True
-
-    def narrow(self) -> None:
-        """Before a wait: hold only the bytes of the batch's keys (and those other threads
-        hold) in each file held whole, as a batch of bytes would."""
-        with _cond:
-            for path, (first, last) in self.whole.items():
-                file = _files.get(path)
-                if file is None or file.whole is not self:
-                    continue  # forked meanwhile: the child holds none of it
-                own = [offset for _, offset in self.slots[first:last]]
-                keep = own if file.users == len(own) else _held_offsets(path)
-                _unlock_gaps(next(iter(file.fds.values())), keep)
-                file.whole = None
-            self.whole.clear()
-
-
-def _held_offsets(path: str) -> list[int]:
-    """The bytes of ``path`` this process holds or is taking, sorted (holding ``_cond``)."""
-    return sorted(offset for slot_path, offset in _slots if slot_path == path)
 
 
 def _unlock_gaps(fd: int, keep: list[int]) -> None:
     """Unlock all of the file but the bytes ``keep`` (sorted), highest gap first: each
-    unlock then splits the first lock of the process's list and the kernel walks no
+    unlock then splits the process's first lock of the file and the kernel walks no
     further, where lowest first would walk every byte already kept."""
     end: int | None = None  # the gap ends before this byte; None: at the end of the file
     for offset in reversed(keep):
@@ -504,11 +483,10 @@ def _unlock_gaps(fd: int, keep: list[int]) -> None:
         unlock_range(fd, 0, end)
 
 
-def _exit_all(taken: list[tuple[str, int, int]], batch: _Batch | None = None) -> None:
+def _exit_all(taken: list[tuple[str, int, int]]) -> None:
     """Release ``taken`` (each held once by this thread): what ``_exit`` does for each, but
     a lock file this process no longer needs is closed (which releases all its bytes at
-    once) rather than unlocked byte by byte; a file ``batch`` holds whole that other
-    threads still use is unlocked around their bytes."""
+    once) rather than unlocked byte by byte."""
     me = threading.get_ident()
     with _cond:
         released: dict[str, list[int]] = {}
@@ -530,14 +508,10 @@ def _exit_all(taken: list[tuple[str, int, int]], batch: _Batch | None = None) ->
                 del _files[path]
                 for fd in file.fds.values():
                     os.close(fd)
-            elif file.whole is None:
+            else:
                 fd = next(iter(file.fds.values()))
                 for offset in offsets:
                     unlock_range(fd, offset)
-            elif file.whole is batch:
-                _unlock_gaps(next(iter(file.fds.values())), _held_offsets(path))
-                file.whole = None
-            # else another batch holds the file whole: the bytes go with its lock
         if released:
             _wake()
 
