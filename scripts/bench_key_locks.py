@@ -11,16 +11,19 @@ hits all alike:
 - ``whole``: each lock file with enough keys locked whole, then its gaps unlocked (the
   default);
 - ``busy-file``: whole files, but another process holds an unrelated byte of one file,
-  whose keys are then taken byte by byte.
+  whose keys are then taken byte by byte;
+- ``before`` (with ``--before PATH``): the ``key_locks`` of another ``locks.py`` (say,
+  ``git show REV:shmcache/_store/locks.py > /tmp/locks_before.py``), loaded beside this one.
 
 Usage::
 
-    python scripts/bench_key_locks.py [--keys 100000] [--repeats 5]
+    python scripts/bench_key_locks.py [--keys 100000] [--repeats 5] [--before PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -37,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--before", help="another locks.py to time alongside")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
         store = Store(tmp)
@@ -71,6 +75,19 @@ def main() -> None:
             "bytes": by_bytes,
             "whole": batch,
         }
+        if args.before:
+            spec = importlib.util.spec_from_file_location("shmcache._store._locks_before", args.before)
+            assert spec is not None and spec.loader is not None
+            before = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(before)
+
+            def by_before() -> tuple[float, float]:
+                start = time.perf_counter()
+                with before.key_locks(layout, keys, 60):
+                    taken = time.perf_counter()
+                return taken - start, time.perf_counter() - taken
+
+            ways["before"] = by_before
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in [*ways, "busy-file"]}
         try:
             for _ in range(args.repeats):
