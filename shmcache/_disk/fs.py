@@ -323,12 +323,13 @@ _FLOCK = "hhqqi4x"
 _BUSY = (errno.EAGAIN, errno.EACCES)
 
 
-def try_lock_range(fd: int, offset: int, shared: bool) -> bool:
-    """Lock byte ``offset`` of ``fd``'s file for this process without waiting; False if
-    another process holds a conflicting lock on it."""
+def try_lock_range(fd: int, offset: int, shared: bool, length: int = 1) -> bool:
+    """Lock ``length`` bytes from ``offset`` of ``fd``'s file (0: to its end, however far it
+    grows) for this process without waiting; False if another process holds a conflicting
+    lock on any of them."""
     kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
     try:
-        fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
+        fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, length, 0))
     except OSError as exc:
         if exc.errno in _BUSY:
             return False
@@ -336,9 +337,10 @@ def try_lock_range(fd: int, offset: int, shared: bool) -> bool:
     return True
 
 
-def unlock_range(fd: int, offset: int) -> None:
-    """Release this process's lock on byte ``offset`` of ``fd``'s file."""
-    fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
+def unlock_range(fd: int, offset: int, length: int = 1) -> None:
+    """Release this process's locks on ``length`` bytes from ``offset`` of ``fd``'s file
+    (0: to its end)."""
+    fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, offset, length, 0))
 
 
 def range_lock_holder(fd: int, offset: int, shared: bool) -> int | None:

@@ -1,0 +1,317 @@
+"""A batch with many keys in one lock file locks the file whole (one ``fcntl``, seen going
+to the kernel), then unlocks the gaps between its keys: seen from other processes
+(``F_GETLK``) it holds its keys' bytes and no other; it takes a file byte by byte where
+another process holds any byte of it; it never waits holding a whole file (a process that
+locks keys out of order cannot deadlock with it where it could not before, nor can a
+batch of an older version); and, inside this process, it is the per-key locks it was
+(other threads wait for its keys, get the file's others, keep theirs when it lets go; a
+thread's own key lock nests either way)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shmcache import LockTimeoutError, Store
+from shmcache._store import locks
+from shmcache._store.locks import WHOLE_FILE_KEYS, key_lock, key_locks
+
+WAIT_S = 60.0  # bound on every wait, so a broken build fails instead of hanging
+FAR = (1 << 58) + 7  # a byte of a lock file that no key maps to (hashes are 58 bits)
+
+_PROBE = """
+import os, sys
+from shmcache._disk.fs import range_lock_holder
+fd = os.open(sys.argv[1], os.O_RDWR)
+print(" ".join(str(range_lock_holder(fd, int(o), False)) for o in sys.argv[2:]))
+"""
+
+_BYTE_HOLDER = """
+import os, sys
+from shmcache._disk.fs import try_lock_range
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+assert try_lock_range(fd, int(sys.argv[2]), False)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _holders(path: str, *offsets: int) -> list[int | None]:
+    """Who holds each byte of ``path``, asked by another process: a pid, or None if free."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, path, *map(str, offsets)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [None if word == "None" else int(word) for word in out]
+
+
+def _keys_by_file(store: Store, count: int) -> dict[int, list[str]]:
+    """At least ``count`` keys for each lock file, by file index."""
+    files = locks._slot_files(store.layout)
+    found: dict[int, list[str]] = {i: [] for i in range(len(files))}
+    n = 0
+    while min(map(len, found.values())) < count:
+        key = f"d/f{n:06d}"
+        found[files.index(locks._key_slot(store.layout, key)[0])].append(key)
+        n += 1
+    return found
+
+
+def _slot(store: Store, key: str) -> tuple[str, int]:
+    return locks._key_slot(store.layout, key)
+
+
+@pytest.fixture
+def store(root: Path) -> Store:
+    store = Store(root)
+    store.prepare()
+    return store
+
+
+_AUDITED_BATCH = """
+import collections, fcntl, json, os, struct, sys
+from shmcache import Store
+from shmcache._store.locks import key_locks
+calls = collections.Counter()
+def audit(event, args):  # every fcntl F_SETLK this process makes, by file and kind
+    if event == "fcntl.fcntl" and args[1] == fcntl.F_SETLK:
+        kind, _, start, length, _ = struct.unpack("hhqqi4x", args[2])
+        what = "unlock" if kind == fcntl.F_UNLCK else "whole" if (start, length) == (0, 0) else "byte"
+        calls[f"{os.path.basename(os.readlink(f'/proc/self/fd/{args[0]}'))} {what}"] += 1
+sys.addaudithook(audit)
+with key_locks(Store(sys.argv[1]).layout, sys.argv[2:], 0):
+    print(json.dumps(calls), flush=True)
+    sys.stdin.readline()
+"""
+
+
+class AuditedBatch:
+    """A real process holding ``key_locks`` of ``keys`` until closed; ``calls`` counts its
+    ``F_SETLK`` calls (``"key-slots.00.lock whole"``: locks of a whole file, ``byte``: of
+    one byte, ``unlock``: unlocks), as Python's audit hook saw them go to the kernel."""
+
+    def __init__(self, store: Store, keys: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _AUDITED_BATCH, str(store.root), *keys],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.calls: dict[str, int] = json.loads(self.proc.stdout.readline())
+
+    def __enter__(self) -> AuditedBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.communicate("\n", timeout=WAIT_S)
+        assert self.proc.returncode == 0
+
+
+def test_a_batch_with_many_keys_in_a_file_locks_it_whole_then_unlocks_the_gaps(store: Store) -> None:
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS + 10)
+    path0 = locks._slot_files(store.layout)[0]
+    many, few, outside = keys[0][:WHOLE_FILE_KEYS], keys[1][:10], keys[0][WHOLE_FILE_KEYS]
+    with AuditedBatch(store, many + few) as batch:
+        calls = batch.calls
+        assert (calls["key-slots.00.lock whole"], calls.get("key-slots.00.lock byte")) == (1, None)
+        assert calls["key-slots.00.lock unlock"] == WHOLE_FILE_KEYS + 1  # the gaps around its keys
+        assert (calls.get("key-slots.01.lock whole"), calls["key-slots.01.lock byte"]) == (None, 10)
+        # it holds its keys' bytes and nothing else, as byte by byte
+        probed = [_slot(store, key)[1] for key in (many[0], many[-1], outside)]
+        assert _holders(path0, *probed, FAR, 0) == [batch.proc.pid, batch.proc.pid, None, None, None]
+        with (
+            pytest.raises(LockTimeoutError, match=f"process {batch.proc.pid} "),
+            key_lock(store.layout, many[5], 0),
+        ):
+            pass
+    assert _holders(path0, _slot(store, many[0])[1]) == [None]
+    with AuditedBatch(store, many[1:]) as batch:  # below the threshold: byte by byte
+        assert batch.calls.get("key-slots.00.lock whole") is None
+        assert batch.calls["key-slots.00.lock byte"] == WHOLE_FILE_KEYS - 1
+
+
+def test_a_file_another_process_holds_a_byte_of_is_taken_byte_by_byte(store: Store) -> None:
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS)
+    path0 = locks._slot_files(store.layout)[0]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _BYTE_HOLDER, path0, str(FAR)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        # no wait (timeout 0): the holder's byte is no key's
+        with AuditedBatch(store, keys[0][:WHOLE_FILE_KEYS] + keys[1][:WHOLE_FILE_KEYS]) as batch:
+            calls = batch.calls
+            assert (calls["key-slots.00.lock whole"], calls["key-slots.00.lock byte"]) == (1, WHOLE_FILE_KEYS)
+            assert (calls["key-slots.01.lock whole"], calls.get("key-slots.01.lock byte")) == (1, None)
+            assert _holders(path0, FAR, _slot(store, keys[0][5])[1]) == [holder.pid, batch.proc.pid]
+        assert _holders(path0, FAR, _slot(store, keys[0][5])[1]) == [holder.pid, None]
+    finally:
+        holder.communicate("\n", timeout=WAIT_S)
+
+
+_OUT_OF_ORDER = """
+import sys
+from shmcache import Store
+from shmcache._store.locks import key_lock
+layout = Store(sys.argv[1]).layout
+with key_lock(layout, sys.argv[2], 5):
+    print("held", flush=True)
+    sys.stdin.readline()
+    with key_lock(layout, sys.argv[3], 20):  # a key of an earlier lock file: out of order
+        print("got it", flush=True)
+"""
+
+
+def test_a_batch_holds_no_whole_file_while_it_waits(store: Store) -> None:
+    """Another process holds key A (lock file 1) and then wants key B of file 0, which the
+    batch does not lock; the batch has many keys of file 0 and A. It takes file 0 through
+    the whole file, then must wait for A: had it kept file 0 whole, the two would wait on
+    each other (until the other process's bound); it holds only its keys' bytes, so B is
+    free, as it is for a batch that locks byte by byte."""
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS + 1)
+    b, a = keys[0][0], keys[1][0]
+    batch = [*keys[0][1:], a]
+    other = subprocess.Popen(
+        [sys.executable, "-c", _OUT_OF_ORDER, str(store.root), a, b],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            with key_locks(store.layout, batch, 30):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=put)
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "held\n"
+        thread.start()
+        deadline = time.monotonic() + WAIT_S
+        while _slot(store, batch[0]) not in locks._slots:  # it got file 0 and now waits for A
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+        out, err = other.communicate("\n", timeout=WAIT_S)
+        assert (out, other.returncode) == ("got it\n", 0), err
+    finally:
+        other.kill()
+        other.wait()
+        thread.join(WAIT_S)
+    assert not thread.is_alive() and errors == []
+
+
+_BATCHES = """
+import random, sys
+from shmcache import Store
+from shmcache._store import locks
+if sys.argv[2] == "bytes":  # as a version before whole files does
+    locks.WHOLE_FILE_KEYS = 1 << 62
+layout = Store(sys.argv[1]).layout
+keys = [f"d/f{i:06d}" for i in range(12000)]
+rng = random.Random(sys.argv[2])
+for _ in range(15):
+    with locks.key_locks(layout, rng.sample(keys, 9000), 30):  # ~280 keys a file
+        pass
+print("done", flush=True)
+"""
+
+
+def test_a_whole_file_batch_and_a_byte_batch_of_an_older_process_never_deadlock(store: Store) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BATCHES, str(store.root), way], stdout=subprocess.PIPE, text=True
+        )
+        for way in ("bytes", "whole", "whole")
+    ]
+    try:
+        outs = [proc.communicate(timeout=2 * WAIT_S)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0, 0] and outs == ["done\n"] * 3
+
+
+def test_other_threads_wait_for_the_batchs_keys_get_the_files_others_and_keep_them(store: Store) -> None:
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS + 2)
+    path0 = locks._slot_files(store.layout)[0]
+    batch, outside, later = keys[0][:WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS + 1]
+    me = os.getpid()
+    got, release, done = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with (
+                pytest.raises(LockTimeoutError, match="another thread of this process"),
+                key_lock(store.layout, batch[7], 0.2),
+            ):
+                pass
+            with key_lock(store.layout, outside, 0):  # the process holds it already: no wait
+                with key_lock(store.layout, later, 0):
+                    pass  # taken and let go while the file is held whole
+                got.set()
+                release.wait(WAIT_S)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            got.set()
+            done.set()
+
+    thread = threading.Thread(target=other)
+    outside_byte, later_byte = _slot(store, outside)[1], _slot(store, later)[1]
+    try:
+        with key_locks(store.layout, batch, 0):
+            assert _holders(path0, FAR) == [None]  # its keys' bytes only
+            thread.start()
+            assert got.wait(WAIT_S) and errors == []
+        # the batch let go: its keys and the rest of the file are free, the other thread's key is not
+        probed = [outside_byte, later_byte, _slot(store, batch[7])[1], FAR, outside_byte + 1, 0]
+        assert _holders(path0, *probed) == [me, None, None, None, None, None]
+    finally:
+        release.set()
+    assert done.wait(WAIT_S) and errors == []
+    thread.join(WAIT_S)
+    assert _holders(path0, outside_byte) == [None]
+
+
+def test_a_thread_nests_key_locks_and_a_batch_either_way(store: Store) -> None:
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS + 1)
+    path0 = locks._slot_files(store.layout)[0]
+    batch, outside = keys[0][:WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS]
+    me = os.getpid()
+    byte = {key: _slot(store, key)[1] for key in (batch[3], batch[9], outside)}
+    # a batch inside a key lock of this thread, in the same file: byte by byte (a whole file
+    # narrowed to the batch's keys would have let go of the outer lock's byte too)
+    with key_lock(store.layout, outside, 0):
+        with key_locks(store.layout, batch, 0):
+            assert _holders(path0, byte[outside], byte[batch[9]], FAR) == [me, me, None]
+        assert _holders(path0, byte[outside], byte[batch[9]]) == [me, None]
+    with key_lock(store.layout, batch[3], 0):  # one of its keys: reentered
+        with key_locks(store.layout, batch, 0):
+            pass
+        assert _holders(path0, byte[batch[3]], byte[batch[9]]) == [me, None]
+    # key locks inside a whole-file batch (``share()`` publishes under its key's lock)
+    with key_locks(store.layout, batch, 0):
+        with key_lock(store.layout, batch[3], 0), key_lock(store.layout, outside, 0):
+            pass
+        assert _holders(path0, byte[batch[3]], byte[outside], FAR) == [me, None, None]
+        with key_locks(store.layout, [*batch[:5], outside], 0):  # a nested batch of some of them
+            pass
+        assert _holders(path0, byte[batch[3]], byte[outside]) == [me, None]
+    assert _holders(path0, byte[batch[3]], byte[outside]) == [None, None]
+    assert locks._slots == {} and locks._files == {}
