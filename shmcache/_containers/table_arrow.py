@@ -15,10 +15,11 @@ from typing import IO, Any
 
 import numpy as np
 
+from .._disk.array_parts import FileArray, joined_files
 from ..errors import CorruptSourceError, UnsupportedDataError
+from .table_chunks import chunk_files
 from .table_encode import (
     NotTabular,
-    column_files,
     encode_column_values,
     encode_table_records,
     list_description,
@@ -105,24 +106,42 @@ def _encode_dataframe(frame: Any, what: str) -> tuple[dict[str, np.ndarray], dic
 
 
 def encode_arrow(table: Any, what: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """A pyarrow Table's columns as a table entry's files and meta."""
+    """A pyarrow Table's columns as a table entry's files and meta (each file one array)."""
+    files, meta = encode_arrow_parts(table, what)
+    return joined_files(files), meta
+
+
+def encode_arrow_parts(table: Any, what: str) -> tuple[dict[str, FileArray], dict[str, Any]]:
+    """A pyarrow Table's columns as a table entry's files and meta, a chunked column's
+    values left in their chunks' own buffers (:class:`ArrayParts`, written in order): no
+    ``combine_chunks`` copy of the table before the write copies it into the cache."""
     names = list(table.column_names)
     if len(set(names)) != len(names):
         raise UnsupportedDataError(f"{what}: the table has duplicate column names")
-    files: dict[str, np.ndarray] = {}
+    files: dict[str, FileArray] = {}
     descriptions = []
     for i, name in enumerate(names):
         try:
-            parts, desc = _arrow_column(table.column(i).combine_chunks())
+            parts, desc = _chunked_column(table.column(i))
         except NotTabular as exc:
             raise UnsupportedDataError(
                 f"{what}: column {name!r} is {exc}, which a table cannot hold; a table column holds "
                 "numbers, bools, timestamps, strings, or lists of numbers: cast it (e.g. "
                 "table.cast(...) or pyarrow.compute) or drop it"
             ) from None
-        files |= column_files(i, parts)
+        files |= {f"c{i}.{part}": array for part, array in parts.items()}
         descriptions.append(desc)
     return files, table_meta(names, descriptions, table.num_rows)
+
+
+def _chunked_column(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]]:
+    """One column's files: from its chunks' own buffers where ``table_chunks`` takes it,
+    else from its chunks combined into one array."""
+    found = chunk_files(column)
+    if found is not None:
+        return found
+    combined, desc = _arrow_column(column.combine_chunks())
+    return {part: array for part, array in combined.items()}, desc
 
 
 def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -195,8 +214,9 @@ def _arrow_lists(array: Any, fixed: bool = True) -> tuple[dict[str, np.ndarray],
     return {"values": values, "offsets": offsets}, list_description(values.dtype, None)
 
 
-def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """A table file (already opened and checked) as a table entry's files and meta.
+def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, FileArray], dict[str, Any]]:
+    """A table file (already opened and checked) as a table entry's files and meta (a
+    chunked column's values in :class:`ArrayParts`: its row groups or batches, not joined).
 
     A corrupt or truncated file raises :class:`CorruptSourceError` naming it; Parquet,
     Feather/Arrow and CSV need pyarrow (JSON lines do not).
@@ -206,8 +226,9 @@ def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, np
         try:
             require_pyarrow(what)
         except UnsupportedDataError:
-            return _read_jsonl_without_arrow(fp, path)
-    return encode_arrow(read_arrow_table(fp, path, suffix), str(path))
+            files, meta = _read_jsonl_without_arrow(fp, path)
+            return {name: array for name, array in files.items()}, meta
+    return encode_arrow_parts(read_arrow_table(fp, path, suffix), str(path))
 
 
 def read_arrow_table(fp: IO[bytes], path: str, suffix: str) -> Any:

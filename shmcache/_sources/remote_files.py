@@ -14,9 +14,9 @@ exactly as it is locally, before any byte of it is written.
   remote file-like as it reads it, written in order (one stream per member, 4 MiB chunks).
 - HDF5 (``.h5``/``.hdf5``, h5py needed): h5py reads the remote file-like (its seeks are
   ranged reads); every dataset is checked first, then each decoded in slabs written in order.
-- Table objects (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``): decoded by
-  pyarrow from the file-like. Parquet reads its footer, then the column chunks, by ranged
-  reads; the decoded table is in memory before it is written, as for a local table file.
+- Table objects (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``): fetched whole
+  in one GET and decoded by pyarrow from memory; the decoded table is in memory before it
+  is written, as for a local table file.
 
 Every object's size and ETag listed at the start are looked up again after the load (the
 ranges of an object are not its whole bytes, so no MD5 can prove them): an object changed
@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 
 from .._containers.table_arrow import read_table_file, require_pyarrow
+from .._disk.array_parts import FileArray
 from .._disk.keys import validate_key
 from .._disk.npy import NpyHeader, build_header, iter_npz_members
 from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, UnsupportedDataError
@@ -60,9 +61,8 @@ __all__ = [
 ]
 
 BLOCK_SIZE = 1 << 20
+"""Bytes per ranged read of the file-like the index readers read through."""
 _INFLATE_CHUNK = 4 << 20
-_TABLE_PART = 8 << 20
-"""Bytes per ranged read of the file-like the index readers and pyarrow read through."""
 
 
 def plan_remote(
@@ -384,7 +384,7 @@ def plan_remote_table(key: str, plan: RemotePlan) -> list[PlannedEntry]:
     return [PlannedEntry(key, plan.url, plan.url, plan.object_bytes)]
 
 
-def read_remote_table(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def read_remote_table(plan: RemotePlan) -> tuple[dict[str, FileArray], dict[str, Any]]:
     """A table plan's objects as one table entry's files and meta (several objects: their
     rows in name order, one schema); the redacted URL is its source, with the objects'
     bytes and (one object) its ETag. An object changed while it was read raises."""
@@ -402,8 +402,8 @@ def read_remote_table(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str
     return files, meta | extra
 
 
-def _read_tables(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    from .._containers.table_arrow import encode_arrow, read_arrow_table
+def _read_tables(plan: RemotePlan) -> tuple[dict[str, FileArray], dict[str, Any]]:
+    from .._containers.table_arrow import encode_arrow_parts, read_arrow_table
 
     pa = require_pyarrow(f"table objects under {plan.url}")
     tables = []
@@ -416,34 +416,26 @@ def _read_tables(plan: RemotePlan) -> tuple[dict[str, np.ndarray], dict[str, Any
         raise InvalidSourceError(
             f"{plan.url}: its table objects do not share one schema ({exc}); load each by its own URL"
         ) from None
-    return encode_arrow(table, plan.url)
+    return encode_arrow_parts(table, plan.url)
 
 
 def _table_bytes(plan: RemotePlan, item: RemoteItem) -> BinaryIO:
-    """A table object's bytes in memory, fetched by parallel ranged reads of ``_TABLE_PART``
-    into one buffer, as a file (pyarrow's zero-copy reader where it is installed). A table is
-    decoded in memory whole anyway; reading it through the remote file-like instead costs a
-    request per block pyarrow asks for (measured 0.11x ``s3fs get`` on a 32 MiB Parquet)."""
-    buffer = bytearray(item.size)
-    view = memoryview(buffer)
-
-    def fetch(start: int) -> None:
-        end = min(start + _TABLE_PART, item.size)
-        with remote_errors(item.url, plan.secrets):
-            data = plan.fs.cat_file(item.path, start=start, end=end)
-        if len(data) != end - start:
-            raise CorruptSourceError(
-                f"{item.url}: bytes {start}-{end} came back as {len(data)} (it was truncated or changed "
-                "while loading); nothing was published, load it again"
-            )
-        view[start:end] = data
-
-    starts = range(0, item.size, _TABLE_PART)
-    threads = max(1, min(DEFAULT_WORKERS, len(starts)))
-    with ThreadPoolExecutor(threads, thread_name_prefix="shmcache-table") as pool:
-        list(pool.map(fetch, starts))
+    """A table object's bytes in memory, fetched by ONE GET of the whole object, as a file
+    (pyarrow's zero-copy reader where it is installed). A table is decoded in memory whole
+    anyway, so the bytes are needed at once; reading them through the remote file-like
+    instead costs a request per block pyarrow asks for (measured 0.11x ``s3fs get`` on a 32
+    MiB Parquet), and parallel 8 MiB parts cost a request each, which an S3 server that
+    copies the whole object per ranged GET (moto) pays in full (0.22x at 256 MiB). One
+    stream is what ``s3fs get`` does; size and ETag are looked up again after the load."""
+    with remote_errors(item.url, plan.secrets):
+        data = plan.fs.cat_file(item.path, start=0, end=item.size) if item.size else b""
+    if len(data) != item.size:
+        raise CorruptSourceError(
+            f"{item.url}: its {item.size} bytes came back as {len(data)} (it was truncated or changed "
+            "while loading); nothing was published, load it again"
+        )
     try:
         import pyarrow as pa
     except ImportError:  # JSON lines without pyarrow: read by the standard library
-        return io.BytesIO(buffer)
-    return cast(BinaryIO, pa.BufferReader(pa.py_buffer(buffer)))
+        return io.BytesIO(data)
+    return cast(BinaryIO, pa.BufferReader(pa.py_buffer(data)))

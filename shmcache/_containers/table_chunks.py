@@ -1,0 +1,118 @@
+"""A chunked Arrow column's files straight from its chunks' buffers, without joining them.
+
+A ``save_to_disk`` folder holds Arrow IPC streams of 1,000-row record batches (a column
+of a 256 MiB dataset comes in ~940 chunks), Parquet row groups come as chunks too.
+``combine_chunks`` copied every column into new memory before the writer copied it again
+into the cache; here each chunk's values buffer becomes a part of an
+:class:`~shmcache._disk.array_parts.ArrayParts` (a view: of the mapped stream file, or of
+the decoded table) and only the offsets (8 bytes a row) are computed. The per-chunk work
+is a few numpy views (no pyarrow compute call per chunk): hundreds of chunks cost
+milliseconds. Numbers, strings and lists of numbers without nulls take this path; any
+other column (nulls, bools, timestamps, dictionaries) returns None and is combined as
+before, by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._disk.array_parts import ArrayParts, FileArray
+from .table_encode import arrow_name, list_description
+
+__all__ = ["chunk_files"]
+
+
+def chunk_files(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]] | None:
+    """The files and description of a ChunkedArray of 2+ non-empty chunks without nulls,
+    as :func:`~shmcache._containers.table_arrow.encode_arrow` stores the column; None
+    for a column this does not take (the caller combines the chunks instead)."""
+    import pyarrow.types as pt
+
+    chunks = [chunk for chunk in column.chunks if len(chunk)]
+    if len(chunks) < 2 or column.null_count:
+        return None
+    kind = column.type
+    if _is_number(pt, kind):
+        dtype = np.dtype(kind.to_pandas_dtype())
+        desc = {"kind": "number", "dtype": dtype.str, "arrow": arrow_name(dtype)}
+        return {"values": ArrayParts.of([_values(c, dtype) for c in chunks])}, desc
+    if pt.is_string(kind) or pt.is_large_string(kind):
+        wide = np.int64 if pt.is_large_string(kind) else np.int32
+        offsets, data = _offsets_and_ranges(chunks, wide, lambda c: c.buffers()[2], np.dtype(np.uint8))
+        return {"bytes": data, "offsets": offsets}, {
+            "kind": "string",
+            "dtype": "str",
+            "arrow": "large_string",
+        }
+    if (pt.is_list(kind) or pt.is_large_list(kind)) and _is_number(pt, kind.value_type):
+        if any(c.values.null_count for c in chunks):
+            return None
+        dtype = np.dtype(kind.value_type.to_pandas_dtype())
+        wide = np.int64 if pt.is_large_list(kind) else np.int32
+        offsets, values = _offsets_and_ranges(chunks, wide, _child_values, dtype)
+        return {"values": values, "offsets": offsets}, list_description(dtype, None)
+    if pt.is_fixed_size_list(kind) and _is_number(pt, kind.value_type):
+        size = kind.list_size
+        dtype = np.dtype(kind.value_type.to_pandas_dtype())
+        parts = []
+        for chunk in chunks:
+            child = chunk.values
+            if child.null_count:
+                return None
+            flat = _values(child, dtype)[chunk.offset * size : (chunk.offset + len(chunk)) * size]
+            parts.append(flat.reshape(len(chunk), size))
+        return {"values": ArrayParts.of(parts)}, list_description(dtype, size)
+    return None
+
+
+def _is_number(pt: Any, kind: Any) -> bool:
+    return bool(pt.is_integer(kind) or pt.is_floating(kind))
+
+
+def _values(array: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """A fixed-width array's values (its offset and length applied), a view of its buffer."""
+    return np.frombuffer(
+        array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize
+    )
+
+
+def _child_values(chunk: Any) -> tuple[Any, int]:
+    """A list chunk's child values buffer and the child's offset in it (``chunk.values``
+    is the whole child array; the list's offsets index the child)."""
+    child = chunk.values
+    return child.buffers()[1], child.offset
+
+
+def _offsets_and_ranges(
+    chunks: list[Any],
+    wide: type[np.signedinteger[Any]],
+    data_of: Callable[[Any], tuple[Any, int]],
+    dtype: np.dtype[Any],
+) -> tuple[np.ndarray, ArrayParts]:
+    """The int64 offsets of the chunks' items laid end to end, and the parts of their data
+    each chunk's offsets cover (strings' bytes, or lists' child values)."""
+    rows = sum(len(c) for c in chunks)
+    out = np.empty(rows + 1, dtype=np.int64)
+    parts, row, base = [], 0, 0
+    for chunk in chunks:
+        count = len(chunk)
+        offsets = np.frombuffer(
+            chunk.buffers()[1], dtype=wide, count=count + 1, offset=chunk.offset * np.dtype(wide).itemsize
+        )
+        start, stop = int(offsets[0]), int(offsets[-1])
+        np.subtract(offsets[:-1], start - base, out=out[row : row + count], casting="unsafe")
+        found = data_of(chunk)
+        buffer, shift = found if isinstance(found, tuple) else (found, 0)
+        if stop > start:
+            parts.append(
+                np.frombuffer(
+                    buffer, dtype=dtype, count=stop - start, offset=(shift + start) * dtype.itemsize
+                )
+            )
+        row += count
+        base += stop - start
+    out[rows] = base
+    return out, ArrayParts.of(parts) if parts else ArrayParts((), dtype, (0,))
