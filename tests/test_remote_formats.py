@@ -89,8 +89,8 @@ def test_table_objects_load_as_tables(store: shmcache.Store, root: Path, s3: Mot
 
 def test_a_table_object_is_fetched_in_one_get(store: shmcache.Store, s3: MotoServer, bucket: str) -> None:
     """A Parquet object over 8 MiB (of several row groups) is one GET, not a GET per part
-    (moto copies the whole object for every ranged GET: the parts cost a copy each), and
-    its rows come back whole."""
+    (moto copies the whole object for every ranged GET: the parts cost a copy each), unless
+    ``part_size`` asks for parts; its rows come back whole."""
     rows = 400_000
     ids = np.arange(rows, dtype=np.int64)
     table = pa.table({"id": ids, "x": np.linspace(0, 1, rows), "y": np.sqrt(ids)})
@@ -103,6 +103,10 @@ def test_a_table_object_is_fetched_in_one_get(store: shmcache.Store, s3: MotoSer
     back = store.open_table("big")
     np.testing.assert_array_equal(back.column("id"), np.arange(rows))
     np.testing.assert_array_equal(back.column("x"), np.linspace(0, 1, rows))
+    # part_size= asks for parallel ranged reads instead (a store that serves ranges cheaply)
+    store.put_file("parts", f"s3://{bucket}/big/t.parquet", storage_options=s3.options(), part_size=4 << 20)
+    assert len(s3.requests("GET", f"/{bucket}/big/t.parquet")) == 1 + -(-body.tell() // (4 << 20))
+    assert store.open_table("parts").to_arrow().equals(back.to_arrow())
 
 
 def test_a_prefix_of_parquet_shards_is_one_table(

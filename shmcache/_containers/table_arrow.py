@@ -17,7 +17,7 @@ import numpy as np
 
 from .._disk.array_parts import FileArray, joined_files
 from ..errors import CorruptSourceError, UnsupportedDataError
-from .table_chunks import chunk_files
+from .table_chunks import chunk_files, number_values
 from .table_encode import (
     NotTabular,
     encode_column_values,
@@ -155,11 +155,11 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     valid = array.is_valid().to_numpy(zero_copy_only=False) if array.null_count else None
     if pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind):
         filled = array.fill_null(False if pt.is_boolean(kind) else 0) if valid is not None else array
-        files, desc = encode_column_values(filled.to_numpy(zero_copy_only=False))
+        files, desc = encode_column_values(_numpy(filled))
     elif pt.is_timestamp(kind):
         ints = array.cast(pa.int64())
         ints = ints.fill_null(0) if valid is not None else ints
-        values = ints.to_numpy(zero_copy_only=False).view(f"datetime64[{kind.unit}]")
+        values = _numpy(ints).view(f"datetime64[{kind.unit}]")
         files, desc = encode_column_values(values)
         desc |= {"tz": kind.tz, "arrow": str(kind)}
     elif pt.is_string(kind) or pt.is_large_string(kind):
@@ -173,6 +173,14 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             files, desc = _arrow_lists(array, fixed=False)
         files["valid"] = validity(valid)
     return files, desc
+
+
+def _numpy(array: Any) -> np.ndarray:
+    """An Arrow array of numbers (a view of its buffer: no copy) or bools as numpy. Not
+    ``to_numpy`` for numbers: its first call imports pandas (1.1 s of a fresh process's put)."""
+    if array.type.bit_width >= 8 and not array.null_count:  # not bool (bits), no nulls
+        return number_values(array)
+    return array.to_numpy(zero_copy_only=False)  # type: ignore[no-any-return]
 
 
 def _sliced_offsets(array: Any) -> tuple[np.ndarray, int, int]:
@@ -203,14 +211,14 @@ def _arrow_lists(array: Any, fixed: bool = True) -> tuple[dict[str, np.ndarray],
         child = array.values.slice(array.offset * size, len(array) * size)
         if child.null_count:
             raise NotTabular("a list with null items")
-        values = child.to_numpy(zero_copy_only=False).reshape(len(array), size)
+        values = _numpy(child).reshape(len(array), size)
         return {"values": values}, list_description(values.dtype, size)
     large = array.cast(pa.large_list(child_type))
     offsets, start, stop = _sliced_offsets(large)
     child = large.values.slice(start, stop - start)
     if child.null_count:
         raise NotTabular("a list with null items")
-    values = child.to_numpy(zero_copy_only=False)
+    values = _numpy(child)
     return {"values": values, "offsets": offsets}, list_description(values.dtype, None)
 
 
@@ -247,7 +255,9 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(fp)
+        # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose import
+        # pulls in pandas (1.1 s of a fresh process's put; the same columns either way).
+        return pq.ParquetFile(fp).read()
     if suffix in (".feather", ".arrow"):
         import pyarrow.feather as feather
 

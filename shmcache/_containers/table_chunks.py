@@ -22,7 +22,7 @@ import numpy as np
 from .._disk.array_parts import ArrayParts, FileArray
 from .table_encode import arrow_name, list_description
 
-__all__ = ["chunk_files"]
+__all__ = ["chunk_files", "number_values"]
 
 
 def chunk_files(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]] | None:
@@ -70,6 +70,11 @@ def chunk_files(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]] | No
 
 def _is_number(pt: Any, kind: Any) -> bool:
     return bool(pt.is_integer(kind) or pt.is_floating(kind))
+
+
+def number_values(array: Any) -> np.ndarray:
+    """An Arrow array of fixed-width numbers (no nulls) as a numpy view of its buffer."""
+    return _values(array, np.dtype(array.type.to_pandas_dtype()))
 
 
 def _values(array: Any, dtype: np.dtype[Any]) -> np.ndarray:

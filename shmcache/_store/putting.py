@@ -244,7 +244,8 @@ class Putting:
         ``http(s)://``; ``file://`` is a local path): an object of any format above (a raw
         token file with ``dtype``), or a prefix of them, streamed into the cache in
         parallel ranged reads of ``part_size`` bytes (default: 8 to 64 MiB, 16 parts per
-        object where they fit; see :mod:`shmcache._sources.remote` and ``remote_files``);
+        object where they fit; a table object: one GET unless ``part_size`` is given; see
+        :mod:`shmcache._sources.remote` and ``remote_files``);
         ``storage_options`` go to the filesystem and are never recorded or shown.
 
         ``dtype`` (e.g. ``"uint16"``) makes a raw token file (nanoGPT's ``train.bin``) one 1-D
@@ -430,7 +431,7 @@ class Putting:
             return [self._put_blob_sources(key, plan.blobs, overwrite, pin, progress).key]
         if plan.is_table:
             self._refuse_existing([key], overwrite)
-            files, meta = read_remote_table(plan)
+            files, meta = read_remote_table(plan, part_size)
             return self._put_table_file(key, files, meta, overwrite, pin, progress)
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
