@@ -152,14 +152,11 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     if pt.is_dictionary(kind):  # categoricals: stored decoded
         array = array.dictionary_decode()
         kind = array.type
-    valid = array.is_valid().to_numpy(zero_copy_only=False) if array.null_count else None
+    valid = _bits(array.buffers()[0], array.offset, len(array)) if array.null_count else None
     if pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind):
-        filled = array.fill_null(False if pt.is_boolean(kind) else 0) if valid is not None else array
-        files, desc = encode_column_values(_numpy(filled))
+        files, desc = encode_column_values(_filled(_numpy(array), valid))
     elif pt.is_timestamp(kind):
-        ints = array.cast(pa.int64())
-        ints = ints.fill_null(0) if valid is not None else ints
-        values = _numpy(ints).view(f"datetime64[{kind.unit}]")
+        values = _filled(_numpy(array.cast(pa.int64())), valid).view(f"datetime64[{kind.unit}]")
         files, desc = encode_column_values(values)
         desc |= {"tz": kind.tz, "arrow": str(kind)}
     elif pt.is_string(kind) or pt.is_large_string(kind):
@@ -176,11 +173,23 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 
 
 def _numpy(array: Any) -> np.ndarray:
-    """An Arrow array of numbers (a view of its buffer: no copy) or bools as numpy. Not
-    ``to_numpy`` for numbers: its first call imports pandas (1.1 s of a fresh process's put)."""
-    if array.type.bit_width >= 8 and not array.null_count:  # not bool (bits), no nulls
-        return number_values(array)
-    return array.to_numpy(zero_copy_only=False)  # type: ignore[no-any-return]
+    """An Arrow array of numbers (a view of its buffer: no copy) or bools as numpy, whatever
+    its null slots hold (see :func:`_filled`). Not ``to_numpy`` (nor ``fill_null``): their
+    first call imports pandas (1.1 s of a fresh process's put)."""
+    if array.type.bit_width == 1:  # bools: one bit each in Arrow, one byte each here
+        return _bits(array.buffers()[1], array.offset, len(array))
+    return number_values(array)
+
+
+def _filled(values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """``values`` with 0 (False) where ``valid`` is False (a copy), or as they are."""
+    return values if valid is None else np.where(valid, values, np.zeros(1, values.dtype))
+
+
+def _bits(buffer: Any, offset: int, count: int) -> np.ndarray:
+    """Bits ``offset`` to ``offset + count`` of an Arrow bitmap (LSB first) as bools."""
+    bits = np.frombuffer(buffer, dtype=np.uint8)
+    return np.unpackbits(bits, count=offset + count, bitorder="little")[offset:].view(np.bool_)
 
 
 def _sliced_offsets(array: Any) -> tuple[np.ndarray, int, int]:
