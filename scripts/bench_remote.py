@@ -10,8 +10,8 @@ size; ``--quick`` in brackets):
 - 2,000 ``.npy`` objects of 100 KiB under one prefix [50];
 - other formats from URLs (issue 21 items 5 and 7): a bfloat16-sized ``.safetensors``
   checkpoint of 1 GiB [16 MiB] (its tensors streamed as byte ranges of the object), and a
-  Parquet table of 256 MiB [8 MiB] (uncompressed numeric columns, decoded by pyarrow from
-  the remote file-like into a table entry).
+  Parquet table of 256 MiB [8 MiB] (uncompressed numeric columns: fetched in one GET, as
+  ``s3fs get`` does, and decoded by pyarrow from memory into a table entry).
 
 Methods, alternated from one repeat to the next, each load in a fresh subprocess (so its
 peak RSS is the load's own): the baseline ``S3FileSystem.get`` of the object (or of the

@@ -87,6 +87,28 @@ def test_table_objects_load_as_tables(store: shmcache.Store, root: Path, s3: Mot
         assert meta["source_identity"].startswith("ETag=")
 
 
+def test_a_table_object_is_fetched_in_one_get(store: shmcache.Store, s3: MotoServer, bucket: str) -> None:
+    """A Parquet object over 8 MiB (of several row groups) is one GET, not a GET per part
+    (moto copies the whole object for every ranged GET: the parts cost a copy each), unless
+    ``part_size`` asks for parts; its rows come back whole."""
+    rows = 400_000
+    ids = np.arange(rows, dtype=np.int64)
+    table = pa.table({"id": ids, "x": np.linspace(0, 1, rows), "y": np.sqrt(ids)})
+    body = io.BytesIO()
+    pq.write_table(table, body, compression="none", row_group_size=100_000)
+    assert body.tell() > 9 << 20
+    _put_object(s3, bucket, "big/t.parquet", body.getvalue())
+    store.put_file("big", f"s3://{bucket}/big/t.parquet", storage_options=s3.options())
+    assert len(s3.requests("GET", f"/{bucket}/big/t.parquet")) == 1
+    back = store.open_table("big")
+    np.testing.assert_array_equal(back.column("id"), np.arange(rows))
+    np.testing.assert_array_equal(back.column("x"), np.linspace(0, 1, rows))
+    # part_size= asks for parallel ranged reads instead (a store that serves ranges cheaply)
+    store.put_file("parts", f"s3://{bucket}/big/t.parquet", storage_options=s3.options(), part_size=4 << 20)
+    assert len(s3.requests("GET", f"/{bucket}/big/t.parquet")) == 1 + -(-body.tell() // (4 << 20))
+    assert store.open_table("parts").to_arrow().equals(back.to_arrow())
+
+
 def test_a_prefix_of_parquet_shards_is_one_table(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:

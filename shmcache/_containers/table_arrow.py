@@ -15,10 +15,11 @@ from typing import IO, Any
 
 import numpy as np
 
+from .._disk.array_parts import FileArray, joined_files
 from ..errors import CorruptSourceError, UnsupportedDataError
+from .table_chunks import chunk_files, number_values
 from .table_encode import (
     NotTabular,
-    column_files,
     encode_column_values,
     encode_table_records,
     list_description,
@@ -105,24 +106,42 @@ def _encode_dataframe(frame: Any, what: str) -> tuple[dict[str, np.ndarray], dic
 
 
 def encode_arrow(table: Any, what: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """A pyarrow Table's columns as a table entry's files and meta."""
+    """A pyarrow Table's columns as a table entry's files and meta (each file one array)."""
+    files, meta = encode_arrow_parts(table, what)
+    return joined_files(files), meta
+
+
+def encode_arrow_parts(table: Any, what: str) -> tuple[dict[str, FileArray], dict[str, Any]]:
+    """A pyarrow Table's columns as a table entry's files and meta, a chunked column's
+    values left in their chunks' own buffers (:class:`ArrayParts`, written in order): no
+    ``combine_chunks`` copy of the table before the write copies it into the cache."""
     names = list(table.column_names)
     if len(set(names)) != len(names):
         raise UnsupportedDataError(f"{what}: the table has duplicate column names")
-    files: dict[str, np.ndarray] = {}
+    files: dict[str, FileArray] = {}
     descriptions = []
     for i, name in enumerate(names):
         try:
-            parts, desc = _arrow_column(table.column(i).combine_chunks())
+            parts, desc = _chunked_column(table.column(i))
         except NotTabular as exc:
             raise UnsupportedDataError(
                 f"{what}: column {name!r} is {exc}, which a table cannot hold; a table column holds "
                 "numbers, bools, timestamps, strings, or lists of numbers: cast it (e.g. "
                 "table.cast(...) or pyarrow.compute) or drop it"
             ) from None
-        files |= column_files(i, parts)
+        files |= {f"c{i}.{part}": array for part, array in parts.items()}
         descriptions.append(desc)
     return files, table_meta(names, descriptions, table.num_rows)
+
+
+def _chunked_column(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]]:
+    """One column's files: from its chunks' own buffers where ``table_chunks`` takes it,
+    else from its chunks combined into one array."""
+    found = chunk_files(column)
+    if found is not None:
+        return found
+    combined, desc = _arrow_column(column.combine_chunks())
+    return {part: array for part, array in combined.items()}, desc
 
 
 def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -133,14 +152,11 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     if pt.is_dictionary(kind):  # categoricals: stored decoded
         array = array.dictionary_decode()
         kind = array.type
-    valid = array.is_valid().to_numpy(zero_copy_only=False) if array.null_count else None
+    valid = _bits(array.buffers()[0], array.offset, len(array)) if array.null_count else None
     if pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind):
-        filled = array.fill_null(False if pt.is_boolean(kind) else 0) if valid is not None else array
-        files, desc = encode_column_values(filled.to_numpy(zero_copy_only=False))
+        files, desc = encode_column_values(_filled(_numpy(array), valid))
     elif pt.is_timestamp(kind):
-        ints = array.cast(pa.int64())
-        ints = ints.fill_null(0) if valid is not None else ints
-        values = ints.to_numpy(zero_copy_only=False).view(f"datetime64[{kind.unit}]")
+        values = _filled(_numpy(array.cast(pa.int64())), valid).view(f"datetime64[{kind.unit}]")
         files, desc = encode_column_values(values)
         desc |= {"tz": kind.tz, "arrow": str(kind)}
     elif pt.is_string(kind) or pt.is_large_string(kind):
@@ -154,6 +170,26 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             files, desc = _arrow_lists(array, fixed=False)
         files["valid"] = validity(valid)
     return files, desc
+
+
+def _numpy(array: Any) -> np.ndarray:
+    """An Arrow array of numbers (a view of its buffer: no copy) or bools as numpy, whatever
+    its null slots hold (see :func:`_filled`). Not ``to_numpy`` (nor ``fill_null``): their
+    first call imports pandas (1.1 s of a fresh process's put)."""
+    if array.type.bit_width == 1:  # bools: one bit each in Arrow, one byte each here
+        return _bits(array.buffers()[1], array.offset, len(array))
+    return number_values(array)
+
+
+def _filled(values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """``values`` with 0 (False) where ``valid`` is False (a copy), or as they are."""
+    return values if valid is None else np.where(valid, values, np.zeros(1, values.dtype))
+
+
+def _bits(buffer: Any, offset: int, count: int) -> np.ndarray:
+    """Bits ``offset`` to ``offset + count`` of an Arrow bitmap (LSB first) as bools."""
+    bits = np.frombuffer(buffer, dtype=np.uint8)
+    return np.unpackbits(bits, count=offset + count, bitorder="little")[offset:].view(np.bool_)
 
 
 def _sliced_offsets(array: Any) -> tuple[np.ndarray, int, int]:
@@ -184,19 +220,20 @@ def _arrow_lists(array: Any, fixed: bool = True) -> tuple[dict[str, np.ndarray],
         child = array.values.slice(array.offset * size, len(array) * size)
         if child.null_count:
             raise NotTabular("a list with null items")
-        values = child.to_numpy(zero_copy_only=False).reshape(len(array), size)
+        values = _numpy(child).reshape(len(array), size)
         return {"values": values}, list_description(values.dtype, size)
     large = array.cast(pa.large_list(child_type))
     offsets, start, stop = _sliced_offsets(large)
     child = large.values.slice(start, stop - start)
     if child.null_count:
         raise NotTabular("a list with null items")
-    values = child.to_numpy(zero_copy_only=False)
+    values = _numpy(child)
     return {"values": values, "offsets": offsets}, list_description(values.dtype, None)
 
 
-def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """A table file (already opened and checked) as a table entry's files and meta.
+def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, FileArray], dict[str, Any]]:
+    """A table file (already opened and checked) as a table entry's files and meta (a
+    chunked column's values in :class:`ArrayParts`: its row groups or batches, not joined).
 
     A corrupt or truncated file raises :class:`CorruptSourceError` naming it; Parquet,
     Feather/Arrow and CSV need pyarrow (JSON lines do not).
@@ -206,8 +243,9 @@ def read_table_file(fp: IO[bytes], path: str, suffix: str) -> tuple[dict[str, np
         try:
             require_pyarrow(what)
         except UnsupportedDataError:
-            return _read_jsonl_without_arrow(fp, path)
-    return encode_arrow(read_arrow_table(fp, path, suffix), str(path))
+            files, meta = _read_jsonl_without_arrow(fp, path)
+            return {name: array for name, array in files.items()}, meta
+    return encode_arrow_parts(read_arrow_table(fp, path, suffix), str(path))
 
 
 def read_arrow_table(fp: IO[bytes], path: str, suffix: str) -> Any:
@@ -226,7 +264,14 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(fp)
+        # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose import
+        # pulls in pandas (1.1 s of a fresh process's put; the same columns either way). Row
+        # group by row group: ParquetFile.read holds ~half the table again while decoding
+        # (pyarrow's pool peaked at 412 MiB for a 256 MiB table; by row groups 271 MiB).
+        parquet = pq.ParquetFile(fp)
+        if not parquet.num_row_groups:
+            return parquet.read()
+        return pa.concat_tables([parquet.read_row_group(i) for i in range(parquet.num_row_groups)])
     if suffix in (".feather", ".arrow"):
         import pyarrow.feather as feather
 

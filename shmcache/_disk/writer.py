@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .array_parts import ArrayParts
 from .checksum import crc32
 from .entry_tree import build_tree, install_tree, make_prefix_dirs
 from .fs import full_is_cache_full, raise_if_full, remove_tree, write_all
@@ -132,7 +133,9 @@ class VersionWriter:
             raise_if_full(path, exc)
             raise
 
-    def write_array(self, version: str, filename: str, array: np.ndarray) -> tuple[int, NpyHeader]:
+    def write_array(
+        self, version: str, filename: str, array: np.ndarray | ArrayParts
+    ) -> tuple[int, NpyHeader]:
         """Write ``array`` as a ``.npy`` file with ``write()`` (never through a mapping);
         returns the CRC-32 of the file's bytes and its header as a reader will parse it."""
         fd = self.create_file(version, filename)
@@ -303,10 +306,18 @@ class BatchEntries:
         self.close()
 
 
-def write_npy(fd: int, path: str | os.PathLike[str], array: np.ndarray) -> tuple[int, NpyHeader]:
+def write_npy(
+    fd: int, path: str | os.PathLike[str], array: np.ndarray | ArrayParts
+) -> tuple[int, NpyHeader]:
     """Write ``array`` as a whole ``.npy`` file at ``fd``'s position with ``write()``;
     returns the CRC-32 of the bytes written and the header as a reader will parse it
-    (``path`` names the file in errors)."""
+    (``path`` names the file in errors). An :class:`ArrayParts` is written part after part."""
+    if isinstance(array, ArrayParts):
+        header = build_header(array.dtype, array.shape, False)
+        write_all(fd, header, Path(path))
+        parts = (p.reshape(-1).view(np.uint8) for p in array.parts)
+        crc = _write_chunks(fd, Path(path), parts, crc32(header)) if array.nbytes else crc32(header)
+        return crc, NpyHeader(*parse_header_bytes(header, len(header), str(path)))
     fortran = bool(array.flags.f_contiguous and not array.flags.c_contiguous)
     header = build_header(array.dtype, array.shape, fortran)
     parsed = NpyHeader(*parse_header_bytes(header, len(header), str(path)))

@@ -16,14 +16,16 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._containers.table_arrow import encode_arrow, require_pyarrow
+from .._containers.table_arrow import encode_arrow_parts, require_pyarrow
+from .._disk.array_parts import FileArray, joined_files
 from .._disk.keys import validate_key
 from ..errors import (
     CorruptSourceError,
@@ -35,7 +37,7 @@ from ..errors import (
 from .planned import PlannedEntry
 from .source_files import SourceFile, check_unchanged, open_checked
 
-__all__ = ["HfSplit", "arrow_of_dataset", "is_hf_folder", "plan_hf_folder", "read_hf_split"]
+__all__ = ["HfSplit", "arrow_of_dataset", "is_hf_folder", "open_hf_split", "plan_hf_folder", "read_hf_split"]
 
 _MAX_JSON = 16 << 20
 """A ``state.json`` or ``dataset_dict.json`` larger than this is not one ``datasets`` wrote."""
@@ -126,40 +128,47 @@ def planned_entries(splits: Sequence[HfSplit]) -> list[PlannedEntry]:
 def read_hf_split(
     split: HfSplit, allowed: Sequence[str | os.PathLike[str]] = ()
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The table entry's files (each one array) and meta of one split (see
+    :func:`open_hf_split`); a file changed meanwhile raises."""
+    with open_hf_split(split, allowed) as (files, meta):
+        return joined_files(files), meta
+
+
+@contextmanager
+def open_hf_split(
+    split: HfSplit, allowed: Sequence[str | os.PathLike[str]] = ()
+) -> Iterator[tuple[dict[str, FileArray], dict[str, Any]]]:
     """The table entry's files and meta of one split: its Arrow streams read from read-only
-    mappings of the checked files, concatenated, encoded; a file changed meanwhile raises."""
+    mappings of the checked files, concatenated, encoded. A fixed-width column's values
+    stay views of the mappings (:class:`ArrayParts`, one part per data file: no copy
+    before the caller's write), so the files are checked unchanged when the block ends
+    without an error, after the caller has written them; a file changed meanwhile raises."""
     what = f"dataset folder {split.folder}"
     pa = require_pyarrow(what)
     tops = tuple(os.path.realpath(top) for top in allowed)
     tables, checked = [], []
-    for path in split.files:
-        fd, file = open_checked(str(path), tops)
-        try:
-            tables.append(_read_stream(pa, fd, file))
-            checked.append((fd, file))
-        except BaseException:
-            os.close(fd)
-            for other, _ in checked:
-                os.close(other)
-            raise
     try:
+        for path in split.files:
+            fd, file = open_checked(str(path), tops)
+            checked.append((fd, file))
+            tables.append(_read_stream(pa, fd, file))
         try:
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         except pa.ArrowInvalid as exc:
             raise CorruptSourceError(f"{what}: its data files differ in schema ({exc})") from None
-        files, meta = encode_arrow(table, what)
+        files, meta = encode_arrow_parts(table, what)
+        sources = [file for _, file in checked]
+        fingerprint = {
+            "files": len(sources),
+            "size": sum(f.size for f in sources),
+            "mtime_ns": max(f.mtime_ns for f in sources),
+        }
+        yield files, meta | {"source": str(split.folder), "source_fingerprint": fingerprint}
         for fd, file in checked:
             check_unchanged(fd, file)
     finally:
         for fd, _ in checked:
             os.close(fd)
-    sources = [file for _, file in checked]
-    fingerprint = {
-        "files": len(sources),
-        "size": sum(f.size for f in sources),
-        "mtime_ns": max(f.mtime_ns for f in sources),
-    }
-    return files, meta | {"source": str(split.folder), "source_fingerprint": fingerprint}
 
 
 def hf_fingerprint(folder: Path) -> dict[str, int] | None:
@@ -178,7 +187,10 @@ def hf_fingerprint(folder: Path) -> dict[str, int] | None:
 def _read_stream(pa: Any, fd: int, file: SourceFile) -> Any:
     if file.size == 0:
         raise CorruptSourceError(f"{file.path} is empty, not an Arrow stream")
-    mapped = mmap.mmap(fd, file.size, prot=mmap.PROT_READ)  # the table's buffers keep it alive
+    # The table's buffers keep the mapping alive; its pages are mapped in at once, not faulted
+    # one by one as the writer reads them (a 265 MiB folder's put: 0.50 -> 0.40 s), not copied.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapped = mmap.mmap(fd, file.size, flags=flags, prot=mmap.PROT_READ)
     try:
         return pa.ipc.open_stream(pa.py_buffer(mapped)).read_all()
     except (pa.ArrowInvalid, OSError, EOFError) as exc:

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .._containers.table_arrow import TABLE_SUFFIXES, read_table_file, require_pyarrow
+from .._disk.array_parts import FileArray
 from ..errors import CorruptSourceError, SourceNotFoundError
 from .planned import PlannedEntry
 from .source_files import SourceFile, check_unchanged, open_checked
@@ -54,7 +53,7 @@ def plan_table_file(key: str, path: Path, allowed: Sequence[str | os.PathLike[st
 
 def read_table_source(
     path: Path, allowed: Sequence[str | os.PathLike[str]] = ()
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+) -> tuple[dict[str, FileArray], dict[str, Any]]:
     """The table entry's files and meta from a table file (with ``source`` and its
     fingerprint in the meta); a file changed while it was read raises."""
     path = Path(os.path.abspath(path))

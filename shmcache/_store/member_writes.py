@@ -31,6 +31,7 @@ from .._containers.encode import (
     same_content,
 )
 from .._containers.table_arrow import encode_table
+from .._disk.array_parts import joined_files
 from .._disk.keys import validate_key
 from .._disk.layout import Layout
 from .._disk.meta import read_meta
@@ -249,7 +250,8 @@ class MemberWriter:
                 raise UnsupportedDataError(
                     f"{data}: put_table reads .parquet, .feather, .arrow, .csv or .jsonl files"
                 )
-            files, meta = read_table_source(Path(data))
+            parts, meta = read_table_source(Path(data))
+            files = joined_files(parts)
         else:
             files, meta = encode_table(data, f"table for key {key!r}")
         return self.put([Pending(key, "table", dict(files), meta)], overwrite=overwrite, pin=pin)[0]
@@ -366,8 +368,8 @@ class MemberWriter:
                 pending.append(Pending(split.key, "table", dict(files), meta))
             return [info.key for info in self.put(pending, overwrite=overwrite, pin=pin)]
         if kind == "table":
-            files, meta = read_table_source(source)
-            self.put([Pending(key, "table", dict(files), meta)], overwrite=overwrite, pin=pin)
+            parts, meta = read_table_source(source)
+            self.put([Pending(key, "table", dict(joined_files(parts)), meta)], overwrite=overwrite, pin=pin)
             return [key]
         entries = []
         for item in plan_sources(key, source, [], dtype):

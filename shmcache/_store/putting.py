@@ -17,6 +17,7 @@ import numpy as np
 
 from .._containers.encode import encode_mapping, encode_ragged, encode_records, encode_strings
 from .._containers.table_arrow import encode_table
+from .._disk.array_parts import FileArray
 from .._disk.dtypes import storable
 from .._disk.entry_tree import common_prefix, crash_point
 from .._disk.fs import descriptors_typed
@@ -30,7 +31,7 @@ from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources, release_planned
-from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
+from .._sources.hf_datasets import arrow_of_dataset, open_hf_split, plan_hf_folder
 from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
 from .._sources.tar_shards import ShardSource, plan_shards
@@ -170,9 +171,7 @@ class Putting:
         return _entry_info(meta)
 
     @descriptors_typed
-    def put_table(
-        self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False
-    ) -> EntryInfo:
+    def put_table(self, key: str, data: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
         """Publish a table: a pyarrow Table, a pandas DataFrame, a ``datasets.Dataset`` (its
         Arrow data, rows as selected), a dict of columns, a list of dicts with one set of
         keys, or a path to a .parquet/.feather/.arrow/.csv/.jsonl file."""
@@ -184,16 +183,16 @@ class Putting:
                 raise UnsupportedDataError(
                     f"{data}: put_table reads .parquet, .feather, .arrow, .csv or .jsonl files"
                 )
-            files, meta = read_table_source(Path(data))
-        else:
-            files, meta = encode_table(data, f"table for key {key!r}")
+            parts, meta = read_table_source(Path(data))
+            return self._put_entry(key, "table", parts, meta, overwrite=overwrite, pin=pin)
+        files, meta = encode_table(data, f"table for key {key!r}")
         return self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
 
     def _put_entry(
         self,
         key: str,
         kind: str,
-        files: Mapping[str, np.ndarray],
+        files: Mapping[str, FileArray],
         extra: Mapping[str, Any],
         *,
         overwrite: bool,
@@ -245,7 +244,8 @@ class Putting:
         ``http(s)://``; ``file://`` is a local path): an object of any format above (a raw
         token file with ``dtype``), or a prefix of them, streamed into the cache in
         parallel ranged reads of ``part_size`` bytes (default: 8 to 64 MiB, 16 parts per
-        object where they fit; see :mod:`shmcache._sources.remote` and ``remote_files``);
+        object where they fit; a table object: one GET unless ``part_size`` is given; see
+        :mod:`shmcache._sources.remote` and ``remote_files``);
         ``storage_options`` go to the filesystem and are never recorded or shown.
 
         ``dtype`` (e.g. ``"uint16"``) makes a raw token file (nanoGPT's ``train.bin``) one 1-D
@@ -372,13 +372,13 @@ class Putting:
         with self._writer() as writer:
             versions = []
             for split in splits:
-                files, extra = read_hf_split(split, allowed)
-                nbytes = sum(int(a.nbytes) for a in files.values())
-                self._reserve(writer, nbytes + _PAGE * (len(files) + 1), [split.key] if overwrite else ())
-                version = writer.new_version()
-                crcs, headers = {}, {}
-                for name, array in files.items():
-                    crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
+                with open_hf_split(split, allowed) as (files, extra):  # checked unchanged after the writes
+                    nbytes = sum(int(a.nbytes) for a in files.values())
+                    self._reserve(writer, nbytes + _PAGE * (len(files) + 1), [split.key] if overwrite else ())
+                    version = writer.new_version()
+                    crcs, headers = {}, {}
+                    for name, array in files.items():
+                        crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
                 meta = version_meta(split.key, "table", version, headers, crcs, pin) | dict(extra)
                 meta["shape"] = [meta.get("length", 0)]
                 meta.setdefault("dtype", ITEM_TYPES.get("table"))
@@ -392,7 +392,7 @@ class Putting:
     def _put_table_file(
         self,
         key: str,
-        files: Mapping[str, np.ndarray],
+        files: Mapping[str, FileArray],
         meta: Mapping[str, Any],
         overwrite: bool,
         pin: bool,
@@ -431,7 +431,7 @@ class Putting:
             return [self._put_blob_sources(key, plan.blobs, overwrite, pin, progress).key]
         if plan.is_table:
             self._refuse_existing([key], overwrite)
-            files, meta = read_remote_table(plan)
+            files, meta = read_remote_table(plan, part_size)
             return self._put_table_file(key, files, meta, overwrite, pin, progress)
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)

@@ -1,0 +1,93 @@
+"""Chunked Arrow columns (a ``save_to_disk`` folder's record batches, Parquet row groups)
+stored from their chunks' own buffers: the files a put writes are byte for byte those of
+the same table combined into one chunk first, for every column type, sliced chunks, empty
+chunks and nulls (which take the combining path); and a Parquet file of several row groups
+round-trips through ``put_file``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shmcache
+from shmcache._containers.table_arrow import encode_arrow, encode_arrow_parts
+from shmcache._disk.array_parts import ArrayParts, joined
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def _batch(start: int, n: int) -> object:
+    rows = np.arange(start, start + n)
+    return pa.record_batch(
+        {
+            "i64": pa.array(rows, pa.int64()),
+            "u8": pa.array(rows % 251, pa.uint8()),
+            "f16": pa.array((rows / 7).astype(np.float16)),
+            "f32": pa.array(rows * 0.5, pa.float32()),
+            "s": pa.array([f"row {i} é" * (i % 3) for i in rows], pa.string()),
+            "ls": pa.array([f"L{i}" for i in rows], pa.large_string()),
+            "lst": pa.array([[float(i)] * (i % 4) for i in rows], pa.list_(pa.float32())),
+            "llst": pa.array([list(range(i % 5)) for i in rows], pa.large_list(pa.int16())),
+            "fixed": pa.array([[i, -i, 2 * i] for i in rows], pa.list_(pa.float64(), 3)),
+            "flag": pa.array(rows % 2 == 0),
+            "when": pa.array(rows.astype("datetime64[ms]")),
+            "cat": pa.array([f"c{i % 3}" for i in rows]).dictionary_encode(),
+            "holes": pa.array([None if i % 7 == 0 else int(i) for i in rows], pa.int32()),
+        }
+    )
+
+
+def _chunked() -> object:
+    """Batches of several sizes, some sliced (non-zero offsets into their buffers), one empty."""
+    empty = _batch(40, 1).slice(0, 0)
+    batches = [_batch(0, 10), _batch(10, 30).slice(5, 17), empty, _batch(40, 25).slice(3), _batch(90, 1)]
+    return pa.Table.from_batches(batches)
+
+
+def test_chunked_columns_are_stored_as_the_combined_table_is() -> None:
+    table = _chunked()
+    assert table.column("i64").num_chunks > 2
+    parts, meta = encode_arrow_parts(table, "t")
+    whole, whole_meta = encode_arrow(table.combine_chunks(), "t")
+    assert meta == whole_meta and parts.keys() == whole.keys()
+    for name, array in parts.items():
+        expected = whole[name]
+        got = joined(array)
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert got.tobytes() == expected.tobytes(), name
+    names = table.column_names
+    in_parts = {names[int(n[1:].partition(".")[0])] for n, a in parts.items() if isinstance(a, ArrayParts)}
+    assert in_parts == {"i64", "u8", "f16", "f32", "s", "ls", "lst", "llst", "fixed"}
+
+
+def test_a_parquet_file_of_many_row_groups_round_trips(store: shmcache.Store, tmp_path: Path) -> None:
+    table = _chunked()
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=9)
+    assert pq.ParquetFile(tmp_path / "t.parquet").num_row_groups > 3
+    store.put_file("t", tmp_path / "t.parquet")
+    back = store.open_table("t").to_arrow()
+    assert back.equals(pq.read_table(tmp_path / "t.parquet").cast(back.schema).combine_chunks())
+    assert list(store.open_table("t").column("s")) == table.column("s").to_pylist()
+
+
+def test_a_table_file_put_does_not_import_pandas(root: Path, tmp_path: Path) -> None:
+    """pyarrow's ``read_table``, ``Array.to_numpy`` and ``fill_null`` import pandas (1.1 s of
+    a fresh process's put): a put of a Parquet file of every column type, nulls included,
+    goes without them (a real fresh process)."""
+    pytest.importorskip("pandas")
+    pq.write_table(_chunked(), tmp_path / "t.parquet", row_group_size=9)
+    code = (
+        "import sys, shmcache\n"
+        f"shmcache.Store({str(root)!r}).put_file('t', {str(tmp_path / 't.parquet')!r})\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
+    table = shmcache.open_table("t", root=root)
+    assert table.to_arrow().equals(pq.read_table(tmp_path / "t.parquet").cast(table.to_arrow().schema))
