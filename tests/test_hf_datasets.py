@@ -158,3 +158,23 @@ def test_a_member_puts_a_folder_and_a_dataset_through_the_daemons_write_channel(
         store = Store(root)
         _assert_table_equals(store, "dd/val", ds.select([1, 2]))
         assert list(shmcache.open_table("picked", root=root).column("label")) == [5, 1]
+
+
+
+@pytest.mark.parametrize("confined", [True, False])
+def test_a_confined_load_never_maps_its_sources(store: Store, tmp_path: Path, confined: bool) -> None:
+    """A daemon's loads are confined (``allowed_dirs``) and read the Arrow streams into
+    memory: a client truncating a file that the daemon maps would kill it with SIGBUS. An
+    in-process put (the user's own files, the user's own process) maps them: no copy."""
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"label": list(range(200_000))}).save_to_disk(str(folder), num_shards=2)  # type: ignore[attr-defined]
+    mapped_while_writing: list[bool] = []
+
+    def look(done: int, total: int) -> None:  # the last call comes after the entry's bytes are written
+        with open("/proc/self/maps") as maps:
+            mapped_while_writing.append(str(folder) in maps.read())
+
+    store.put_file("ds", folder, progress=look, allowed_dirs=[tmp_path] if confined else ())
+    assert mapped_while_writing[-1] is not confined
+    labels = shmcache.open_table("ds", root=store.root).column("label")
+    np.testing.assert_array_equal(labels, np.arange(200_000))
