@@ -91,3 +91,25 @@ def test_a_table_file_put_does_not_import_pandas(root: Path, tmp_path: Path) -> 
     assert done.stdout.split() == ["False"]
     table = shmcache.open_table("t", root=root)
     assert table.to_arrow().equals(pq.read_table(tmp_path / "t.parquet").cast(table.to_arrow().schema))
+
+
+def test_string_chunks_past_2_gib_get_int64_offsets() -> None:
+    """Each chunk's int32 offsets are shifted by what the earlier chunks hold: past 2 GiB
+    that shift is computed in int64 (it overflowed int32). The 1.2 GB data buffer is
+    numpy's lazily zeroed memory, shared by the three chunks: no page of it is touched."""
+    from shmcache._containers.table_chunks import chunk_files
+
+    data = pa.py_buffer(np.zeros(1_200_000_000, np.uint8))
+    offsets = pa.py_buffer(np.array([0, 600_000_000, 1_200_000_000], np.int32))
+    chunk = pa.Array.from_buffers(pa.string(), 2, [None, offsets, data])
+    found = chunk_files(pa.chunked_array([chunk, chunk, chunk]))
+    assert found is not None
+    files, _ = found
+    stored = files["offsets"]
+    assert isinstance(stored, np.ndarray) and stored.dtype == np.int64
+    np.testing.assert_array_equal(stored, np.arange(7, dtype=np.int64) * 600_000_000)
+
+
+def test_a_column_of_only_missing_values_is_refused_by_name() -> None:
+    with pytest.raises(shmcache.UnsupportedDataError, match="column 'a' is of Arrow type null"):
+        encode_arrow(pa.table({"a": pa.array([None, None]), "b": [1, 2]}), "table")

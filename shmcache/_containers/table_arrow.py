@@ -152,6 +152,8 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     if pt.is_dictionary(kind):  # categoricals: stored decoded
         array = array.dictionary_decode()
         kind = array.type
+    if pt.is_null(kind):  # every value None: no type to store, and no validity buffer
+        raise NotTabular(f"of Arrow type {kind} (every value is missing)")
     valid = _bits(array.buffers()[0], array.offset, len(array)) if array.null_count else None
     if pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind):
         files, desc = encode_column_values(_filled(_numpy(array), valid))

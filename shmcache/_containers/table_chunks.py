@@ -99,7 +99,8 @@ def _offsets_and_ranges(
         buffers = chunk.buffers()
         offsets = np.frombuffer(buffers[1], dtype=kind, count=count + 1, offset=chunk.offset * kind.itemsize)
         start, stop = int(offsets[0]), int(offsets[count])
-        np.subtract(offsets[:count], start - base, out=out[row : row + count], casting="unsafe")
+        # in int64: past 2 GiB of earlier chunks the shift no longer fits an int32 chunk's offsets
+        np.subtract(offsets[:count], np.int64(start - base), out=out[row : row + count], casting="unsafe")
         if stop > start:
             first = start + (chunk.values.offset if nested else 0)
             parts.append(_view(buffers[data_index], dtype, first, stop - start))
