@@ -315,3 +315,65 @@ def test_a_thread_nests_key_locks_and_a_batch_either_way(store: Store) -> None:
         assert _holders(path0, byte[batch[3]], byte[outside]) == [me, None]
     assert _holders(path0, byte[batch[3]], byte[outside]) == [None, None]
     assert locks._slots == {} and locks._files == {}
+
+
+_WHOLE_FILE_HOLDER = """
+import os, sys, time
+from shmcache._disk.fs import try_lock_range, unlock_range
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+assert try_lock_range(fd, 0, False, 0)  # what a big batch holds while it narrows
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+unlock_range(fd, 0, 0)
+sys.stdin.readline()
+"""
+
+
+def test_a_caller_that_does_not_wait_gets_its_key_past_a_narrowing_batch(store: Store) -> None:
+    """A whole-file lock of another process is a batch narrowing to its own keys: a key
+    lock with ``timeout=0`` (an eviction's) polls past it, briefly, rather than being
+    refused a key the batch does not hold; a byte lock still refuses it at once."""
+    key = "d/alone"
+    path, offset = _slot(store, key)
+    with subprocess.Popen(
+        [sys.executable, "-c", _WHOLE_FILE_HOLDER, path, "0.3"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as holder:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with key_lock(store.layout, key, 0):  # waits out the 0.3 s narrowing
+            assert _holders(path, offset) == [os.getpid()]
+        holder.communicate("", timeout=WAIT_S)
+    with subprocess.Popen(
+        [sys.executable, "-c", _BYTE_HOLDER, path, str(offset)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as holder:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockTimeoutError), key_lock(store.layout, key, 0):
+            pass
+        holder.communicate("", timeout=WAIT_S)
+
+
+def test_an_interrupted_whole_file_take_leaves_nothing_locked(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception (Ctrl+C, MemoryError) after the whole-file lock, while the batch records
+    its keys, releases the file: no key of it stays locked for the life of the process."""
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS)[0][:WHOLE_FILE_KEYS]
+    path = _slot(store, keys[0])[0]
+    made = 0
+    real_hold = locks._Hold
+
+    def failing_hold(*args: object, **kwargs: object) -> object:
+        nonlocal made
+        made += 1
+        if made == 10:
+            raise KeyboardInterrupt
+        return real_hold(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(locks, "_Hold", failing_hold)
+    with pytest.raises(KeyboardInterrupt), key_locks(store.layout, keys, 0):
+        pass
+    monkeypatch.setattr(locks, "_Hold", real_hold)
+    assert path not in locks._files
+    assert not [slot for slot in locks._slots if slot[0] == path]
+    assert _holders(path, *(_slot(store, k)[1] for k in keys[:20]), FAR) == [None] * 21

@@ -35,6 +35,7 @@ __all__ = [
     "full_is_cache_full",
     "out_of_descriptors",
     "raise_if_full",
+    "range_lock_conflict",
     "range_lock_holder",
     "remove_tree",
     "too_many_open_files",
@@ -347,7 +348,15 @@ def range_lock_holder(fd: int, offset: int, shared: bool) -> int | None:
     """The pid of a process whose lock on byte ``offset`` conflicts with ours (as this
     process's PID namespace numbers it: 0 for a process it cannot see), or None if none
     does now. The kernel's answer, so it names the real owner (never a stale pid file)."""
+    found = range_lock_conflict(fd, offset, shared)
+    return None if found is None else found[0]
+
+
+def range_lock_conflict(fd: int, offset: int, shared: bool) -> tuple[int, bool] | None:
+    """What :func:`range_lock_holder` says, and whether the conflicting lock covers the
+    whole file (offset 0 to its end: a big batch's, held for milliseconds while it narrows
+    to its own bytes)."""
     kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
     got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
-    held, _, _, _, pid = struct.unpack(_FLOCK, got)
-    return None if held == fcntl.F_UNLCK else int(pid)
+    held, _, start, length, pid = struct.unpack(_FLOCK, got)
+    return None if held == fcntl.F_UNLCK else (int(pid), start == 0 and length == 0)

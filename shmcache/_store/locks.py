@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from .._disk.fs import (
     raise_if_full,
-    range_lock_holder,
+    range_lock_conflict,
     too_many_open_files,
     try_lock_range,
     unlock_range,
@@ -87,6 +87,10 @@ locks, whatever the number of keys."""
 
 _POLL_FIRST_S = 0.001
 _POLL_S = 0.05
+_NARROWING_S = 1.0
+"""How long a wait, even one that may not wait, polls past another process's whole-file
+lock on a key-slot file: a batch holds one only while it unlocks the gaps between its
+keys (17-71 ms a file at 100,000 keys on 2 busy cores)."""
 
 
 @dataclass(slots=True)
@@ -214,12 +218,21 @@ def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener)
 
 
 def _take(fd: int, offset: int, shared: bool, wait: LockWait) -> None:
-    """This process's lock on the byte, polled until it is free or ``wait`` gives up."""
+    """This process's lock on the byte, polled until it is free or ``wait`` gives up. A
+    whole-file lock in the way is a big batch narrowing to its own bytes (milliseconds:
+    :func:`key_locks`): polled for up to :data:`_NARROWING_S` whatever the bound, so that a
+    caller that does not wait (an eviction's ``timeout=0``) is not refused a key that the
+    batch does not take."""
     pause = _POLL_FIRST_S
+    narrowing_until = time.monotonic() + _NARROWING_S
     while not try_lock_range(fd, offset, shared):
-        pid = range_lock_holder(fd, offset, shared)
-        if pid is None:
+        found = range_lock_conflict(fd, offset, shared)
+        if found is None:
             continue  # released between the two calls
+        pid, whole_file = found
+        if whole_file and time.monotonic() < narrowing_until:
+            time.sleep(_POLL_FIRST_S)
+            continue
         wait.check(pid)
         left = wait.left()
         time.sleep(pause if left is None else max(0.0, min(pause, left)))
@@ -456,13 +469,22 @@ class _Batch:
         if not free:
             _drop_file(path, None)
             return False
-        _files[path].users += run[1] - run[0] - 1
         me, epoch = threading.get_ident(), _epoch
         mine = self.slots[run[0] : run[1]]
-        for slot in mine:
-            _slots[slot] = _Hold(False, {me: 1}, pending=False)
-            self.taken.append((*slot, epoch))
-        _unlock_gaps(fd, [offset for _, offset in mine])  # if it fails, the release closes the file
+        before = len(self.taken)
+        try:
+            _files[path].users += len(mine) - 1
+            for slot in mine:
+                _slots[slot] = _Hold(False, {me: 1}, pending=False)
+                self.taken.append((*slot, epoch))
+            _unlock_gaps(fd, [offset for _, offset in mine])
+        except BaseException:  # Ctrl+C, MemoryError: forget it all and close the file, which
+            for slot in mine:  # releases every lock on it (this process held none before)
+                _slots.pop(slot, None)
+            del self.taken[before:]
+            for held in _files.pop(path).fds.values():
+                os.close(held)
+            raise
         return True
 
 
