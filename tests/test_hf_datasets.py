@@ -163,9 +163,10 @@ def test_a_member_puts_a_folder_and_a_dataset_through_the_daemons_write_channel(
 
 @pytest.mark.parametrize("confined", [True, False])
 def test_a_confined_load_never_maps_its_sources(store: Store, tmp_path: Path, confined: bool) -> None:
-    """A daemon's loads are confined (``allowed_dirs``) and read the Arrow streams into
-    memory: a client truncating a file that the daemon maps would kill it with SIGBUS. An
-    in-process put (the user's own files, the user's own process) maps them: no copy."""
+    """A daemon's loads from its allowed directories are confined (``allowed_dirs``) and
+    read the Arrow streams into memory: a client truncating a file that the daemon maps
+    would kill it with SIGBUS. An unconfined put (in-process: the user's own files and
+    process) maps them: no copy."""
     folder = tmp_path / "ds"
     datasets.Dataset.from_dict({"label": list(range(200_000))}).save_to_disk(str(folder), num_shards=2)  # type: ignore[attr-defined]
     mapped_while_writing: list[bool] = []

@@ -147,10 +147,12 @@ def test_collapse_maps_the_file_with_huge_pages(file_on_tmpfs: Path) -> None:
     finally:
         os.close(fd)
     assert buffer is not None
-    assert _pmd_mapped(str(file_on_tmpfs)) == (1, 0)  # /dev/shm without huge=: 4 KiB pages
     done = huge_map.collapse(huge_map.address_of(buffer), size)
-    assert done == huge_map.Collapsed(size // HUGE * HUGE, None)  # whole pages only
-    assert _pmd_mapped(str(file_on_tmpfs)) == (1, size // HUGE * HUGE)
+    # whole pages only; under memory pressure the kernel may collapse fewer (EAGAIN), saying why
+    assert done.collapsed % HUGE == 0 and 0 < done.collapsed <= size // HUGE * HUGE
+    assert (done.reason is None) == (done.collapsed == size // HUGE * HUGE)
+    mappings, pmd = _pmd_mapped(str(file_on_tmpfs))
+    assert mappings == 1 and pmd >= done.collapsed
     assert bytes(buffer) == file_on_tmpfs.read_bytes()
     again = huge_map.collapse(huge_map.address_of(buffer), size)  # already done: nothing to do, no error
     assert again.reason is None

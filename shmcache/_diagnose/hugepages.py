@@ -5,7 +5,7 @@ asks with ``madvise``); an entry on tmpfs sits on 4 KiB pages unless the tmpfs m
 ``huge=within_size`` (or ``always``), or the kernel forces it
 (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` ``force``). On 4 KiB pages, random
 rows of a big entry miss the TLB more: random batches of 256 rows from a 256 MiB entry
-gathered at about 0.8x the speed of the in-memory array here, 0.9-1.0x on a
+gathered at about 0.6-0.8x the speed of the in-memory array here, 0.9-1.0x on a
 ``huge=within_size`` tmpfs (BENCHMARKS.md, bench_loader). Entries written before the
 setting changed keep their small pages. Without root, on Linux >= 6.1,
 ``CachedDataset(..., huge_pages=True)`` collapses an entry's pages into huge ones itself
@@ -75,7 +75,7 @@ def huge_pages_report(root: Path) -> tuple[str, str, str, dict[str, Any]]:
         return (
             "ok",
             "shmem_enabled=deny: entries sit on 4 KiB pages (random rows of big entries miss the "
-            "TLB more than an in-memory array on huge pages: ~0.8x its batch gather speed)",
+            "TLB more than an in-memory array on huge pages: ~0.6-0.8x its batch gather speed)",
             f"echo within_size > {_SHMEM_ENABLED} (as root), then put entries again",
             details,
         )

@@ -49,7 +49,8 @@ class ArrayParts:
         return int(np.prod(self.shape))
 
     def join(self) -> np.ndarray:
-        """The pieces as one array (a copy), for callers that need an ndarray."""
+        """The pieces as one array, for callers that need an ndarray: a copy, except that a
+        single piece is returned as it is (a view of whatever it views)."""
         if len(self.parts) == 1:
             return self.parts[0]
         if not self.parts:

@@ -338,7 +338,8 @@ def _write_chunks(fd: int, path: Path, chunks: Iterable[np.ndarray], crc: int) -
     """Write ``chunks`` (uint8) to ``fd``; return the CRC-32 of the bytes written, chained
     from ``crc``. Large data is cut into pieces and pipelined: this thread ``write()``s
     piece k while a helper CRCs piece k-1 (both release the GIL), so the checksum costs
-    little beyond the write. The CRC is of the very buffers written, never of a mapping."""
+    little beyond the write. The CRC is of the very buffers written (an :class:`ArrayParts` of a source's
+    mapping is read again for it: its source is checked unchanged after the write)."""
     pieces = (
         piece[i : i + _PIPELINE_CHUNK]
         for piece in chunks

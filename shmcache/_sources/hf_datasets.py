@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._containers.table_arrow import encode_arrow_parts, require_pyarrow
-from .._disk.array_parts import FileArray, joined_files
+from .._disk.array_parts import FileArray, joined
 from .._disk.keys import validate_key
 from ..errors import (
     CorruptSourceError,
@@ -131,7 +131,13 @@ def read_hf_split(
     """The table entry's files (each one array) and meta of one split (see
     :func:`open_hf_split`); a file changed meanwhile raises."""
     with open_hf_split(split, allowed) as (files, meta):
-        return joined_files(files), meta
+        # owned copies, made before the files are checked unchanged: a column can be a view of
+        # a stream file's mapping, which the caller would otherwise read after the check
+        return {name: _owned(joined(array)) for name, array in files.items()}, meta
+
+
+def _owned(array: np.ndarray) -> np.ndarray:
+    return array if array.flags.owndata else array.copy()
 
 
 @contextmanager
