@@ -167,6 +167,12 @@ class Settings(BaseSettings):
         "from there; members of the team's group may use the socket (docs/team.md).",
     )
     cleanup_on_exit: bool = Field(False, description="Evict every entry when stopping.")
+    huge_pages: bool = Field(
+        False,
+        description="After each load, put the entry's files of 2 MiB or more on huge pages "
+        "(MADV_COLLAPSE: Linux >= 6.1, no root), so that CachedDataset(huge_pages=True) finds "
+        "them made and the daemon's memory cgroup, not a training job's, is charged for them.",
+    )
     load_workers: int = Field(DEFAULT_LOAD_WORKERS, ge=1, description="Loads that run at once.")
     max_load_rate: Size = Field(
         None,

@@ -12,6 +12,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -335,3 +336,53 @@ def test_doctor_offers_the_route_without_root(root: Path) -> None:
     if check["details"]["huge"] == "never" and check["details"]["shmem_enabled"] not in ("force", "deny"):
         assert ("huge_pages=True" in check["fix"]) is huge_map.supported()
         assert "huge=within_size" in check["fix"]  # the administrator's way, for every reader
+
+
+def _faulted_pmd(path: str) -> int:
+    """Bytes of ``path`` mapped with huge page entries once an aligned shared mapping of it
+    is read page by page, without any collapse by this process: what the page cache holds."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        view = huge_map.map_aligned(fd, size, private=False)
+    finally:
+        os.close(fd)
+    assert view is not None
+    sum(view[i] for i in range(0, size, 4096))  # fault every page in
+    pmd = _pmd_mapped(path)[1]
+    del view
+    return pmd
+
+
+@needs_collapse
+def test_store_huge_pages_collapses_an_entrys_files_for_every_reader(store: shmcache.Store) -> None:
+    store.put_array("big", np.arange(3 * HUGE // 8, dtype=np.int64))  # 3 huge pages of data
+    store.put_array("small", np.arange(10))
+    path = f"{store.root}/objects{_data_file(store, 'big')}"
+    assert _faulted_pmd(path) == 0  # written on 4 KiB pages (/dev/shm without huge=)
+    done = store.huge_pages("big")
+    assert 0 < done <= 3 * HUGE and done % HUGE == 0
+    assert _faulted_pmd(path) >= done  # another mapping finds them made
+    assert store.huge_pages("small") == 0  # under one huge page: nothing to do, no error
+    assert store.verify("big")
+
+
+@needs_collapse
+@pytest.mark.integration
+def test_a_daemon_with_huge_pages_collapses_what_it_loaded(root: Path, tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    from service_helpers import Daemon, load
+
+    np.save(tmp_path / "big.npy", np.arange(3 * HUGE // 8, dtype=np.int64))
+    daemon = Daemon(root, "--huge-pages").wait_ready()
+    try:
+        with daemon.client() as client:
+            assert load(client, "big", tmp_path / "big.npy")["state"] == "done"
+        store = shmcache.Store(root)
+        path = f"{store.root}/objects{_data_file(store, 'big')}"
+        deadline = time.monotonic() + 60
+        while _faulted_pmd(path) == 0:  # the daemon collapses in a thread after the load
+            assert time.monotonic() < deadline, daemon.log
+            time.sleep(0.1)
+    finally:
+        daemon.stop()

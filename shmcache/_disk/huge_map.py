@@ -29,7 +29,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Collapsed", "address_of", "collapse", "map_aligned", "map_collapsed", "pmd_size", "supported"]
+__all__ = [
+    "Collapsed",
+    "address_of",
+    "collapse",
+    "collapse_file",
+    "map_aligned",
+    "map_collapsed",
+    "pmd_size",
+    "supported",
+]
 
 _PMD_SIZE_FILE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -193,6 +202,27 @@ def map_collapsed(fd: int, size: int) -> tuple[memoryview, Collapsed] | None:
 
         logging.getLogger(__name__).debug("huge pages for a %d-byte entry: %s", size, done.reason)
     return buffer, done
+
+
+def collapse_file(path: str) -> Collapsed:
+    """Put the whole huge pages of the file at ``path`` on huge pages, through a shared
+    read-only aligned mapping made for it and dropped at once: for a process that does not
+    read the file (a daemon after a load), so that readers find the pages made and the
+    collapsing process's memory cgroup, which the kernel charges for them, is its own."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return Collapsed(0, f"cannot open {path}: {exc.strerror}")
+    try:
+        size = os.fstat(fd).st_size
+        view = map_aligned(fd, size, private=False)
+    finally:
+        os.close(fd)
+    if view is None:
+        return Collapsed(0, f"{path}: smaller than a huge page, or huge pages not supported here")
+    done = collapse(address_of(view), size)
+    del view  # unmapped with it; the page cache keeps the huge pages
+    return done
 
 
 def _strerror(error: int) -> str:

@@ -382,6 +382,20 @@ class Store(Putting):
             raise self._reader.not_found(key)
         return info
 
+    def huge_pages(self, key: str) -> int:
+        """Put the ``.npy`` files of ``key``'s current version that hold a 2 MiB page or more
+        on huge pages (``MADV_COLLAPSE``: Linux >= 6.1, no root); returns the bytes now on
+        them, 0 where the kernel declines (never an error for that). What
+        ``CachedDataset(huge_pages=True)`` does at its first use, done by whoever should pay
+        for it: a daemon after each load (``huge_pages``), whose memory cgroup the kernel
+        then charges for the pages, instead of the first training job's."""
+        from .._disk.huge_map import collapse_file
+
+        directory = self.layout.version_dir(self.info(key).version)
+        with os.scandir(directory) as found:
+            files = [f.path for f in found if f.name.endswith(".npy") and f.is_file(follow_symlinks=False)]
+        return sum(collapse_file(path).collapsed for path in files)
+
     def mapped_by(self, key: str) -> builtins.list[int]:
         """PIDs of live processes that map the current version of ``key`` (a ``/proc`` scan)."""
         version = self.info(key).version
