@@ -46,12 +46,15 @@ def copy_threads(plan: Sequence[Planned]) -> int:
     ``.npy``, a stored ``.npz`` member, a built header and a raw range); anything decoded
     (a compressed member, an HDF5 dataset, a strided tensor, a container) keeps the whole
     batch on one thread."""
-    total = sum(item.header.file_size for item in plan)
-    if len(plan) < 2 or total < MIN_BYTES or total < MIN_AVERAGE * len(plan):
-        return 1
-    for item in plan:
+    total, size, last = 0, 0, None
+    for item in plan:  # one pass; a directory's files share a few header objects
         if item.container is not None or item.write is not None or item.copy_offset is None:
             return 1
+        if item.header is not last:
+            last, size = item.header, item.header.file_size
+        total += size
+    if len(plan) < 2 or total < MIN_BYTES or total < MIN_AVERAGE * len(plan):
+        return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
