@@ -10,7 +10,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -242,3 +242,22 @@ def test_small_or_decoded_batches_stay_on_one_thread(store: Store) -> None:
         assert copy_pool.copy_threads(plan) == min(cores, copy_pool.MAX_THREADS)
         np.savez_compressed(folder / "z.npz", x=np.zeros(1 << 16))
         assert copy_pool.copy_threads(files.plan_sources("d", folder)) == 1
+
+
+def test_threads_that_cannot_start_leave_the_copy_to_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process at its thread limit (``RuntimeError: can't start new thread``): the items
+    are all copied by the threads that did start, the calling one at least."""
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    done: list[int] = []
+    reported: list[int] = []
+
+    def work(index: int, add: Callable[[int], None]) -> None:
+        done.append(index)
+        add(10)
+
+    copy_pool.run_copies(100, work, THREADS, reported.append)
+    assert done == list(range(100)) and sum(reported) == 1000

@@ -84,7 +84,10 @@ def run_copies(count: int, work: Work, threads: int, advance: Callable[[int], No
     started = 0
     try:
         for worker in workers:
-            worker.start()
+            try:
+                worker.start()
+            except RuntimeError:  # no more threads (a process or cgroup limit): fewer copy
+                break
             started += 1
         run.work(0)
         waiting = started
