@@ -261,3 +261,35 @@ def test_threads_that_cannot_start_leave_the_copy_to_the_others(monkeypatch: pyt
 
     copy_pool.run_copies(100, work, THREADS, reported.append)
     assert done == list(range(100)) and sum(reported) == 1000
+
+
+def test_a_cancel_stops_a_worker_in_the_middle_of_its_file() -> None:
+    """Progress raising in the calling thread stops a worker at its next chunk, not at the
+    end of its (long) file: the daemon's job cancel stays prompt."""
+
+    class Cancel(Exception):
+        pass
+
+    chunks: list[int] = []
+    chunk_limit = 100_000
+
+    def work(index: int, add: Callable[[int], None]) -> None:
+        if threading.current_thread() is threading.main_thread():
+            waited = 0
+            while not chunks and waited < 60_000:  # until the worker is in its file (bounded)
+                time.sleep(0.001)
+                waited += 1
+            add(1)  # the caller's item: its report raises Cancel
+            return
+        for _ in range(chunk_limit):  # a worker's huge file, one chunk at a time
+            time.sleep(0.0001)
+            chunks.append(index)
+            add(1)
+
+    def advance(nbytes: int) -> None:
+        if chunks:
+            raise Cancel("cancelled")
+
+    with pytest.raises(Cancel):
+        copy_pool.run_copies(4, work, 2, advance)
+    assert 0 < len(chunks) < chunk_limit

@@ -5,8 +5,9 @@ A directory put's per-file work is mostly system calls (``mkdir``, ``open``, ``p
 a second thread copies while the first waits in the kernel (``cp -r`` uses one core; the
 issue's "near the hardware" asks for what the machine has). Items are taken in plan order
 from one shared counter (a thread slowed by a busy machine takes fewer), each by exactly
-one thread; the first error stops the others at their next item and is raised unchanged
-once every thread has stopped (nothing else touches the batch after that).
+one thread; the first error (or a progress callback's cancel) stops the others at their
+next item or chunk, and is raised unchanged once every thread has stopped (nothing else
+touches the batch after that).
 
 Progress is reported from the calling thread only, as ``put_file``'s ``progress=`` always
 was: the workers add the bytes they copy to counters of their own, and the caller reports
@@ -107,6 +108,10 @@ def run_copies(count: int, work: Work, threads: int, advance: Callable[[int], No
     run.report()
 
 
+class _Stopped(Exception):
+    """Raised in a worker's copy once the run is stopped (never the run's error)."""
+
+
 class _Run:
     """The shared state of one :func:`run_copies`."""
 
@@ -134,6 +139,8 @@ class _Run:
 
             def add(nbytes: int) -> None:
                 copied[slot] += nbytes
+                if self.stop:  # another item failed, or progress cancelled: stop mid-file
+                    raise _Stopped
 
         try:
             for index in self.todo:
