@@ -32,8 +32,9 @@ MIN_BYTES = 8 << 20
 us, more than a few files' copies."""
 MIN_AVERAGE = 64 << 10
 """Nor batches of smaller files: their copy is mostly Python between short system calls,
-and two threads passing the GIL back and forth at each call took more time than one
-(16 KiB files: 1.28x; 1 KiB: 1.2x), while 1 MiB files took 0.54x."""
+and two threads passing the GIL back and forth at each call cost more than they overlap
+(on 2 cores: 1 KiB files 1.2x the time of one thread, 16-32 KiB within the noise, 100 KiB
+0.9-0.95x, 1 MiB 0.6x; BENCHMARKS.md, "Directory puts")."""
 _REPORT_EVERY = 0.05
 """Seconds between the caller's progress reports while it waits for the other threads."""
 
