@@ -265,8 +265,9 @@ class Putting:
         held whole in memory: by the kernel, or through a reused 1 MiB buffer that the CRC-32
         reads as it passes (files over 4 MiB; what must be decoded: compressed ``.npz``
         members, HDF5 datasets, strided torch tensors, goes through Python in pieces).
-        ``progress(bytes_done, bytes_total)`` is called as data is copied; an exception it
-        raises cancels the load, and nothing is published. Returns the published keys.
+        ``progress(bytes_done, bytes_total)`` is called as data is copied, from the calling
+        thread (a directory of big files is copied by a few threads: see ``copy_pool``); an
+        exception it raises cancels the load, and nothing is published. Returns the published keys.
 
         With ``allowed_dirs``, every file must lie beneath one of them (links resolved) and
         is opened without following any link: what the daemon loads for ``--allow-source``.

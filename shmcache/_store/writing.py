@@ -26,6 +26,7 @@ from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_byte
 from .._sources.planned import Planned
 from .._sources.source_files import check_unchanged, reopen
 from ..errors import KeyExistsError
+from .copy_pool import copy_threads, run_copies
 from .locks import key_locks, publish_lock
 from .ownership import current_owner
 
@@ -125,7 +126,7 @@ def publish(
             for _, version in versions:
                 writer.promote(version)
             if len(versions) == 1:
-                (key, version), = versions
+                ((key, version),) = versions
                 staged = writer.stage_link(version, key)
                 with publish_lock(layout, shared=True):
                     writer.swap_link(key, version, staged)
@@ -145,28 +146,42 @@ def write_batch(
     pin: bool,
     advance: Callable[[int], None],
     copy: Callable[[Planned, int, str, Callable[[int], None]], int],
+    *,
+    threads: int | None = None,
 ) -> str:
     """Write every planned entry of a directory put into one new batch version (entry n in
     ``<batch>/<n>/``, no ``meta.json``; ``item.version`` set), then its manifest; returns
     the batch. ``copy`` copies a planned ``.npy`` (``_sources.files.copy_planned``; the
     target it is given is a ``str``: no ``Path`` per entry). The entries are made relative
-    to the batch's directory (``BatchEntries``)."""
+    to the batch's directory (``BatchEntries``), by several threads for a big batch of byte
+    copies (``copy_pool``: ``threads``, default ``copy_threads(plan)``; 1: this thread
+    alone); the manifest lists them in plan order either way, and ``advance`` is called
+    from this thread only."""
     batch = writer.new_batch()
-    lines = []
+    lines = [b""] * len(plan)
     with writer.batch_entries(batch) as entries:
-        for index, item in enumerate(plan):
+
+        def write_entry(index: int, add: Callable[[int], None]) -> None:
+            item = plan[index]
             item.version = entries.new_entry(index)
             if item.container is not None:  # decoded when checked: HDF5 variable-length strings
-                meta = write_container(writer, item, pin, advance, copy, with_meta_file=False)
+                meta = write_container(writer, item, pin, add, copy, with_meta_file=False)
                 meta.pop("version")
-                lines.append(json.dumps(meta).encode() + b"\n")
-                continue
+                lines[index] = json.dumps(meta).encode() + b"\n"
+                return
             dst = entries.create_file(index, ARRAY_FILE)
             try:
-                crc = copy(item, dst, entries.path(index, ARRAY_FILE), advance)
+                crc = copy(item, dst, entries.path(index, ARRAY_FILE), add)
             finally:
                 os.close(dst)
-            lines.append(array_line(item.key, item.header, crc, item.source, item.file.fingerprint_json))
+            lines[index] = array_line(item.key, item.header, crc, item.source, item.file.fingerprint_json)
+
+        workers = copy_threads(plan) if threads is None else threads
+        if workers > 1:
+            run_copies(len(plan), write_entry, workers, advance)
+        else:
+            for index in range(len(plan)):
+                write_entry(index, advance)
     writer.write_manifest(batch, encode_manifest(batch_common(pin), lines))
     return batch
 
@@ -310,14 +325,14 @@ def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: 
     object between the files with the same header bytes, and hashing a header costs more
     than the rest of the line). ``fingerprint``: the source's fingerprint as JSON members
     (``SourceFile.fingerprint_json``)."""
-    last = _LAST_DESCRIBED
-    if last and last[0] is header:
+    global _LAST_DESCRIBED
+    last = _LAST_DESCRIBED  # one tuple, replaced whole: consistent for a copy thread too
+    if last is not None and last[0] is header:
         described = last[1]
     else:
-        described = _DESCRIBED.get(header)
-        if described is None:
-            described = _describe(header)
-        _LAST_DESCRIBED[:] = [header, described]
+        known = _DESCRIBED.get(header)
+        described = _describe(header) if known is None else known
+        _LAST_DESCRIBED = (header, described)
     if not (source.isascii() and source.isprintable() and '"' not in source and "\\" not in source):
         source = json.dumps(source)[1:-1]
     return (
@@ -342,7 +357,7 @@ def _describe(header: NpyHeader) -> str:
 
 
 _DESCRIBED: dict[NpyHeader, str] = {}
-_LAST_DESCRIBED: list[Any] = []  # [header, its description]: the last one, found by identity
+_LAST_DESCRIBED: tuple[NpyHeader, str] | None = None  # the last one described, found by identity
 
 
 def _dtype_json(dtype: np.dtype) -> str:
