@@ -514,3 +514,19 @@ def test_share_reuses_an_identical_entry_hashed_before_the_upgrade(root: Path, r
     assert store.info("anns").version == version  # reused, not refused nor rewritten
     with pytest.raises(shmcache.KeyExistsError, match="other content"):
         store.share("anns", anns[:-1])
+
+
+def test_float16_columns_give_python_floats_by_row(store: shmcache.Store) -> None:
+    """A float16 column and a list-of-float16 column read by row (memoryview cannot index
+    float16: it raised NotImplementedError) give the values as Python floats."""
+    pa = pytest.importorskip("pyarrow")
+    halves = np.array([0.5, 1.5, -2.0], dtype=np.float16)
+    table = pa.table({
+        "h": pa.array(halves),
+        "l": pa.array([[np.float16(1.5)], [], [np.float16(2.5), np.float16(3)]], pa.list_(pa.float16())),
+    })
+    store.put_table("halves", table)
+    shared = shmcache.open_table("halves", root=store.root)
+    rows = [shared[i] for i in range(3)]
+    assert rows == [{"h": 0.5, "l": [1.5]}, {"h": 1.5, "l": []}, {"h": -2.0, "l": [2.5, 3.0]}]
+    assert all(type(row["h"]) is float for row in rows) and type(rows[2]["l"][0]) is float

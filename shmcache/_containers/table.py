@@ -30,9 +30,26 @@ __all__ = ["SharedTable", "open_table_version"]
 _Getter = Callable[[int], Any]
 
 
-def _flat_view(array: np.ndarray) -> memoryview:
-    """A 1-D memoryview whose indexing and ``tolist`` give Python values."""
+def _flat_view(array: np.ndarray) -> memoryview | _HalfFloats:
+    """A 1-D memoryview whose indexing and ``tolist`` give Python values (float16, which
+    memoryview cannot index, through :class:`_HalfFloats`)."""
+    if array.dtype == np.float16:
+        return _HalfFloats(array.reshape(-1))
     return array.reshape(-1).data if array.size else memoryview(array.reshape(-1).tobytes()).cast("B")
+
+
+class _HalfFloats:
+    """float16 values indexed as a memoryview of another type is: an item is a Python
+    float, a slice has ``tolist``."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
+
+    def __getitem__(self, index: int | slice) -> Any:
+        found = self._values[index]
+        return found if isinstance(index, slice) else float(found)
 
 
 def _datetime_getter(values: np.ndarray, desc: Mapping[str, Any]) -> _Getter:
