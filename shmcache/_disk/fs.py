@@ -34,6 +34,7 @@ __all__ = [
     "free_bytes",
     "full_is_cache_full",
     "out_of_descriptors",
+    "pread_exactly",
     "raise_if_full",
     "range_lock_conflict",
     "range_lock_holder",
@@ -360,3 +361,21 @@ def range_lock_conflict(fd: int, offset: int, shared: bool) -> tuple[int, bool] 
     got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
     held, _, start, length, pid = struct.unpack(_FLOCK, got)
     return None if held == fcntl.F_UNLCK else (int(pid), start == 0 and length == 0)
+
+
+_PREAD_CHUNK = 1 << 30  # below Linux's 2 GiB cap on one read
+
+
+def pread_exactly(fd: int, count: int, offset: int, short: Callable[[int], Exception]) -> bytearray:
+    """``count`` bytes of ``fd`` from ``offset`` into a new buffer (``preadv``, in reads
+    under Linux's 2 GiB cap); a file that ends first raises ``short(bytes_read)``: the
+    caller says what was truncated."""
+    buffer = bytearray(count)
+    view = memoryview(buffer)
+    done = 0
+    while done < count:
+        got = os.preadv(fd, [view[done : done + _PREAD_CHUNK]], offset + done)
+        if got == 0:
+            raise short(done)
+        done += got
+    return buffer

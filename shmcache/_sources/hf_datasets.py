@@ -26,6 +26,7 @@ import numpy as np
 
 from .._containers.table_arrow import encode_arrow_parts, require_pyarrow
 from .._disk.array_parts import FileArray, joined
+from .._disk.fs import pread_exactly
 from .._disk.keys import validate_key
 from ..errors import (
     CorruptSourceError,
@@ -203,26 +204,14 @@ def _read_stream(pa: Any, fd: int, file: SourceFile, *, mapped: bool) -> Any:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         data: Any = mmap.mmap(fd, file.size, flags=flags, prot=mmap.PROT_READ)
     else:
-        data = _read_whole(fd, file)
+        data = pread_exactly(fd, file.size, 0, lambda done: CorruptSourceError(
+            f"{file.path} changed while loading (it was {file.size} bytes, {done} could be read); "
+            "nothing was published, load it again"
+        ))
     try:
         return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowInvalid, OSError, EOFError) as exc:
         raise CorruptSourceError(f"{file.path} is not a readable Arrow stream: {exc}") from None
-
-
-def _read_whole(fd: int, file: SourceFile) -> bytearray:
-    """The ``file.size`` bytes of ``fd``, read with ``preadv``; shorter means it changed."""
-    data = bytearray(file.size)
-    view, done = memoryview(data), 0
-    while done < file.size:
-        got = os.preadv(fd, [view[done : done + (8 << 20)]], done)
-        if got == 0:
-            raise CorruptSourceError(
-                f"{file.path} changed while loading (it was {file.size} bytes, {done} could be read); "
-                "nothing was published, load it again"
-            )
-        done += got
-    return data
 
 
 def arrow_of_dataset(data: Any, what: str) -> Any:

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .._disk.dtypes import ML_DTYPES, marker
-from .._disk.fs import write_all
+from .._disk.fs import pread_exactly, write_all
 from .._disk.npy import zip_data_offset
 from .._disk.shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
 from ..errors import CorruptSourceError, UnsupportedDataError
@@ -71,7 +71,6 @@ _STORAGES: dict[str, str] = {
 _UNTYPED = "UntypedStorage"  # with _rebuild_tensor_v3, which names the dtype (numel in bytes)
 _DTYPE_NAME = re.compile(r"(u?int|float|bfloat|complex|q?u?int|bits)[0-9]+\w*|bool")
 _GATHER_BYTES = 16 << 20
-_READ_CHUNK = 1 << 30  # below Linux's 2 GiB cap on one read
 _MAX_DEPTH = 32  # nested dicts: a state dict nests a few levels
 
 
@@ -380,7 +379,8 @@ def gather_writer(
         write_all(dst, header, target)
         advance(len(header))
         crc = zlib.crc32(header)
-        for slab in gather_slabs(tensor, lambda count, at: _pread_exactly(src, count, at, tensor.name)):
+        short = _ended_early(tensor.name)
+        for slab in gather_slabs(tensor, lambda count, at: pread_exactly(src, count, at, short)):
             write_all(dst, slab, target)
             crc = zlib.crc32(slab, crc)
             advance(len(slab))
@@ -424,16 +424,8 @@ def gather_slabs(tensor: TorchTensor, read: Callable[[int, int], bytes | bytearr
         yield np.ascontiguousarray(view).reshape(-1).view(np.uint8).data
 
 
-def _pread_exactly(fd: int, count: int, offset: int, name: str) -> bytearray:
-    buffer = bytearray(count)
-    view = memoryview(buffer)
-    done = 0
-    while done < count:
-        got = os.preadv(fd, [view[done : done + _READ_CHUNK]], offset + done)
-        if got == 0:
-            raise CorruptSourceError(f"tensor {name!r}: its file ended early (truncated while loading)")
-        done += got
-    return buffer
+def _ended_early(name: str) -> Callable[[int], CorruptSourceError]:
+    return lambda _: CorruptSourceError(f"tensor {name!r}: its file ended early (truncated while loading)")
 
 
 def _ints(values: Any) -> bool:
