@@ -31,7 +31,7 @@ from s3_helpers import MotoServer  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
-from shmcache.errors import CacheFullError, CorruptSourceError  # noqa: E402
+from shmcache.errors import CacheFullError, CorruptSourceError, InvalidSourceError  # noqa: E402
 
 
 def _put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:
@@ -108,6 +108,25 @@ def test_a_csv_whose_later_block_widens_a_type_is_read_whole(
     assert back.schema.field("a").type == pa.float64()
     assert back.to_pylist() == pcsv.read_csv(io.BytesIO(body)).to_pylist()
     assert not _tmp_items(root)
+
+
+def test_a_prefix_of_csv_objects_whose_types_differ_by_block_is_read_whole(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """The second object's first block says int64 where the first object's column is double:
+    its whole-file type (double, from a later block) agrees, so the prefix is one table,
+    read whole as before; objects that truly differ are still refused."""
+    first = b"a,b\n0.5,x\n1,y\n"
+    second = ("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)) + "1.5,y\n").encode()
+    _put_object(s3, bucket, "p/0.csv", first)
+    _put_object(s3, bucket, "p/1.csv", second)
+    store.put_file("p", f"s3://{bucket}/p/", storage_options=s3.options())
+    expected = pa.concat_tables([pcsv.read_csv(io.BytesIO(body)) for body in (first, second)])
+    assert store.open_table("p").to_arrow().to_pylist() == expected.to_pylist()
+    _put_object(s3, bucket, "p/2.csv", b"a,c\n1,2\n")
+    with pytest.raises(InvalidSourceError, match="do not share one schema"):
+        store.put_file("p2", f"s3://{bucket}/p/", storage_options=s3.options())
+    assert not store.exists("p2") and not _tmp_items(root)
 
 
 def test_a_changed_object_publishes_nothing_and_leaves_no_scratch_file(

@@ -213,6 +213,8 @@ def _decode(
         if appender is None:
             appender = TableAppender(schema, create, str(plan.url))
         elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
+            if item.suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
+                raise ChangedLayout(f"{item.url}: {schema} after {appender.schema}")
             raise InvalidSourceError(
                 f"{plan.url}: its table objects do not share one schema ({item.url} has {schema}, the "
                 f"first {appender.schema}); load each by its own URL"
