@@ -27,6 +27,8 @@ from .table_encode import NotTabular, table_meta
 
 __all__ = ["ChangedLayout", "TableAppender"]
 
+_ONES = 1 << 20  # bytes of an all-valid bitmap written at once
+
 CreateFile = Callable[[str], tuple[int, str]]
 """``create(name)``: a new, empty file for part ``name`` (``c0.values``): its descriptor
 (the appender closes it) and its path (for messages)."""
@@ -123,13 +125,15 @@ class _Column:
             bits = np.ones(count, np.bool_)
             if valid is not None:
                 bits = np.unpackbits(valid, count=count, bitorder="little").view(np.bool_)
+            valid_file = self._file("valid", np.dtype(np.uint8), (), create)
             if self._pending is None:  # the first null: the rows before were all valid
-                self._pending = np.ones(self.rows, np.bool_)
+                full, rest = divmod(self.rows, 8)
+                for start in range(0, full, _ONES):  # in pieces: flat for any number of rows
+                    valid_file.append(np.full(min(_ONES, full - start), 0xFF, np.uint8))
+                self._pending = np.ones(rest, np.bool_)
             bits = np.concatenate([self._pending, bits])
             whole = len(bits) // 8 * 8
-            self._file("valid", np.dtype(np.uint8), (), create).append(
-                np.packbits(bits[:whole], bitorder="little")
-            )
+            valid_file.append(np.packbits(bits[:whole], bitorder="little"))
             self._pending = bits[whole:]
         self.rows += count
 
