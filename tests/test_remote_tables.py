@@ -146,6 +146,27 @@ def test_a_changed_object_publishes_nothing_and_leaves_no_scratch_file(
     assert rewritten and not store.exists("c") and not _tmp_items(root)
 
 
+def test_a_cancelled_load_leaves_no_scratch_file(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """The daemon's cancel (the progress callback raises) once the first object of a prefix
+    is in its scratch file: the error comes out, nothing is published, ``tmp/`` is empty."""
+    body, _ = _bodies(_table(20_000))["t.parquet"]
+    for name in ("a", "b"):
+        _put_object(s3, bucket, f"cancel/{name}.parquet", body)
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(done: int, _total: int) -> None:
+        if done:
+            raise Cancelled("cancelled on request")
+
+    with pytest.raises(Cancelled):
+        store.put_file("c", f"s3://{bucket}/cancel/", storage_options=s3.options(), progress=cancel)
+    assert store.list() == [] and not _tmp_items(root)
+
+
 def test_cleanup_removes_the_scratch_file_of_a_killed_load(root: Path, s3: MotoServer, bucket: str) -> None:
     body, _ = _bodies(_table(20_000))["t.parquet"]
     _put_object(s3, bucket, "k.parquet", body)
