@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -41,6 +42,20 @@ def _put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:
 def _tmp_items(root: Path) -> list[Path]:
     """What is left in the root's ``tmp/`` (scratch files live in version directories there)."""
     return list(Layout(root).tmp.iterdir()) if Layout(root).tmp.is_dir() else []
+
+
+def _open_under(root: Path) -> list[str]:
+    """Files in ``root``'s ``tmp/`` this process still holds open (removed ones too: none once
+    a load returned; an open entry's files are under ``objects/``)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(Layout(root).tmp)):
+            found.append(target)
+    return found
 
 
 def _table(rows: int) -> object:
@@ -107,7 +122,7 @@ def test_a_csv_whose_later_block_widens_a_type_is_read_whole(
     back = store.open_table("wide").to_arrow()
     assert back.schema.field("a").type == pa.float64()
     assert back.to_pylist() == pcsv.read_csv(io.BytesIO(body)).to_pylist()
-    assert not _tmp_items(root)
+    assert not _tmp_items(root) and not _open_under(root)  # the streamed attempt's files closed
 
 
 def test_a_prefix_of_csv_objects_whose_types_differ_by_block_is_read_whole(
@@ -143,7 +158,7 @@ def test_a_changed_object_publishes_nothing_and_leaves_no_scratch_file(
 
     with pytest.raises(CorruptSourceError, match="changed while loading"):
         store.put_file("c", f"s3://{bucket}/c.parquet", storage_options=s3.options(), progress=rewrite_once)
-    assert rewritten and not store.exists("c") and not _tmp_items(root)
+    assert rewritten and not store.exists("c") and not _tmp_items(root) and not _open_under(root)
 
 
 def test_a_cancelled_load_leaves_no_scratch_file(

@@ -208,24 +208,30 @@ def _decode(
     def create(name: str) -> tuple[int, str]:
         return writer.create_file(version, f"{name}.npy"), str(writer.path(version, f"{name}.npy"))
 
-    with _arrow_errors(pa, item.url, item.suffix), pa.OSFile(path) as source:
-        schema, batches, estimate = _batches(pa, source, item.suffix)
-        if appender is None:
-            appender = TableAppender(schema, create, str(plan.url))
-        elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
-            if item.suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
-                raise ChangedLayout(f"{item.url}: {schema} after {appender.schema}")
-            raise InvalidSourceError(
-                f"{plan.url}: its table objects do not share one schema ({item.url} has {schema}, the "
-                f"first {appender.schema}); load each by its own URL"
-            )
-        held = appender.nbytes + _PAGE * (appender.file_count + 1) + item.size
-        reservation.hope(held + (estimate if estimate is not None else item.size))
-        for batch in batches:
+    new = appender is None
+    try:
+        with _arrow_errors(pa, item.url, item.suffix), pa.OSFile(path) as source:
+            schema, batches, estimate = _batches(pa, source, item.suffix)
+            if appender is None:
+                appender = TableAppender(schema, create, str(plan.url))
+            elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
+                if item.suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
+                    raise ChangedLayout(f"{item.url}: {schema} after {appender.schema}")
+                raise InvalidSourceError(
+                    f"{plan.url}: its table objects do not share one schema ({item.url} has {schema}, the "
+                    f"first {appender.schema}); load each by its own URL"
+                )
             held = appender.nbytes + _PAGE * (appender.file_count + 1) + item.size
-            reservation.need(held + _batch_bytes(batch))
-            appender.add(batch)
-    return appender
+            reservation.hope(held + (estimate if estimate is not None else item.size))
+            for batch in batches:
+                held = appender.nbytes + _PAGE * (appender.file_count + 1) + item.size
+                reservation.need(held + _batch_bytes(batch))
+                appender.add(batch)
+        return appender
+    except BaseException:
+        if new and appender is not None:  # (the caller closes one it passed in)
+            appender.close()
+        raise
 
 
 def _batch_bytes(batch: Any) -> int:

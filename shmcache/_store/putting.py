@@ -449,6 +449,7 @@ class Putting:
                     overwrite=overwrite,
                     lock_timeout=self.lock_timeout,
                 )
+            logger.info("put %s from %s (table, %d bytes of objects)", key, plan.url, plan.object_bytes)
             return [key]
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
