@@ -144,6 +144,18 @@ def test_a_prefix_of_csv_objects_whose_types_differ_by_block_is_read_whole(
     assert not store.exists("p2") and not _tmp_items(root)
 
 
+def test_a_damaged_row_group_fails_typed_after_the_first_ones_were_written(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    body, _ = _bodies(_table(20_000))["t.parquet"]
+    offset = pq.ParquetFile(io.BytesIO(body)).metadata.row_group(3).column(0).data_page_offset
+    damaged = body[:offset] + b"\xff" * 16 + body[offset + 16 :]  # a page header of the 4th row group
+    _put_object(s3, bucket, "d.parquet", damaged)
+    with pytest.raises(CorruptSourceError, match=r"d\.parquet is not a readable parquet file"):
+        store.put_file("d", f"s3://{bucket}/d.parquet", storage_options=s3.options())
+    assert not store.exists("d") and not _tmp_items(root) and not _open_under(root)
+
+
 def test_a_changed_object_publishes_nothing_and_leaves_no_scratch_file(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:

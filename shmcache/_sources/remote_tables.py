@@ -210,8 +210,9 @@ def _decode(
 
     new = appender is None
     try:
-        with _arrow_errors(pa, item.url, item.suffix), pa.OSFile(path) as source:
-            schema, batches, estimate = _batches(pa, source, item.suffix)
+        with pa.OSFile(path) as source:
+            with _arrow_errors(pa, item.url, item.suffix):
+                schema, batches, estimate = _batches(pa, source, item.suffix)
             if appender is None:
                 appender = TableAppender(schema, create, str(plan.url))
             elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
@@ -223,15 +224,25 @@ def _decode(
                 )
             held = appender.nbytes + _PAGE * (appender.file_count + 1) + item.size
             reservation.hope(held + (estimate if estimate is not None else item.size))
-            for batch in batches:
+            for batch in _read(pa, batches, item.url, item.suffix):
                 held = appender.nbytes + _PAGE * (appender.file_count + 1) + item.size
                 reservation.need(held + _batch_bytes(batch))
-                appender.add(batch)
+                appender.add(batch)  # (its own errors are not the object's: not mapped)
         return appender
     except BaseException:
         if new and appender is not None:  # (the caller closes one it passed in)
             appender.close()
         raise
+
+
+def _read(pa: Any, batches: Iterator[Any], url: str, suffix: str) -> Iterator[Any]:
+    """``batches``, each read with pyarrow's errors typed (a corrupt row group, a bad block)."""
+    while True:
+        with _arrow_errors(pa, url, suffix):
+            batch = next(batches, None)
+        if batch is None:
+            return
+        yield batch
 
 
 def _batch_bytes(batch: Any) -> int:
