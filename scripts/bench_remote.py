@@ -10,8 +10,9 @@ size; ``--quick`` in brackets):
 - 2,000 ``.npy`` objects of 100 KiB under one prefix [50];
 - other formats from URLs (issue 21 items 5 and 7): a bfloat16-sized ``.safetensors``
   checkpoint of 1 GiB [16 MiB] (its tensors streamed as byte ranges of the object), and a
-  Parquet table of 256 MiB [8 MiB] (uncompressed numeric columns: fetched in one GET, as
-  ``s3fs get`` does, and decoded by pyarrow from memory into a table entry).
+  Parquet table of 256 MiB [8 MiB] (uncompressed numeric columns: streamed by one GET, as
+  ``s3fs get`` does, into a scratch file in the root's ``tmp/``, and decoded from there one
+  row group at a time into a table entry).
 
 Methods, alternated from one repeat to the next, each load in a fresh subprocess (so its
 peak RSS is the load's own): the baseline ``S3FileSystem.get`` of the object (or of the
@@ -22,8 +23,8 @@ interpreter start excluded on both sides). Ratios are baseline time over the cac
 (speed ratios), medians over ``--repeats``.
 Targets (issue 13): >= 0.9x for the big object, >= 1.0x for the many small ones; the loading
 process's memory flat (peak RSS well under the object's size: no full-object buffering).
-Issue 21: >= 0.9x for the safetensors checkpoint (memory flat) and the Parquet table (which
-is decoded in memory, as a local table file is: its peak RSS is the table's size).
+Issue 21: >= 0.9x for the safetensors checkpoint and the Parquet table, memory flat for both
+(the table's peak RSS: a few row groups, not the object).
 Usage::
 
     python scripts/bench_remote.py [--quick] [--repeats N] [--big-mib N] [--objects N] [--json PATH]

@@ -30,6 +30,7 @@ from .table_encode import (
 __all__ = [
     "ARROW_EXTRA",
     "TABLE_SUFFIXES",
+    "arrow_column",
     "encode_table",
     "read_arrow_table",
     "read_table_file",
@@ -142,6 +143,12 @@ def _chunked_column(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]]:
         return found
     combined, desc = _arrow_column(column.combine_chunks())
     return {part: array for part, array in combined.items()}, desc
+
+
+def arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One Arrow array (a whole column, or one chunk of it: ``table_stream``) as a table
+    column's files and description; :class:`NotTabular` for a type a table cannot hold."""
+    return _arrow_column(array)
 
 
 def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

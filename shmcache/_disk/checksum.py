@@ -14,7 +14,7 @@ import threading
 import zlib
 from collections.abc import Callable
 
-__all__ = ["TrailingCrc", "crc32", "crc_of_range", "format_checksums", "parse_checksums"]
+__all__ = ["TrailingCrc", "crc32", "crc32_combine", "crc_of_range", "format_checksums", "parse_checksums"]
 
 _CHUNK = 16 << 20
 _TRAILING_CHUNK = 1 << 20
@@ -30,6 +30,46 @@ def _fastest_crc32() -> Callable[..., int]:
 
 crc32: Callable[..., int] = _fastest_crc32()
 """``crc32(data, value=0)``: zlib's CRC-32 of ``data`` chained from ``value``."""
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and
+    ``len2 = len(b)`` (zlib's ``crc32_combine``, which Python's zlib does not offer): a
+    file whose header is written last (``npy_append``) gets its checksum without reading
+    its bytes again. ~log2(len2) squarings of a 32x32 bit matrix: microseconds."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:  # apply len2 zero bytes to crc1, one bit of len2 at a time
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
 
 
 def crc_of_range(fd: int, offset: int, count: int, crc: int = 0, buffer: bytearray | None = None) -> int:

@@ -14,9 +14,11 @@ exactly as it is locally, before any byte of it is written.
   remote file-like as it reads it, written in order (one stream per member, 4 MiB chunks).
 - HDF5 (``.h5``/``.hdf5``, h5py needed): h5py reads the remote file-like (its seeks are
   ranged reads); every dataset is checked first, then each decoded in slabs written in order.
-- Table objects (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``): fetched whole
-  in one GET (or parallel ranged reads of ``part_size``) and decoded by pyarrow from memory;
-  the decoded table is in memory before it is written, as for a local table file.
+- Table objects (``.parquet``, ``.feather``/``.arrow``, ``.csv``, ``.jsonl``): planned here
+  (a Parquet footer read), loaded by ``remote_tables`` (streamed into a scratch file in the
+  root's ``tmp/``, decoded from it batch by batch); :func:`read_remote_table` (the objects
+  fetched whole into memory and decoded) is its fallback for tables of several objects
+  whose later batches need another layout.
 
 Every object's size and ETag listed at the start are looked up again after the load (the
 ranges of an object are not its whole bytes, so no MD5 can prove them): an object changed

@@ -423,17 +423,34 @@ class Putting:
         """``put_file`` of a URL: every object planned and validated (a table object read),
         then streamed in."""
         from .._sources.remote import fetch_remote  # here: threads and hashing only for URLs
-        from .._sources.remote_files import plan_remote, read_remote_table
+        from .._sources.remote_files import plan_remote
 
         # .npy headers are validated as fetched; other formats' indexes are read now
         plan = plan_remote(key, url, storage_options, read_headers=False, dtype=dtype, as_=as_)
         if plan.blobs is not None:  # a prefix of other files, or tar shards: one blobs entry
             self._refuse_existing([key], overwrite)
             return [self._put_blob_sources(key, plan.blobs, overwrite, pin, progress).key]
-        if plan.is_table:
+        if plan.is_table:  # streamed into tmp/, decoded from there batch by batch (remote_tables)
+            from .._sources.remote_tables import load_remote_table
+
             self._refuse_existing([key], overwrite)
-            files, meta = read_remote_table(plan, part_size)
-            return self._put_table_file(key, files, meta, overwrite, pin, progress)
+            advance, replacing = _progress_counter(progress, plan.object_bytes), [key] if overwrite else []
+            advance(0)
+            with self._writer() as writer:
+                table = load_remote_table(
+                    plan, writer, lambda n: self._reserve(writer, n, replacing), advance, part_size
+                )
+                meta = version_meta(key, "table", table.version, table.headers, table.crcs, pin) | table.extra
+                writer.write_meta(table.version, meta | {"shape": [meta.get("length", 0)]})
+                publish(
+                    self.layout,
+                    writer,
+                    [(key, table.version)],
+                    overwrite=overwrite,
+                    lock_timeout=self.lock_timeout,
+                )
+            logger.info("put %s from %s (table, %d bytes of objects)", key, plan.url, plan.object_bytes)
+            return [key]
         keys = [item.key for item in plan.items]
         self._refuse_existing(keys, overwrite)
         total = plan.object_bytes
