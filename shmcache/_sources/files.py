@@ -9,16 +9,18 @@ are inflated. Which suffixes are taken, and what each file becomes, is :data:`PL
 
 from __future__ import annotations
 
+import operator
 import os
+import stat
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from .._disk.checksum import crc32
 from .._disk.fs import out_of_descriptors, too_many_open_files, write_all
-from .._disk.keys import validate_key
+from .._disk.keys import MAX_KEY_LENGTH, is_key, validate_key
 from .._disk.npy import (
     NpyHeader,
     check_written_header,
@@ -32,6 +34,7 @@ from ..errors import CorruptSourceError, InvalidSourceError, ShmCacheError, Sour
 from . import array_files
 from .planned import Planned
 from .source_files import (
+    READ_FLAGS,
     SourceFile,
     check_unchanged,
     check_unchanged_path,
@@ -45,11 +48,13 @@ from .token_files import is_token_source, plan_token_file
 
 __all__ = [
     "PLANNERS",
+    "ArrayFiles",
     "Planned",
     "Planner",
     "array_files_under",
     "copy_planned",
     "is_array_file",
+    "list_array_files",
     "plan_sources",
     "release_planned",
 ]
@@ -89,6 +94,7 @@ def plan_sources(
     dtype: object | None = None,
     *,
     hold: bool = False,
+    listing: ArrayFiles | None = None,
 ) -> list[Planned]:
     """Validate every source file under ``path`` and name the entries they become
     (``key`` must be valid already). With ``allowed`` directories, every file must lie
@@ -97,7 +103,8 @@ def plan_sources(
     a directory's small ``.npy`` files are read whole when checked (``Planned.data``, up to
     ``_KEEP_TOTAL`` bytes in all) and the others stay open from their check to their copy
     (``Planned.fd``, up to half the descriptor limit); neither with ``allowed``; the caller
-    must :func:`release_planned` the plan."""
+    must :func:`release_planned` the plan. ``listing``: the walk of directory ``path`` made
+    when its kind was decided (:func:`list_array_files`), taken as its files."""
     path = Path(os.path.abspath(path))
     if dtype is None and not path.exists() and Path(f"{path}.idx").is_file():
         path = Path(f"{path}.idx")  # a Megatron pair named as Megatron does: by its prefix
@@ -118,9 +125,9 @@ def plan_sources(
         return plan_token_file(key, path, dtype, tops)
     plan: list[Planned] = []
     try:
-        _plan_sources_unchecked(plan, key, path, tops, hold)
+        _plan_sources_unchecked(plan, key, path, tops, hold, listing)
         seen: dict[str, str] = {}
-        for item in plan:
+        for item in plan if len({item.key for item in plan}) < len(plan) else ():
             if item.key in seen:
                 raise InvalidSourceError(
                     f"{seen[item.key]} and {item.source} would both become key {item.key!r}; "
@@ -144,7 +151,7 @@ def release_planned(plan: Sequence[Planned]) -> None:
 
 
 def _plan_sources_unchecked(
-    plan: list[Planned], key: str, path: Path, tops: tuple[str, ...], hold: bool
+    plan: list[Planned], key: str, path: Path, tops: tuple[str, ...], hold: bool, listing: ArrayFiles | None
 ) -> None:
     """Append to ``plan`` (which holds the descriptors kept so far, should this raise)."""
     if not path.is_dir():
@@ -161,23 +168,14 @@ def _plan_sources_unchecked(
     keep = _KEEP_TOTAL if hold and not tops else 0  # bytes of small files read whole
     headers: dict[bytes, tuple[NpyHeader, int]] = {}
     base = top if top.endswith("/") else f"{top}/"
-    for parts in _files_under(top):
-        name = parts[-1]
-        dot = name.rfind(".")
-        suffix = name[dot:] if dot > 0 else ""  # _suffix, inline: once per file
-        lower = suffix.lower()
-        if lower not in PLANNERS:
-            continue
-        relative = name if len(parts) == 1 else "/".join(parts)
+    found = (listing if listing is not None and listing.top == top else _array_files(top)).files
+    children = _child_keys(key, found, base)
+    if not tops:  # the common case: each .npy in a few calls, nothing per file but its plan
+        _plan_plain(plan, found, children, base, budget, keep)
+    for (relative, lower), child in zip(found, children, strict=True) if tops else ():
         file = base + relative  # absolute and normal: names from a walk
-        child = _child_key(key, relative[: -len(suffix)], file)
-        if lower == ".npy":  # the common case, without a Path or a Python file object
-            item = _plan_npy_fd(child, file, tops, budget > 0, headers, keep if keep < _KEEP else _KEEP)
-            if item.data is not None:
-                keep -= len(item.data)
-            elif item.fd is not None:
-                budget -= 1
-            plan.append(item)
+        if lower == ".npy":  # without a Path or a Python file object
+            plan.append(_plan_npy_fd(child, file, tops, False, headers))
         else:
             plan.extend(_plan_file(child, Path(file), tops))
     if not plan:
@@ -187,8 +185,8 @@ def _plan_sources_unchecked(
 def array_files_under(top: Path) -> list[Path]:
     """The files under directory ``top`` that a ``put_file`` of it takes (their suffix has
     a planner), in the order it takes them."""
-    found = _files_under(str(top))
-    return [top.joinpath(*parts) for parts in found if _suffix(parts[-1]).lower() in PLANNERS]
+    base = str(top)
+    return [Path(f"{base}/{relative}") for relative, _ in _array_files(base).files]
 
 
 def _suffix(name: str) -> str:
@@ -196,25 +194,82 @@ def _suffix(name: str) -> str:
     return name[name.rfind(".") :] if name.rfind(".") > 0 else ""
 
 
-def _files_under(top: str) -> list[tuple[str, ...]]:
-    """Relative paths (as parts) of the regular files under ``top`` and of links to them,
-    in the order ``sorted(Path(top).rglob("*"))`` gives; linked directories are not
-    entered. ``os.scandir`` rather than ``pathlib``: ~5x less per file."""
-    found: list[tuple[str, ...]] = []
-    pending: list[tuple[str, ...]] = [()]
+class ArrayFiles(NamedTuple):
+    """One walk of a directory: what ``put_file`` decides its kind from (``blobs.put_kind``)
+    and then plans, so that a directory put lists its files once."""
+
+    top: str
+    """The directory, absolute and normal."""
+    files: list[tuple[str, str]]
+    """``(relative path, lower-case suffix)`` of the regular files (or links to them) whose
+    suffix has a planner, in the order a put takes them."""
+    named: int
+    """Non-directories whose suffix has a planner, regular files or not."""
+    others: int
+    """The other non-directories (links to directories aside): what a blobs entry takes."""
+
+
+def list_array_files(top: str | os.PathLike[str]) -> ArrayFiles:
+    """Walk directory ``top`` once (:class:`ArrayFiles`)."""
+    return _array_files(os.path.abspath(top))
+
+
+def _array_files(top: str) -> ArrayFiles:
+    """:class:`ArrayFiles` of ``top`` (absolute and normal), its files in the order
+    ``sorted(Path(top).rglob("*"))`` gives: each directory's entries sorted by name, depth
+    first (what sorting every path's parts gives, without a tuple per file); linked
+    directories are not entered. One ``os.scandir`` per directory: a regular file costs
+    no ``stat``."""
+    found: list[tuple[str, str]] = []
+    named = others = 0
+    # (path, relative path, None) of a directory to list, (_, relative, suffix) of a file
+    pending: list[tuple[str, str, str | None]] = [(top.rstrip("/") + "/", "", None)]
     while pending:
-        parts = pending.pop()
-        with _listing(os.path.join(top, *parts)) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append((*parts, entry.name))
-                    elif entry.is_file():
-                        found.append((*parts, entry.name))
-                except OSError:
-                    continue
-    found.sort()
-    return found
+        path, relative, lower = pending.pop()
+        if lower is not None:  # a file, in its place among directories
+            found.append((relative, lower))
+            continue
+        files, dirs, counts = _scan(path)
+        named, others = named + counts[0], others + counts[1]
+        if not dirs:  # nearly always: the files in name order
+            found.extend([(relative + name, lower) for name, lower in files])
+            continue
+        merged = sorted(
+            [(name, f"{path}{name}/", f"{relative}{name}/", None) for name in dirs]
+            + [(name, "", relative + name, lower) for name, lower in files]
+        )
+        pending.extend((path, relative, lower) for _, path, relative, lower in reversed(merged))
+    return ArrayFiles(top, found, named, others)
+
+
+def _scan(directory: str) -> tuple[list[tuple[str, str]], list[str], tuple[int, int]]:
+    """The files of ``directory`` whose suffix has a planner (``(name, lower-case suffix)``)
+    and its subdirectories (links to directories aside), each sorted by name; and how
+    many non-directories have a planner's suffix, and how many have not."""
+    with _listing(directory) as listing:
+        entries = sorted(listing, key=_NAME)
+    files: list[tuple[str, str]] = []
+    dirs: list[str] = []
+    planners = PLANNERS
+    named = others = 0
+    for entry in entries:  # a directory's type is in its entry: no stat but for a link
+        name = entry.name
+        dot = name.rfind(".")
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(name)
+            elif dot > 0 and (lower := name[dot:].lower()) in planners:
+                named += 1
+                if entry.is_file():
+                    files.append((name, lower))
+            elif not (entry.is_symlink() and entry.is_dir()):
+                others += 1
+        except OSError:
+            others += 1  # a link that cannot be followed: not an array file
+    return files, dirs, (named, others)
+
+
+_NAME = operator.attrgetter("name")
 
 
 def _listing(directory: str) -> Any:
@@ -225,6 +280,18 @@ def _listing(directory: str) -> Any:
         if out_of_descriptors(exc):
             raise too_many_open_files(exc, f"listing {directory}") from exc
         raise
+
+
+def _child_keys(key: str, found: Sequence[tuple[str, str]], base: str) -> list[str]:
+    """``key/<relative path without suffix>`` of each file ``found`` under ``base``, all
+    validated by one match of the joined names (a file name holds no ``/``, so the joined
+    segments are the keys' own) and one length check; the first invalid one raises as
+    :func:`_child_key` does, naming its file."""
+    stems = [relative[: -len(lower)] for relative, lower in found]
+    if stems and (len(key) + 1 + max(map(len, stems)) > MAX_KEY_LENGTH or not is_key("/".join(stems))):
+        for relative, stem in zip(found, stems, strict=True):
+            _child_key(key, stem, base + relative[0])
+    return [f"{key}/{stem}" for stem in stems]
 
 
 def _child_key(key: str, relative: str, file: str | Path) -> str:
@@ -272,6 +339,74 @@ def _plan_npy_fd(
         os.close(fd)
         return Planned(key, header, path, file, 0, data=data)
     return Planned(key, header, path, file, 0, fd=fd)
+
+
+def _plan_plain(
+    plan: list[Planned],
+    found: Sequence[tuple[str, str]],
+    children: Sequence[str],
+    base: str,
+    budget: int,
+    keep: int,
+) -> None:
+    """Plan the files ``found`` under ``base`` (no allowed directories): each ``.npy`` is
+    what :func:`_plan_npy_fd` makes of it (held open while ``budget`` descriptors last, read
+    whole while ``keep`` bytes last), in one ``open``, ``fstat``, ``pread`` and ``close``
+    (no ``close`` if held) and a look-up of its header bytes among those parsed already;
+    anything unusual (not a regular file, an unseen header, a short read) goes through the
+    checked calls, which raise the typed errors. Other suffixes: their planner."""
+    headers: dict[bytes, tuple[NpyHeader, int]] = {}
+    open_, fstat, pread, close, is_reg = os.open, os.fstat, os.pread, os.close, stat.S_ISREG
+    new = tuple.__new__  # a SourceFile without its keyword-taking __new__: ~4x cheaper
+    append = plan.append
+    for (relative, lower), child in zip(found, children, strict=True):
+        path = base + relative  # absolute and normal: names from a walk
+        if lower != ".npy":
+            plan.extend(_plan_file(child, Path(path), ()))
+            continue
+        try:
+            fd = open_(path, READ_FLAGS)
+        except OSError:
+            fd = -1
+        if fd < 0:
+            fd, file = open_checked(path, absolute=True)  # its typed error, or (a race) the file
+        else:
+            try:
+                st = fstat(fd)
+            except BaseException:
+                close(fd)
+                raise
+            if not is_reg(st.st_mode):
+                close(fd)
+                fd, file = open_checked(path, absolute=True)
+            else:
+                identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                file = new(SourceFile, (path, path, None, *identity))
+        size = file.size
+        whole = size <= keep and size <= _KEEP
+        try:
+            head = pread(fd, size if whole else min(size, _HEAD), 0)
+            # bytes equal to a header parsed already (format 1.0: its length at 8-9) are valid
+            v1 = len(head) >= 12 and head[6] == 1
+            known = headers.get(head[: 10 + (head[8] | head[9] << 8)]) if v1 else None
+            if known is None or size < known[1]:
+                known = _npy_header(fd, head, size, path, headers)
+            header, file_size = known
+            if whole and len(head) != file_size:
+                head = _whole_file(head, file_size, file)
+        except BaseException:
+            close(fd)
+            raise
+        if whole:
+            close(fd)
+            keep -= file_size
+            append(Planned(child, header, path, file, 0, None, "", None, None, None, None, head))
+        elif budget > 0:
+            budget -= 1
+            append(Planned(child, header, path, file, 0, None, "", None, None, None, fd))
+        else:
+            close(fd)
+            append(Planned(child, header, path, file, 0))
 
 
 def _whole_file(head: bytes, size: int, file: SourceFile) -> bytes:

@@ -29,6 +29,7 @@ from .._disk.fs import out_of_descriptors, too_many_open_files
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError
 
 __all__ = [
+    "READ_FLAGS",
     "SourceFile",
     "check_unchanged",
     "check_unchanged_path",
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+READ_FLAGS = _READ
+"""How a source is opened: without blocking (a FIFO), never as a controlling terminal."""
 _DIRECTORY = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 _SYS_OPENAT2 = 437  # the same on every architecture Linux added it to (5.6) but alpha
 _RESOLVE_NO_MAGICLINKS = 0x02

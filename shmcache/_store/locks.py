@@ -46,6 +46,7 @@ import hashlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from .._disk.fs import (
     too_many_open_files,
     try_lock_range,
     unlock_range,
+    unlock_ranges,
 )
 from .._disk.layout import Layout
 from .lock_holders import STOPPED_GRACE_S, LockWait
@@ -100,6 +102,10 @@ class _Hold:
     shared: bool
     holders: dict[int, int]  # thread ident -> depth
     pending: bool = True  # its first holder is still taking the process's lock
+    batch: bool = False
+    """One hold for all the bytes a batch took through a whole file (:func:`key_locks`: no
+    object per key); a nested take of one of them gives that byte a hold of its own."""
+    copies: int = 0  # of a batch's hold: bytes given a hold of their own since
 
 
 @dataclass
@@ -187,6 +193,9 @@ def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener)
                 break
             if me in hold.holders:
                 if shared or not hold.shared:  # nested (shared inside exclusive included)
+                    if hold.batch:  # this byte's own hold from now on
+                        hold.copies += 1
+                        hold = _slots[slot] = _Hold(hold.shared, dict(hold.holders), False)
                     hold.holders[me] += 1
                     return _epoch
                 raise RuntimeError(f"{wait.what}: this thread holds it shared and asked for it exclusive")
@@ -397,7 +406,7 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
             batch.next += 1
         yield
     finally:
-        _exit_all(batch.taken)
+        _exit_all(batch.taken, batch.whole)
 
 
 class _Batch:
@@ -408,6 +417,7 @@ class _Batch:
         self.layout, self.named, self.next = layout, named, 0
         self.slots: list[tuple[str, int]] = []  # sorted: by file (their names sort as their numbers), byte
         self.taken: list[tuple[str, int, int]] = []  # (path, offset, epoch), in order
+        self.whole: list[_Whole] = []
         self.runs: dict[str, tuple[int, int]] = {}  # file with enough keys -> their range in slots
         for path, offsets in zip(_slot_files(layout), named, strict=True):
             first = len(self.slots)
@@ -469,19 +479,18 @@ class _Batch:
         if not free:
             _drop_file(path, None)
             return False
-        me, epoch = threading.get_ident(), _epoch
         mine = self.slots[run[0] : run[1]]
-        before = len(self.taken)
+        hold = _Hold(False, {threading.get_ident(): 1}, False, batch=True)  # one for them all
         try:
             _files[path].users += len(mine) - 1
-            for slot in mine:
-                _slots[slot] = _Hold(False, {me: 1}, pending=False)
-                self.taken.append((*slot, epoch))
+            _slots.update(dict.fromkeys(mine, hold))
+            self.whole.append((path, mine, hold, _epoch))
             _unlock_gaps(fd, [offset for _, offset in mine])
         except BaseException:  # Ctrl+C, MemoryError: forget it all and close the file, which
             for slot in mine:  # releases every lock on it (this process held none before)
                 _slots.pop(slot, None)
-            del self.taken[before:]
+            if self.whole and self.whole[-1][2] is hold:
+                self.whole.pop()
             for held in _files.pop(path).fds.values():
                 os.close(held)
             raise
@@ -492,30 +501,49 @@ def _unlock_gaps(fd: int, keep: list[int]) -> None:
     """Unlock all of the file but the bytes ``keep`` (sorted), highest gap first: each
     unlock then splits the process's first lock of the file and the kernel walks no
     further, where lowest first would walk every byte already kept."""
+    gaps: list[tuple[int, int]] = []  # (offset, length; 0: to the end of the file)
     end: int | None = None  # the gap ends before this byte; None: at the end of the file
     for offset in reversed(keep):
         if end is None:
-            unlock_range(fd, offset + 1, 0)
+            gaps.append((offset + 1, 0))
         elif end > offset + 1:
-            unlock_range(fd, offset + 1, end - offset - 1)
+            gaps.append((offset + 1, end - offset - 1))
         end = offset
     if end is None:
-        unlock_range(fd, 0, 0)
+        gaps.append((0, 0))
     elif end > 0:
-        unlock_range(fd, 0, end)
+        gaps.append((0, end))
+    unlock_ranges(fd, gaps)
 
 
-def _exit_all(taken: list[tuple[str, int, int]]) -> None:
-    """Release ``taken`` (each held once by this thread): what ``_exit`` does for each, but
-    a lock file this process no longer needs is closed (which releases all its bytes at
-    once) rather than unlocked byte by byte."""
+_Whole = tuple[str, list[tuple[str, int]], "_Hold", int]
+"""The bytes a batch took through a whole file: (path, their slots, their one hold, epoch)."""
+
+
+def _exit_all(taken: list[tuple[str, int, int]], whole: list[_Whole]) -> None:
+    """Release ``taken`` (each held once by this thread) and the bytes ``whole`` took
+    through whole files (their shared hold): what ``_exit`` does for each, but a lock file
+    this process no longer needs is closed (which releases all its bytes at once) rather
+    than unlocked byte by byte."""
     me = threading.get_ident()
     with _cond:
         released: dict[str, list[int]] = {}
+        for path, slots, hold, epoch in whole:
+            if epoch != _epoch:
+                continue  # taken before this process forked: the child never held it
+            if hold.copies == 0:  # every byte still under the batch's hold: no look-up each
+                deque(map(_slots.__delitem__, slots), maxlen=0)
+                released.setdefault(path, []).extend([offset for _, offset in slots])
+            else:
+                taken = taken + [(*slot, epoch) for slot in slots]
         for path, offset, epoch in taken:
             if epoch != _epoch:
                 continue  # taken before this process forked: the child never held it
             hold = _slots[path, offset]
+            if hold.batch:  # a byte of a whole file that no nested take gave a hold of its own
+                del _slots[path, offset]
+                released.setdefault(path, []).append(offset)
+                continue
             hold.holders[me] -= 1
             if hold.holders[me]:
                 continue
@@ -532,8 +560,7 @@ def _exit_all(taken: list[tuple[str, int, int]]) -> None:
                     os.close(fd)
             else:
                 fd = next(iter(file.fds.values()))
-                for offset in offsets:
-                    unlock_range(fd, offset)
+                unlock_ranges(fd, [(offset, 1) for offset in offsets])
         if released:
             _wake()
 
