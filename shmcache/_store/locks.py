@@ -102,9 +102,7 @@ class _Hold:
     shared: bool
     holders: dict[int, int]  # thread ident -> depth
     pending: bool = True  # its first holder is still taking the process's lock
-    batch: bool = False
-    """One hold for all the bytes a batch took through a whole file (:func:`key_locks`: no
-    object per key); a nested take of one of them gives that byte a hold of its own."""
+    batch: bool = False  # one hold for the bytes a batch took through a whole file (copied on a nested take)
     copies: int = 0  # of a batch's hold: bytes given a hold of their own since
 
 
@@ -501,23 +499,18 @@ def _unlock_gaps(fd: int, keep: list[int]) -> None:
     """Unlock all of the file but the bytes ``keep`` (sorted), highest gap first: each
     unlock then splits the process's first lock of the file and the kernel walks no
     further, where lowest first would walk every byte already kept."""
-    gaps: list[tuple[int, int]] = []  # (offset, length; 0: to the end of the file)
-    end: int | None = None  # the gap ends before this byte; None: at the end of the file
-    for offset in reversed(keep):
-        if end is None:
-            gaps.append((offset + 1, 0))
-        elif end > offset + 1:
-            gaps.append((offset + 1, end - offset - 1))
-        end = offset
-    if end is None:
-        gaps.append((0, 0))
-    elif end > 0:
-        gaps.append((0, end))
+    if not keep:
+        unlock_ranges(fd, [(0, 0)])
+        return
+    gaps = [(keep[-1] + 1, 0)]  # (offset, length; 0: to the end of the file)
+    pairs = zip(keep[-2::-1], keep[:0:-1], strict=True)  # (byte, next byte kept), highest first
+    gaps += [(low + 1, high - low - 1) for low, high in pairs if high > low + 1]
+    if keep[0] > 0:
+        gaps.append((0, keep[0]))
     unlock_ranges(fd, gaps)
 
 
-_Whole = tuple[str, list[tuple[str, int]], "_Hold", int]
-"""The bytes a batch took through a whole file: (path, their slots, their one hold, epoch)."""
+_Whole = tuple[str, list[tuple[str, int]], _Hold, int]  # a whole file's bytes: path, slots, hold, epoch
 
 
 def _exit_all(taken: list[tuple[str, int, int]], whole: list[_Whole]) -> None:
