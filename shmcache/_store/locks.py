@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .._disk.fs import (
     raise_if_full,
     range_lock_conflict,
@@ -328,14 +330,17 @@ def _key_slot(layout: Layout, key: str) -> tuple[str, int]:
     return _slot_files(layout)[digest % KEY_LOCK_FILES], digest >> 6
 
 
-def _key_slots(layout: Layout, keys: Iterable[str]) -> list[dict[int, str]]:
-    """:func:`_key_slot` of each key, per lock file: byte -> key (the files looked up once)."""
-    named: list[dict[int, str]] = [{} for _ in range(KEY_LOCK_FILES)]
-    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
-    for key in keys:
-        digest = from_bytes(blake2b(key.encode(), digest_size=8).digest(), "little")
-        named[digest % KEY_LOCK_FILES][digest >> 6] = key
-    return named
+def _key_slots(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_key_slot` of each key as (file index, byte), sorted and each once (two keys
+    may share a lock): a hash per key, the rest in numpy (a dict per key cost ~2x more)."""
+    blake2b = hashlib.blake2b
+    digests = np.frombuffer(b"".join([blake2b(key.encode(), digest_size=8).digest() for key in keys]), "<u8")
+    files, offsets = digests % np.uint64(KEY_LOCK_FILES), digests >> np.uint64(6)
+    order = np.lexsort((offsets, files))
+    files, offsets = files[order], offsets[order]
+    once = np.ones(len(files), dtype=bool)
+    once[1:] = (files[1:] != files[:-1]) | (offsets[1:] != offsets[:-1])
+    return files[once].astype(np.intp), offsets[once]
 
 
 def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContextManager[None]:
@@ -390,7 +395,7 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
       process already holds a byte of, or is taking one (another thread, or this one
       around the batch: ``share()`` publishes under its key's lock), is taken byte by
       byte: locking it whole then narrowing would release that byte too."""
-    batch = _Batch(layout, _key_slots(layout, keys))
+    batch = _Batch(layout, list(keys))
     try:
         while batch.next < len(batch.slots):
             batch.take_free()  # a directory put's thousands of keys: one pass, whole files
@@ -411,21 +416,24 @@ class _Batch:
     """The key locks of one :func:`key_locks` call: its sorted slots, how far it got and
     what it holds."""
 
-    def __init__(self, layout: Layout, named: list[dict[int, str]]) -> None:
-        self.layout, self.named, self.next = layout, named, 0
-        self.slots: list[tuple[str, int]] = []  # sorted: by file (their names sort as their numbers), byte
+    def __init__(self, layout: Layout, keys: list[str]) -> None:
+        self.layout, self.keys, self.next = layout, keys, 0
+        files, offsets = _key_slots(keys)
+        paths = _slot_files(layout)
+        # sorted: by file (their names sort as their numbers), byte
+        pairs = zip(files.tolist(), offsets.tolist(), strict=True)
+        self.slots: list[tuple[str, int]] = [(paths[f], o) for f, o in pairs]
         self.taken: list[tuple[str, int, int]] = []  # (path, offset, epoch), in order
         self.whole: list[_Whole] = []
         self.runs: dict[str, tuple[int, int]] = {}  # file with enough keys -> their range in slots
-        for path, offsets in zip(_slot_files(layout), named, strict=True):
-            first = len(self.slots)
-            self.slots += [(path, offset) for offset in sorted(offsets)]
-            if len(offsets) >= WHOLE_FILE_KEYS:
-                self.runs[path] = first, len(self.slots)
+        ends = np.cumsum(np.bincount(files, minlength=KEY_LOCK_FILES)).tolist()
+        for path, start, end in zip(paths, [0, *ends[:-1]], ends, strict=True):
+            if end - start >= WHOLE_FILE_KEYS:
+                self.runs[path] = start, end
 
     def key(self, path: str, offset: int) -> str:
         """The key of one of the batch's slots (for a wait's messages)."""
-        return self.named[_slot_files(self.layout).index(path)][offset]
+        return next(key for key in self.keys if _key_slot(self.layout, key) == (path, offset))
 
     def take_free(self) -> None:
         """Take the locks from ``next`` on, in order, while each is free in this process and
