@@ -272,6 +272,7 @@ def _plan_plain(
     open_, fstat, pread, close, is_reg = os.open, os.fstat, os.pread, os.close, stat.S_ISREG
     new = tuple.__new__  # a SourceFile without its keyword-taking __new__: ~4x cheaper
     append = plan.append
+    limit = min(keep, _KEEP)  # the largest file read whole now
     for (relative, lower), child in zip(found, children, strict=True):
         path = base + relative  # absolute and normal: names from a walk
         if lower != ".npy":
@@ -293,10 +294,10 @@ def _plan_plain(
                 close(fd)
                 fd, file = open_checked(path, absolute=True)
             else:
-                identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                file = new(SourceFile, (path, path, None, *identity))
+                fields = (path, path, None, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                file = new(SourceFile, fields)
         size = file.size
-        whole = size <= keep and size <= _KEEP
+        whole = size <= limit
         try:
             head = pread(fd, size if whole else min(size, _HEAD), 0)
             # bytes equal to a header parsed already (format 1.0: its length at 8-9) are valid
@@ -313,6 +314,7 @@ def _plan_plain(
         if whole:
             close(fd)
             keep -= file_size
+            limit = keep if keep < _KEEP else _KEEP
             append(Planned(child, header, path, file, 0, None, "", None, None, None, None, head))
         elif budget > 0:
             budget -= 1
