@@ -152,7 +152,7 @@ def _plan_sources_unchecked(
     if not path.is_dir():
         single = str(path)
         if _suffix(path.name).lower() == ".npy":
-            plan.append(_plan_npy_fd(key, single, tops, False, {}))
+            plan.append(_plan_npy_fd(key, single, tops, {}))
         else:
             plan.extend(_plan_file(key, path, tops))
         return
@@ -170,7 +170,7 @@ def _plan_sources_unchecked(
     for (relative, lower), child in zip(found, children, strict=True) if tops else ():
         file = base + relative  # absolute and normal: names from a walk
         if lower == ".npy":  # without a Path or a Python file object
-            plan.append(_plan_npy_fd(child, file, tops, False, headers))
+            plan.append(_plan_npy_fd(child, file, tops, headers))
         else:
             plan.extend(_plan_file(child, Path(file), tops))
     if not plan:
@@ -228,30 +228,18 @@ def _plan_file(key: str, path: Path, tops: tuple[str, ...]) -> list[Planned]:
 
 
 def _plan_npy_fd(
-    key: str,
-    path: str,
-    tops: tuple[str, ...],
-    hold: bool,
-    headers: dict[bytes, tuple[NpyHeader, int]],
-    keep: int = 0,
+    key: str, path: str, tops: tuple[str, ...], headers: dict[bytes, tuple[NpyHeader, int]]
 ) -> Planned:
     """A ``.npy`` checked through one ``open``, ``fstat`` and ``pread`` of its header (``path``
-    is absolute and normal); its descriptor is kept for the copy if ``hold``, else closed. A
-    file of at most ``keep`` bytes is read whole by that ``pread`` instead and closed
-    (``Planned.data``). ``headers``: those parsed so far in this plan, by their bytes."""
+    is absolute and normal), then closed (a single file, or a confined directory's: the copy
+    reopens it). ``headers``: those parsed so far in this plan, by their bytes."""
     fd, file = open_checked(path, tops, absolute=True) if tops else open_plain(path)
-    whole = file.size <= keep
     try:
-        head = os.pread(fd, file.size if whole else min(file.size, _HEAD), 0)
-        header, size = _npy_header(fd, head, file.size, path, headers)
-        data = _whole_file(head, size, file) if whole else None
-    except BaseException:
+        head = os.pread(fd, min(file.size, _HEAD), 0)
+        header, _ = _npy_header(fd, head, file.size, path, headers)
+    finally:
         os.close(fd)
-        raise
-    if whole or not hold:
-        os.close(fd)
-        return Planned(key, header, path, file, 0, data=data)
-    return Planned(key, header, path, file, 0, fd=fd)
+    return Planned(key, header, path, file, 0)
 
 
 def _plan_plain(
@@ -263,11 +251,12 @@ def _plan_plain(
     keep: int,
 ) -> None:
     """Plan the files ``found`` under ``base`` (no allowed directories): each ``.npy`` is
-    what :func:`_plan_npy_fd` makes of it (held open while ``budget`` descriptors last, read
-    whole while ``keep`` bytes last), in one ``open``, ``fstat``, ``pread`` and ``close``
-    (no ``close`` if held) and a look-up of its header bytes among those parsed already;
-    anything unusual (not a regular file, an unseen header, a short read) goes through the
-    checked calls, which raise the typed errors. Other suffixes: their planner."""
+    checked as :func:`_plan_npy_fd` checks one, then held open while ``budget`` descriptors
+    last, or read whole while ``keep`` bytes last (``Planned.fd``, ``Planned.data``): one
+    ``open``, ``fstat``, ``pread`` and ``close`` (no ``close`` if held) and a look-up of its
+    header bytes among those parsed already; anything unusual (not a regular file, an
+    unseen header, a short read) goes through the checked calls, which raise the typed
+    errors. Other suffixes: their planner."""
     headers: dict[bytes, tuple[NpyHeader, int]] = {}
     open_, fstat, pread, close, is_reg = os.open, os.fstat, os.pread, os.close, stat.S_ISREG
     new = tuple.__new__  # a SourceFile without its keyword-taking __new__: ~4x cheaper
