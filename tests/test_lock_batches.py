@@ -357,23 +357,20 @@ def test_an_interrupted_whole_file_take_leaves_nothing_locked(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An exception (Ctrl+C, MemoryError) after the whole-file lock, while the batch records
-    its keys, releases the file: no key of it stays locked for the life of the process."""
+    its keys and narrows to them, releases the file: no key of it stays locked for the life
+    of the process."""
     keys = _keys_by_file(store, WHOLE_FILE_KEYS)[0][:WHOLE_FILE_KEYS]
     path = _slot(store, keys[0])[0]
-    made = 0
-    real_hold = locks._Hold
+    real_unlock = locks.unlock_ranges
 
-    def failing_hold(*args: object, **kwargs: object) -> object:
-        nonlocal made
-        made += 1
-        if made == 10:
-            raise KeyboardInterrupt
-        return real_hold(*args, **kwargs)  # type: ignore[arg-type]
+    def failing_unlock(fd: int, ranges: list[tuple[int, int]]) -> None:
+        real_unlock(fd, ranges[:10])  # some gaps unlocked, then Ctrl+C
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(locks, "_Hold", failing_hold)
+    monkeypatch.setattr(locks, "unlock_ranges", failing_unlock)
     with pytest.raises(KeyboardInterrupt), key_locks(store.layout, keys, 0):
         pass
-    monkeypatch.setattr(locks, "_Hold", real_hold)
+    monkeypatch.setattr(locks, "unlock_ranges", real_unlock)
     assert path not in locks._files
     assert not [slot for slot in locks._slots if slot[0] == path]
     assert _holders(path, *(_slot(store, k)[1] for k in keys[:20]), FAR) == [None] * 21

@@ -59,18 +59,16 @@ def crash_point(step: str) -> None:
 
 
 def common_prefix(keys: Iterable[str]) -> str:
-    """The longest prefix directory that holds every key ("" for ``entries/`` itself)."""
-    common: list[str] | None = None
-    for key in keys:
-        parts = key.split("/")[:-1]
-        if common is None:
-            common = parts
-            continue
-        n = 0
-        while n < len(common) and n < len(parts) and common[n] == parts[n]:
-            n += 1
-        del common[n:]
-    return "/".join(common or [])
+    """The longest prefix directory that holds every key ("" for ``entries/`` itself): the
+    common start of the least and the greatest key (every key shares what those two do),
+    cut at its last ``/`` (what stays before it is whole segments that every key has below
+    it); two C passes over the keys, no ``split`` per key."""
+    listed = keys if isinstance(keys, (list, tuple)) else list(keys)
+    if not listed:
+        return ""
+    common = os.path.commonprefix([min(listed), max(listed)])  # noqa: RUF071 (characters, then cut)
+    cut = common.rfind("/")
+    return common[:cut] if cut > 0 else ""
 
 
 def build_tree(
@@ -88,27 +86,43 @@ def build_tree(
     found: dict[str, str] = {}
     try:
         mode = layout.dir_mode
-        paths = {entry_path(name): name for name, _ in links}
+        # the links' paths below ``live``, for the copy to leave out: only if there is a copy
+        paths = {entry_path(name): name for name, _ in links} if os.path.isdir(live) else {}
         _copy_tree(live, staging, paths, mode, found)
-        for count, (name, target) in enumerate(links, 1):
-            relative = name.split("/")
-            directory = staging
-            for segment in relative[:-1]:
-                directory = f"{directory}/{segment}{DIR_MARK}"
-                _mkdir(directory, mode)
-            path = f"{directory}/{relative[-1]}"
+        made = {staging}  # prefix directories made so far
+        symlink = os.symlink
+        for count, (name, target) in enumerate(links):
+            if "/" in name:  # below a prefix directory of its own
+                directory, _, leaf = name.rpartition("/")
+                directory = f"{staging}/{entry_path(directory)}{DIR_MARK}"
+                if directory not in made:
+                    _make_dirs(staging, directory, mode, made)
+                path = f"{directory}/{leaf}"
+            else:
+                path = f"{staging}/{name}"
             try:
-                os.symlink(target, path)
+                symlink(target, path)
             except FileExistsError:
                 os.unlink(path)
-                os.symlink(target, path)
-            if count == 1:
+                symlink(target, path)
+            if not count:
                 crash_point("tree-first-link")
     except OSError as exc:
         raise_if_full(staging, exc)
         raise
     head = f"{prefix}/" if prefix else ""
     return {head + paths[path]: version_of_target(target) for path, target in found.items()}
+
+
+def _make_dirs(staging: str, directory: str, mode: int, made: set[str]) -> None:
+    """Make ``directory`` (below ``staging``) and its parents that are not in ``made``."""
+    missing = []
+    while directory not in made:
+        missing.append(directory)
+        directory = directory.rpartition("/")[0]
+    for path in reversed(missing):
+        _mkdir(path, mode)
+        made.add(path)
 
 
 def install_tree(layout: Layout, prefix: str, staging: str) -> bool:

@@ -16,7 +16,7 @@ import resource
 import shutil
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,6 +44,7 @@ __all__ = [
     "try_lock_exclusive",
     "try_lock_range",
     "unlock_range",
+    "unlock_ranges",
     "write_all",
 ]
 
@@ -343,6 +344,14 @@ def unlock_range(fd: int, offset: int, length: int = 1) -> None:
     """Release this process's locks on ``length`` bytes from ``offset`` of ``fd``'s file
     (0: to its end)."""
     fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, offset, length, 0))
+
+
+def unlock_ranges(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
+    """:func:`unlock_range` of each ``(offset, length)``: a batch's thousands of unlocks
+    without a Python call each."""
+    pack, setlk, unlock, fcntl_ = struct.Struct(_FLOCK).pack, fcntl.F_SETLK, fcntl.F_UNLCK, fcntl.fcntl
+    for offset, length in ranges:
+        fcntl_(fd, setlk, pack(unlock, os.SEEK_SET, offset, length, 0))
 
 
 def range_lock_holder(fd: int, offset: int, shared: bool) -> int | None:

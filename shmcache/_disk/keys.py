@@ -10,7 +10,7 @@ import re
 
 from ..errors import InvalidKeyError
 
-__all__ = ["MAX_KEY_LENGTH", "key_in_prefix", "validate_key"]
+__all__ = ["MAX_KEY_LENGTH", "is_key", "key_in_prefix", "validate_key"]
 
 MAX_KEY_LENGTH = 200
 """Longest key accepted; its file name (plus a ``.lock`` suffix) fits NAME_MAX."""
@@ -33,6 +33,12 @@ def validate_key(key: object) -> str:
             "by '/', with no empty, '.' or '..' segment and no leading '/'"
         )
     return key
+
+
+def is_key(text: str) -> bool:
+    """Whether ``text`` has a key's form (its length aside): many names joined by ``/``
+    are checked in one match (a directory put's files)."""
+    return _KEY_RE.fullmatch(text) is not None
 
 
 def key_in_prefix(key: str, prefix: str | None) -> bool:

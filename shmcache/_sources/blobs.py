@@ -35,7 +35,7 @@ from .._disk.fs import copy_range_at, out_of_descriptors, too_many_open_files, w
 from .._disk.npy import NpyHeader, build_header, parse_header_bytes
 from .._disk.writer import VersionWriter
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotFoundError, UnsupportedDataError
-from .files import is_array_file
+from .files import ArrayFiles, list_array_files
 from .source_files import SourceFile, check_unchanged, open_checked, reopen
 from .source_files import descriptors_to_hold as _descriptors_to_hold  # tests patch it here
 
@@ -110,25 +110,22 @@ class BlobSources:
         return sum(self.sizes) + sum(int(a.nbytes) for a in self.arrays.values())
 
 
-def put_kind(path: Path, as_: str) -> str:
-    """``arrays`` or ``blobs``: what ``put_file(path, as_=...)`` makes."""
+def put_kind(path: Path, as_: str) -> tuple[str, ArrayFiles | None]:
+    """``arrays`` or ``blobs``: what ``put_file(path, as_=...)`` makes; and for a directory
+    decided by its files (``as_="auto"``), the walk that decided (its array files: what the
+    put then plans, with no second walk)."""
     if as_ not in AS_KINDS:
         raise ValueError(f"as_ must be one of {', '.join(AS_KINDS)}; got {as_!r}")
     if as_ != "auto" or not path.is_dir():
-        return "arrays" if as_ == "auto" else as_
-    arrays = others = 0
-    for _, name, _ in _walk(path, "", dir_links=False):
-        if is_array_file(name):
-            arrays += 1
-        else:
-            others += 1
-        if arrays and others:
-            raise InvalidSourceError(
-                f"directory {path} mixes array files and other files; pass --as arrays "
-                "(as_='arrays': one entry per array file, the others ignored) or --as blobs "
-                "(as_='blobs': every file as bytes in one entry)"
-            )
-    return "blobs" if others else "arrays"
+        return ("arrays" if as_ == "auto" else as_), None
+    listing = list_array_files(path)
+    if listing.named and listing.others:
+        raise InvalidSourceError(
+            f"directory {path} mixes array files and other files; pass --as arrays "
+            "(as_='arrays': one entry per array file, the others ignored) or --as blobs "
+            "(as_='blobs': every file as bytes in one entry)"
+        )
+    return ("blobs" if listing.others else "arrays"), listing
 
 
 def plan_blobs(source: BlobSource, what: str, allowed: Sequence[str | os.PathLike[str]] = ()) -> BlobSources:

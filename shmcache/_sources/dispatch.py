@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ..errors import InvalidSourceError
 from .blobs import AS_KINDS, directory_fingerprint, plan_blobs, put_kind
-from .files import array_files_under, plan_sources
+from .files import ArrayFiles, array_files_under, plan_sources
 from .hf_datasets import hf_fingerprint, is_hf_folder, plan_hf_folder, planned_entries
 from .planned import PlannedEntry
 from .source_files import stat_fingerprint
@@ -38,6 +38,8 @@ class Source:
 
     kind: SourceKind
     location: ShardSource
+    listing: ArrayFiles | None = None
+    """A directory's walk when its files decided its kind: what ``plan_sources`` plans."""
 
 
 def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> Source:
@@ -68,10 +70,12 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
         return Source("shards", path)
     if as_ == "auto" and dtype is None and is_hf_folder(path):  # save_to_disk: tables, not 3 blobs
         return Source("hf", path)
-    kind = put_kind(Path(path), as_)
+    kind, listing = put_kind(Path(path), as_)
     if kind != "blobs" and is_table_file(path) and not os.path.isdir(path) and dtype is None:  # one table
         return Source("table", path)
-    return Source("blobs" if kind == "blobs" else "arrays", path)
+    if kind == "blobs":
+        return Source("blobs", path)
+    return Source("arrays", path, listing)
 
 
 def _local(location: ShardSource) -> str | os.PathLike[str]:
@@ -115,7 +119,7 @@ def plan_source(
         return [PlannedEntry(key, str(location), str(location), blobs.size)]
     return [
         PlannedEntry(p.key, p.source, p.copy_from, p.header.file_size)
-        for p in plan_sources(key, Path(_local(location)), allowed, dtype)
+        for p in plan_sources(key, Path(_local(location)), allowed, dtype, listing=source.listing)
     ]
 
 

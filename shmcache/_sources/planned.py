@@ -47,7 +47,7 @@ def container_header(container: Container) -> NpyHeader:
     return NpyHeader(np.dtype(np.uint8), (size,), False, 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Planned:
     """One entry a ``put_file`` call will write, validated before any byte is copied.
 

@@ -46,9 +46,12 @@ import hashlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .._disk.fs import (
     raise_if_full,
@@ -56,6 +59,7 @@ from .._disk.fs import (
     too_many_open_files,
     try_lock_range,
     unlock_range,
+    unlock_ranges,
 )
 from .._disk.layout import Layout
 from .lock_holders import STOPPED_GRACE_S, LockWait
@@ -100,6 +104,8 @@ class _Hold:
     shared: bool
     holders: dict[int, int]  # thread ident -> depth
     pending: bool = True  # its first holder is still taking the process's lock
+    batch: bool = False  # one hold for the bytes a batch took through a whole file (copied on a nested take)
+    copies: int = 0  # of a batch's hold: bytes given a hold of their own since
 
 
 @dataclass
@@ -187,6 +193,9 @@ def _enter(path: str, offset: int, shared: bool, wait: _Waiting, opener: Opener)
                 break
             if me in hold.holders:
                 if shared or not hold.shared:  # nested (shared inside exclusive included)
+                    if hold.batch:  # this byte's own hold from now on
+                        hold.copies += 1
+                        hold = _slots[slot] = _Hold(hold.shared, dict(hold.holders), False)
                     hold.holders[me] += 1
                     return _epoch
                 raise RuntimeError(f"{wait.what}: this thread holds it shared and asked for it exclusive")
@@ -321,14 +330,17 @@ def _key_slot(layout: Layout, key: str) -> tuple[str, int]:
     return _slot_files(layout)[digest % KEY_LOCK_FILES], digest >> 6
 
 
-def _key_slots(layout: Layout, keys: Iterable[str]) -> list[dict[int, str]]:
-    """:func:`_key_slot` of each key, per lock file: byte -> key (the files looked up once)."""
-    named: list[dict[int, str]] = [{} for _ in range(KEY_LOCK_FILES)]
-    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
-    for key in keys:
-        digest = from_bytes(blake2b(key.encode(), digest_size=8).digest(), "little")
-        named[digest % KEY_LOCK_FILES][digest >> 6] = key
-    return named
+def _key_slots(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_key_slot` of each key as (file index, byte), sorted and each once (two keys
+    may share a lock): a hash per key, the rest in numpy (a dict per key cost ~2x more)."""
+    blake2b = hashlib.blake2b
+    digests = np.frombuffer(b"".join([blake2b(key.encode(), digest_size=8).digest() for key in keys]), "<u8")
+    files, offsets = digests % np.uint64(KEY_LOCK_FILES), digests >> np.uint64(6)
+    order = np.lexsort((offsets, files))
+    files, offsets = files[order], offsets[order]
+    once = np.ones(len(files), dtype=bool)
+    once[1:] = (files[1:] != files[:-1]) | (offsets[1:] != offsets[:-1])
+    return files[once].astype(np.intp), offsets[once]
 
 
 def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContextManager[None]:
@@ -383,7 +395,7 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
       process already holds a byte of, or is taking one (another thread, or this one
       around the batch: ``share()`` publishes under its key's lock), is taken byte by
       byte: locking it whole then narrowing would release that byte too."""
-    batch = _Batch(layout, _key_slots(layout, keys))
+    batch = _Batch(layout, list(keys))
     try:
         while batch.next < len(batch.slots):
             batch.take_free()  # a directory put's thousands of keys: one pass, whole files
@@ -397,27 +409,31 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
             batch.next += 1
         yield
     finally:
-        _exit_all(batch.taken)
+        _exit_all(batch.taken, batch.whole)
 
 
 class _Batch:
     """The key locks of one :func:`key_locks` call: its sorted slots, how far it got and
     what it holds."""
 
-    def __init__(self, layout: Layout, named: list[dict[int, str]]) -> None:
-        self.layout, self.named, self.next = layout, named, 0
-        self.slots: list[tuple[str, int]] = []  # sorted: by file (their names sort as their numbers), byte
+    def __init__(self, layout: Layout, keys: list[str]) -> None:
+        self.layout, self.keys, self.next = layout, keys, 0
+        files, offsets = _key_slots(keys)
+        paths = _slot_files(layout)
+        # sorted: by file (their names sort as their numbers), byte
+        pairs = zip(files.tolist(), offsets.tolist(), strict=True)
+        self.slots: list[tuple[str, int]] = [(paths[f], o) for f, o in pairs]
         self.taken: list[tuple[str, int, int]] = []  # (path, offset, epoch), in order
+        self.whole: list[_Whole] = []
         self.runs: dict[str, tuple[int, int]] = {}  # file with enough keys -> their range in slots
-        for path, offsets in zip(_slot_files(layout), named, strict=True):
-            first = len(self.slots)
-            self.slots += [(path, offset) for offset in sorted(offsets)]
-            if len(offsets) >= WHOLE_FILE_KEYS:
-                self.runs[path] = first, len(self.slots)
+        ends = np.cumsum(np.bincount(files, minlength=KEY_LOCK_FILES)).tolist()
+        for path, start, end in zip(paths, [0, *ends[:-1]], ends, strict=True):
+            if end - start >= WHOLE_FILE_KEYS:
+                self.runs[path] = start, end
 
     def key(self, path: str, offset: int) -> str:
         """The key of one of the batch's slots (for a wait's messages)."""
-        return self.named[_slot_files(self.layout).index(path)][offset]
+        return next(key for key in self.keys if _key_slot(self.layout, key) == (path, offset))
 
     def take_free(self) -> None:
         """Take the locks from ``next`` on, in order, while each is free in this process and
@@ -469,19 +485,18 @@ class _Batch:
         if not free:
             _drop_file(path, None)
             return False
-        me, epoch = threading.get_ident(), _epoch
         mine = self.slots[run[0] : run[1]]
-        before = len(self.taken)
+        hold = _Hold(False, {threading.get_ident(): 1}, False, batch=True)  # one for them all
         try:
             _files[path].users += len(mine) - 1
-            for slot in mine:
-                _slots[slot] = _Hold(False, {me: 1}, pending=False)
-                self.taken.append((*slot, epoch))
+            _slots.update(dict.fromkeys(mine, hold))
+            self.whole.append((path, mine, hold, _epoch))
             _unlock_gaps(fd, [offset for _, offset in mine])
         except BaseException:  # Ctrl+C, MemoryError: forget it all and close the file, which
             for slot in mine:  # releases every lock on it (this process held none before)
                 _slots.pop(slot, None)
-            del self.taken[before:]
+            if self.whole and self.whole[-1][2] is hold:
+                self.whole.pop()
             for held in _files.pop(path).fds.values():
                 os.close(held)
             raise
@@ -492,30 +507,44 @@ def _unlock_gaps(fd: int, keep: list[int]) -> None:
     """Unlock all of the file but the bytes ``keep`` (sorted), highest gap first: each
     unlock then splits the process's first lock of the file and the kernel walks no
     further, where lowest first would walk every byte already kept."""
-    end: int | None = None  # the gap ends before this byte; None: at the end of the file
-    for offset in reversed(keep):
-        if end is None:
-            unlock_range(fd, offset + 1, 0)
-        elif end > offset + 1:
-            unlock_range(fd, offset + 1, end - offset - 1)
-        end = offset
-    if end is None:
-        unlock_range(fd, 0, 0)
-    elif end > 0:
-        unlock_range(fd, 0, end)
+    if not keep:
+        unlock_ranges(fd, [(0, 0)])
+        return
+    gaps = [(keep[-1] + 1, 0)]  # (offset, length; 0: to the end of the file)
+    pairs = zip(keep[-2::-1], keep[:0:-1], strict=True)  # (byte, next byte kept), highest first
+    gaps += [(low + 1, high - low - 1) for low, high in pairs if high > low + 1]
+    if keep[0] > 0:
+        gaps.append((0, keep[0]))
+    unlock_ranges(fd, gaps)
 
 
-def _exit_all(taken: list[tuple[str, int, int]]) -> None:
-    """Release ``taken`` (each held once by this thread): what ``_exit`` does for each, but
-    a lock file this process no longer needs is closed (which releases all its bytes at
-    once) rather than unlocked byte by byte."""
+_Whole = tuple[str, list[tuple[str, int]], _Hold, int]  # a whole file's bytes: path, slots, hold, epoch
+
+
+def _exit_all(taken: list[tuple[str, int, int]], whole: list[_Whole]) -> None:
+    """Release ``taken`` (each held once by this thread) and the bytes ``whole`` took
+    through whole files (their shared hold): what ``_exit`` does for each, but a lock file
+    this process no longer needs is closed (which releases all its bytes at once) rather
+    than unlocked byte by byte."""
     me = threading.get_ident()
     with _cond:
         released: dict[str, list[int]] = {}
+        for path, slots, hold, epoch in whole:
+            if epoch != _epoch:
+                continue  # taken before this process forked: the child never held it
+            if hold.copies == 0:  # every byte still under the batch's hold: no look-up each
+                deque(map(_slots.__delitem__, slots), maxlen=0)
+                released.setdefault(path, []).extend([offset for _, offset in slots])
+            else:
+                taken = taken + [(*slot, epoch) for slot in slots]
         for path, offset, epoch in taken:
             if epoch != _epoch:
                 continue  # taken before this process forked: the child never held it
             hold = _slots[path, offset]
+            if hold.batch:  # a byte of a whole file that no nested take gave a hold of its own
+                del _slots[path, offset]
+                released.setdefault(path, []).append(offset)
+                continue
             hold.holders[me] -= 1
             if hold.holders[me]:
                 continue
@@ -532,8 +561,7 @@ def _exit_all(taken: list[tuple[str, int, int]]) -> None:
                     os.close(fd)
             else:
                 fd = next(iter(file.fds.values()))
-                for offset in offsets:
-                    unlock_range(fd, offset)
+                unlock_ranges(fd, [(offset, 1) for offset in offsets])
         if released:
             _wake()
 

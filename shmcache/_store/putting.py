@@ -294,7 +294,8 @@ class Putting:
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
             )
             return [info.key]
-        plan = plan_sources(key, Path(path), builtins.list(allowed_dirs), dtype, hold=True)
+        allowed = builtins.list(allowed_dirs)
+        plan = plan_sources(key, Path(path), allowed, dtype, hold=True, listing=source.listing)
         try:
             return self._put_planned(key, path, plan, overwrite, pin, progress)
         finally:
