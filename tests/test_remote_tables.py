@@ -125,6 +125,26 @@ def test_a_csv_whose_later_block_widens_a_type_is_read_whole(
     assert not _tmp_items(root) and not _open_under(root)  # the streamed attempt's files closed
 
 
+def test_a_column_with_no_value_in_the_first_block_is_typed_by_the_whole_file(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """A CSV or JSON lines column empty through the first 1 MiB block is of Arrow type null
+    for the streaming reader (which a table cannot hold): the load reads the file whole, as
+    a local path does, and gets the whole file's type."""
+    jsonl = "".join(json.dumps({"a": i, "b": None}) + "\n" for i in range(100_000)) + '{"a": 1, "b": 5}\n'
+    csv = "a,b\n" + "".join(f"{i},\n" for i in range(200_000)) + "1,hello\n"
+    cases = (("n.jsonl", jsonl.encode(), pjson.read_json), ("n.csv", csv.encode(), pcsv.read_csv))
+    for name, body, read in cases:
+        _put_object(s3, bucket, name, body)
+        key = name.replace(".", "-")
+        store.put_file(key, f"s3://{bucket}/{name}", storage_options=s3.options())
+        expected = read(io.BytesIO(body))
+        back = store.open_table(key).to_arrow()
+        assert not pa.types.is_null(back.schema.field("b").type), name
+        assert back.to_pylist() == expected.to_pylist(), name
+        assert not _tmp_items(root) and not _open_under(root), name
+
+
 def test_a_prefix_of_csv_objects_whose_types_differ_by_block_is_read_whole(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:

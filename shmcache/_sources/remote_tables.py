@@ -213,6 +213,9 @@ def _decode(
         with pa.OSFile(path) as source:
             with _arrow_errors(pa, item.url, item.suffix):
                 schema, batches, estimate = _batches(pa, source, item.suffix)
+            if item.suffix in (".csv", ".jsonl") and _has_null_type(pa, schema):
+                # a column with no value in the first block: the whole file's read types it
+                raise ChangedLayout(f"{item.url}: {schema} from the first block has null-typed columns")
             if appender is None:
                 appender = TableAppender(schema, create, str(plan.url))
             elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
@@ -233,6 +236,17 @@ def _decode(
         if new and appender is not None:  # (the caller closes one it passed in)
             appender.close()
         raise
+
+
+def _has_null_type(pa: Any, schema: Any) -> bool:
+    """Whether a field (or a field nested in one: a list of nulls) is of Arrow type null."""
+    pending = [f.type for f in schema]
+    while pending:
+        kind = pending.pop()
+        if pa.types.is_null(kind):
+            return True
+        pending.extend(kind.field(i).type for i in range(kind.num_fields))
+    return False
 
 
 def _read(pa: Any, batches: Iterator[Any], url: str, suffix: str) -> Iterator[Any]:
