@@ -29,6 +29,7 @@ import pyarrow.feather as feather  # noqa: E402
 import pyarrow.json as pjson  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from s3_helpers import MotoServer  # noqa: E402
+from service_helpers import mounted_tmpfs  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
@@ -252,6 +253,30 @@ def test_the_budget_counts_the_object_with_the_table(root: Path, s3: MotoServer,
     roomy = shmcache.Store(root, max_bytes=3 << 20)
     roomy.put_file("b", f"s3://{bucket}/b.parquet", storage_options=s3.options())
     assert np.array_equal(roomy.open_table("b").column("v"), table.column("v").to_numpy())
+
+
+def test_a_table_that_fits_the_file_system_with_its_object_loads(
+    tmp_path: Path, s3: MotoServer, bucket: str
+) -> None:
+    """On a 16 MiB tmpfs, a 5 MiB object whose table is 5 MiB: the scratch file and the column
+    files (more than half the free space together) fit, and the load succeeds. (The check
+    once counted what the load had written twice: free space lacks it, the reservation has it.)"""
+    table = pa.table({"v": np.random.default_rng(0).random(5 << 17)})  # 5 MiB, incompressible
+    body = io.BytesIO()
+    pq.write_table(table, body, compression="none", row_group_size=1 << 15)
+    _put_object(s3, bucket, "f.parquet", body.getvalue())
+    with mounted_tmpfs(tmp_path / "fs", "size=16m") as mountpoint:
+        store = shmcache.Store(mountpoint / "root")
+        store.put_file("f", f"s3://{bucket}/f.parquet", storage_options=s3.options())
+        assert np.array_equal(store.open_table("f").column("v"), table.column("v").to_numpy())
+        assert not _tmp_items(mountpoint / "root")
+        big = pa.table({"v": np.random.default_rng(1).random(9 << 17)})  # 9 + 9 MiB: refused, typed
+        body = io.BytesIO()
+        pq.write_table(big, body, compression="none", row_group_size=1 << 15)
+        _put_object(s3, bucket, "g.parquet", body.getvalue())
+        with pytest.raises(CacheFullError):
+            store.put_file("g", f"s3://{bucket}/g.parquet", storage_options=s3.options())
+        assert not store.exists("g") and store.exists("f") and not _tmp_items(mountpoint / "root")
 
 
 def test_a_fresh_process_loads_a_big_parquet_with_flat_memory(

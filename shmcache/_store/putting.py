@@ -371,11 +371,11 @@ class Putting:
         if progress is not None:
             progress(0, total)
         with self._writer() as writer:
-            versions = []
-            for split in splits:
+            versions, held = [], 0
+            for i, split in enumerate(splits):
                 with open_hf_split(split, allowed) as (files, extra):  # checked unchanged after the writes
-                    nbytes = sum(int(a.nbytes) for a in files.values())
-                    self._reserve(writer, nbytes + _PAGE * (len(files) + 1), [split.key] if overwrite else ())
+                    held += sum(int(a.nbytes) for a in files.values()) + _PAGE * (len(files) + 1)
+                    self._reserve(writer, held, keys[: i + 1] if overwrite else ())  # all the writer holds
                     version = writer.new_version()
                     crcs, headers = {}, {}
                     for name, array in files.items():
