@@ -255,6 +255,22 @@ def test_the_budget_counts_the_object_with_the_table(root: Path, s3: MotoServer,
     assert np.array_equal(roomy.open_table("b").column("v"), table.column("v").to_numpy())
 
 
+def test_a_load_that_fits_the_budget_evicts_nothing(root: Path, s3: MotoServer, bucket: str) -> None:
+    """A 10 MiB budget, 9 MiB of entries, an object and its table of 0.3 MiB each: they fit
+    beside the entries, so none goes (the reservation's slack and the Parquet estimate are
+    taken only where they fit without evicting)."""
+    store = shmcache.Store(root, max_bytes=10 << 20)
+    for i in range(9):
+        store.put_array(f"a{i}", np.zeros((1 << 20) // 8))
+    table = pa.table({"x": np.random.default_rng(0).random((3 << 20) // 80)})
+    body = io.BytesIO()
+    pq.write_table(table, body, compression="none", row_group_size=1 << 13)
+    _put_object(s3, bucket, "t.parquet", body.getvalue())
+    store.put_file("t", f"s3://{bucket}/t.parquet", storage_options=s3.options())
+    assert sorted(e.key for e in store.list()) == [f"a{i}" for i in range(9)] + ["t"]
+    assert np.array_equal(store.open_table("t").column("x"), table.column("x").to_numpy())
+
+
 def test_a_table_that_fits_the_file_system_with_its_object_loads(
     tmp_path: Path, s3: MotoServer, bucket: str
 ) -> None:

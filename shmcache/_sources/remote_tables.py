@@ -50,6 +50,10 @@ __all__ = ["LoadedTable", "load_remote_table"]
 _PAGE = 4096
 _SLACK = 64 << 20  # a reservation grows by at least this much (fewer space-lock rounds)
 
+Reserve = Callable[[int, bool], None]
+"""``reserve(nbytes, evict)``: record (and check against the budget and free space) what the
+writer will hold at most; ``evict=False``: raise CacheFullError rather than evict for it."""
+
 
 @dataclass
 class LoadedTable:
@@ -62,10 +66,10 @@ class LoadedTable:
 
 
 class _Reservation:
-    """The writer's reservation, grown ahead of what is about to be written (by slack, or
-    exactly when the slack does not fit the budget)."""
+    """The writer's reservation, grown ahead of what is about to be written: by slack where
+    that fits without evicting anything, else by exactly what is needed (evicting for it)."""
 
-    def __init__(self, reserve: Callable[[int], None]) -> None:
+    def __init__(self, reserve: Reserve) -> None:
         self._reserve = reserve
         self.reserved = 0
 
@@ -74,17 +78,20 @@ class _Reservation:
             return
         ahead = nbytes + min(_SLACK, nbytes // 2)
         try:
-            self._reserve(ahead)
+            self._reserve(ahead, False)  # the slack saves space-lock rounds, never an entry
             self.reserved = ahead
         except CacheFullError:
-            self._reserve(nbytes)
+            self._reserve(nbytes, True)
             self.reserved = nbytes
 
     def hope(self, nbytes: int) -> None:
-        """Reserve ``nbytes`` if the budget has room (an estimate: a table that cannot fit
-        is then refused before anything is written or evicted); else grow batch by batch."""
+        """Reserve ``nbytes`` (an estimate) if it fits without evicting anything; else grow
+        batch by batch, evicting for what is written only."""
+        if nbytes <= self.reserved:
+            return
         try:
-            self.need(nbytes)
+            self._reserve(nbytes, False)
+            self.reserved = nbytes
         except CacheFullError:
             pass
 
@@ -92,13 +99,13 @@ class _Reservation:
 def load_remote_table(
     plan: RemotePlan,
     writer: VersionWriter,
-    reserve: Callable[[int], None],
+    reserve: Reserve,
     advance: Callable[[int], None],
     part_size: int | None = None,
 ) -> LoadedTable:
     """Write a table plan's objects (several: their rows in name order, one schema) as one
-    table entry into a new version of ``writer``; ``reserve(nbytes)`` records (and checks
-    against the budget) what the writer will hold at most; ``advance`` reports each
+    table entry into a new version of ``writer``; ``reserve`` records (and checks against the
+    budget) what the writer will hold at most (see :data:`Reserve`); ``advance`` reports each
     object's bytes once fetched. Raises if an object changed meanwhile."""
     reservation = _Reservation(reserve)
     scratch = writer.new_version()
