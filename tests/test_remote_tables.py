@@ -295,6 +295,58 @@ def test_a_table_that_fits_the_file_system_with_its_object_loads(
         assert not store.exists("g") and store.exists("f") and not _tmp_items(mountpoint / "root")
 
 
+def test_a_dictionary_column_is_checked_for_its_decoded_size(
+    tmp_path: Path, s3: MotoServer, bucket: str
+) -> None:
+    """Parquet strings read back as a dictionary (a few KiB of indices and values) that
+    decode to 24 MiB: on a 16 MiB tmpfs the load is refused by the room check before the
+    strings are written, not by the file system midway; nothing is left."""
+    rows = 120_000
+    table = pa.table({"d": pa.array([f"c{i % 3}" + "x" * 200 for i in range(rows)]).dictionary_encode()})
+    body = io.BytesIO()
+    pq.write_table(table, body, row_group_size=rows)
+    _put_object(s3, bucket, "d.parquet", body.getvalue())
+    with mounted_tmpfs(tmp_path / "fs", "size=16m") as mountpoint:
+        store = shmcache.Store(mountpoint / "root")
+        with pytest.raises(CacheFullError, match=r"has only .* free"):
+            store.put_file("d", f"s3://{bucket}/d.parquet", storage_options=s3.options())
+        assert not store.exists("d") and not _tmp_items(mountpoint / "root")
+
+
+def test_a_wide_table_loads_under_the_usual_limit_of_descriptors(
+    root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """400 nullable string columns (1,200 column files) under ``ulimit -n 1024``, as a local
+    put of the same file: no descriptor is held per column file across batches."""
+    table = pa.table({f"c{i}": pa.array(["a", None, "bc"]) for i in range(400)})
+    body = io.BytesIO()
+    pq.write_table(table, body)
+    _put_object(s3, bucket, "wide.parquet", body.getvalue())
+    script = textwrap.dedent(
+        f"""
+        import resource, shmcache
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        store = shmcache.Store({str(root)!r})
+        store.put_file("w", "s3://{bucket}/wide.parquet", storage_options={s3.options()!r})
+        print(store.open_table("w").to_arrow().num_columns)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["400"], done.stderr[-2000:]
+
+
+def test_a_csv_that_does_not_parse_is_corrupt(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """A row with a column too many after the first block: the streamed read gives way to
+    the whole read, whose error is typed (CorruptSourceError naming the object)."""
+    body = ("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)) + "1,2,3\n").encode()
+    _put_object(s3, bucket, "bad.csv", body)
+    with pytest.raises(CorruptSourceError, match=r"bad\.csv"):
+        store.put_file("bad", f"s3://{bucket}/bad.csv", storage_options=s3.options())
+    assert not store.exists("bad") and not _tmp_items(root) and not _open_under(root)
+
+
 def test_a_fresh_process_loads_a_big_parquet_with_flat_memory(
     tmp_path: Path, root: Path, s3: MotoServer, bucket: str
 ) -> None:
