@@ -5,6 +5,7 @@ CRC-32 (its header written last, chained with ``crc32_combine``)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import zlib
@@ -18,6 +19,7 @@ pa = pytest.importorskip("pyarrow")
 from shmcache._containers.table_arrow import encode_arrow  # noqa: E402
 from shmcache._containers.table_stream import ChangedLayout, TableAppender  # noqa: E402
 from shmcache._disk.checksum import crc32_combine  # noqa: E402
+from shmcache._disk.npy_append import NpyAppender  # noqa: E402
 from shmcache.errors import UnsupportedDataError  # noqa: E402
 
 
@@ -48,10 +50,10 @@ def _written(tmp_path: Path, batches: list, schema: object) -> tuple[dict, dict,
         paths[name] = tmp_path / f"{name}.npy"
         return os.open(paths[name], os.O_WRONLY | os.O_CREAT | os.O_EXCL), str(paths[name])
 
-    with TableAppender(schema, create, "t") as appender:
-        for batch in batches:
-            appender.add(batch)
-        headers, crcs, meta = appender.finish()
+    appender = TableAppender(schema, create, "t")
+    for batch in batches:
+        appender.add(batch)
+    headers, crcs, meta = appender.finish()
     for name, path in paths.items():  # every CRC is that of the whole file, header first
         assert crcs[name] == zlib.crc32(path.read_bytes()), name
     return {name: np.load(path) for name, path in paths.items()}, headers, meta
@@ -93,6 +95,63 @@ def test_a_batch_that_needs_another_layout_asks_for_the_whole_table(tmp_path: Pa
     bad = pa.table({"o": pa.array([{"a": 1}])})
     with pytest.raises(UnsupportedDataError, match=r"column 'o' is of Arrow type struct"):
         _written(tmp_path, [bad], bad.schema)
+
+
+def _create_in(folder: Path) -> object:
+    def create(name: str) -> tuple[int, str]:
+        path = folder / f"{name}.npy"
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), str(path)
+
+    return create
+
+
+def _data_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+def test_the_bytes_announced_before_a_write_cover_it(tmp_path: Path) -> None:
+    """``add(batch, before_write)`` announces what each column chunk adds once encoded: a
+    dictionary column's decoded strings (far more than the batch's Arrow size), bools (a
+    byte each here, a bit in Arrow), a bitmap begun late; so a caller reserves enough."""
+    rows = 20_000
+    cats = pa.array([f"c{i % 3}" + "x" * 200 for i in range(rows)]).dictionary_encode()
+    flags = pa.array([None if i > rows // 2 and i % 9 == 0 else bool(i % 2) for i in range(rows)])
+    table = pa.table({"cat": cats, "flag": flags})
+    appender = TableAppender(table.schema, _create_in(tmp_path), "t")  # type: ignore[arg-type]
+    announced = []
+    for batch in table.to_batches(max_chunksize=7_001):
+        appender.add(batch, announced.append)
+        assert sum(announced) >= _data_bytes(tmp_path)  # never written beyond what was announced
+    assert _data_bytes(tmp_path) >= rows * 201  # the strings, decoded
+    assert sum(announced) >= _data_bytes(tmp_path)
+
+
+def test_no_descriptor_is_held_between_batches(tmp_path: Path) -> None:
+    """400 nullable string columns are 1,200 files: none stays open between batches (a wide
+    table loads under the usual limit of 1,024 descriptors)."""
+    table = pa.table({f"c{i}": pa.array(["a", None, "bc"]) for i in range(400)})
+    appender = TableAppender(table.schema, _create_in(tmp_path), "t")  # type: ignore[arg-type]
+    appender.add(table)
+    appender.add(table)
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor, closed since)
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert appender.file_count == 1_200 and not [p for p in held if p.startswith(str(tmp_path))]
+    appender.finish()
+    assert len(list(tmp_path.iterdir())) == 1_200
+
+
+def test_an_unfinished_npy_file_does_not_load(tmp_path: Path) -> None:
+    """Until ``finish`` writes its header, the file has no ``.npy`` magic: a file left
+    unfinished fails to load instead of reading as an empty array."""
+    path = tmp_path / "a.npy"
+    appender = NpyAppender(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), str(path), np.dtype(np.int64))
+    appender.append(np.arange(10))
+    with pytest.raises(ValueError):
+        np.load(path)
+    appender.finish()
+    assert np.load(path).tolist() == list(range(10))
 
 
 def test_crc32_combine_is_zlibs() -> None:

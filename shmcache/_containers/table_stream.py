@@ -9,12 +9,16 @@ appended; strings' and lists' int64 offsets rebased by a running total (as
 boundaries, begun (all valid before) at the first batch with a null. A batch that needs
 another layout than the first (a fixed-size list column that meets a null: stored as a
 list with offsets) raises :class:`ChangedLayout`; the caller then decodes the table whole.
+
+Each chunk is encoded before it is written, so a caller can reserve the bytes it really
+adds (``add(batch, before_write)``): a dictionary column's strings, decoded, can be far
+more than its Arrow size. No descriptor is held between batches (``npy_append``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,10 +32,11 @@ from .table_encode import NotTabular, table_meta
 __all__ = ["ChangedLayout", "TableAppender"]
 
 _ONES = 1 << 20  # bytes of an all-valid bitmap written at once
+_PAGE = 4096  # what a new file takes at least (its header's page)
 
 CreateFile = Callable[[str], tuple[int, str]]
 """``create(name)``: a new, empty file for part ``name`` (``c0.values``): its descriptor
-(the appender closes it) and its path (for messages)."""
+(the appender closes it) and its path (reopened for each append)."""
 
 
 class ChangedLayout(Exception):
@@ -59,11 +64,16 @@ class TableAppender:
     def file_count(self) -> int:
         return sum(len(c.files) for c in self._columns)
 
-    def add(self, batch: Any) -> None:
-        """Append a pyarrow Table or RecordBatch of the schema's columns."""
+    def add(self, batch: Any, before_write: Callable[[int], None] | None = None) -> None:
+        """Append a pyarrow Table or RecordBatch of the schema's columns; ``before_write(n)``
+        is told the bytes each column chunk, encoded, is about to add (a page for each new
+        file included) before they are written: to reserve them."""
         for column, values in zip(self._columns, batch.columns, strict=True):
             for chunk in getattr(values, "chunks", [values]):
-                column.add(chunk, self._create, self.what)
+                encoded = column.encode(chunk, self.what)
+                if before_write is not None:
+                    before_write(encoded.nbytes)
+                column.write(encoded, self._create)
         self.rows += batch.num_rows
 
     def finish(self) -> tuple[dict[str, NpyHeader], dict[str, int], dict[str, Any]]:
@@ -72,22 +82,23 @@ class TableAppender:
         crcs: dict[str, int] = {}
         for i, column in enumerate(self._columns):
             if column.desc is None:  # no batch at all: the column's type, empty
-                column.add(self.schema.empty_table().column(i).combine_chunks(), self._create, self.what)
+                empty = self.schema.empty_table().column(i).combine_chunks()
+                column.write(column.encode(empty, self.what), self._create)
             for name, (crc, header) in column.finish().items():
                 crcs[name], headers[name] = crc, header
         descriptions = [c.desc or {} for c in self._columns]
         return headers, crcs, table_meta([c.name for c in self._columns], descriptions, self.rows)
 
-    def close(self) -> None:
-        """Close every file (after :meth:`finish`, or on failure)."""
-        for column in self._columns:
-            column.close()
 
-    def __enter__(self) -> TableAppender:
-        return self
+@dataclass
+class _Encoded:
+    """A column chunk's files (``arrow_column``), not written yet."""
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    files: dict[str, np.ndarray]
+    desc: dict[str, Any]
+    count: int
+    valid: np.ndarray | None
+    nbytes: int  # what writing it adds to the column's files
 
 
 class _Column:
@@ -100,7 +111,7 @@ class _Column:
         self._base = 0  # offsets: the items of earlier chunks
         self._pending: np.ndarray | None = None  # validity bits not yet a whole byte
 
-    def add(self, chunk: Any, create: CreateFile, what: str) -> None:
+    def encode(self, chunk: Any, what: str) -> _Encoded:
         try:
             files, desc = arrow_column(chunk)
         except NotTabular as exc:
@@ -111,6 +122,17 @@ class _Column:
             ) from None
         count = len(chunk)
         valid = files.pop("valid", None)
+        nbytes = sum(int(a.nbytes) for part, a in files.items() if part != "offsets")
+        nbytes += 8 * count if "offsets" in files else 0
+        parts = set(files)
+        if valid is not None or self._pending is not None:
+            parts.add("valid")
+            nbytes += count // 8 + 1 + (self.rows // 8 if self._pending is None else 0)
+        nbytes += _PAGE * len(parts - set(self.files))
+        return _Encoded(files, desc, count, valid, nbytes)
+
+    def write(self, encoded: _Encoded, create: CreateFile) -> None:
+        files, desc, count, valid = dict(encoded.files), encoded.desc, encoded.count, encoded.valid
         if self.desc is None:
             self.desc, self._parts = desc, set(files)
         elif desc != self.desc or set(files) != self._parts:
@@ -143,11 +165,7 @@ class _Column:
         found = self.files.get(part)
         if found is None:
             fd, path = create(f"{self.prefix}.{part}")
-            try:
-                found = self.files[part] = NpyAppender(fd, path, dtype, tail)
-            except BaseException:
-                os.close(fd)
-                raise
+            found = self.files[part] = NpyAppender(fd, path, dtype, tail)  # (closes fd)
         return found
 
     def finish(self) -> dict[str, tuple[int, NpyHeader]]:
@@ -156,7 +174,3 @@ class _Column:
         if self._pending is not None and len(self._pending):
             self.files["valid"].append(np.packbits(self._pending, bitorder="little"))
         return {f"{self.prefix}.{part}": file.finish() for part, file in self.files.items()}
-
-    def close(self) -> None:
-        while self.files:
-            os.close(self.files.popitem()[1].fd)

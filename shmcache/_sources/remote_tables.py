@@ -50,6 +50,10 @@ __all__ = ["LoadedTable", "load_remote_table"]
 _PAGE = 4096
 _SLACK = 64 << 20  # a reservation grows by at least this much (fewer space-lock rounds)
 
+Reserve = Callable[[int, bool], None]
+"""``reserve(nbytes, evict)``: record (and check against the budget and free space) what the
+writer will hold at most; ``evict=False``: raise CacheFullError rather than evict for it."""
+
 
 @dataclass
 class LoadedTable:
@@ -62,10 +66,10 @@ class LoadedTable:
 
 
 class _Reservation:
-    """The writer's reservation, grown ahead of what is about to be written (by slack, or
-    exactly when the slack does not fit the budget)."""
+    """The writer's reservation, grown ahead of what is about to be written: by slack where
+    that fits without evicting anything, else by exactly what is needed (evicting for it)."""
 
-    def __init__(self, reserve: Callable[[int], None]) -> None:
+    def __init__(self, reserve: Reserve) -> None:
         self._reserve = reserve
         self.reserved = 0
 
@@ -74,17 +78,20 @@ class _Reservation:
             return
         ahead = nbytes + min(_SLACK, nbytes // 2)
         try:
-            self._reserve(ahead)
+            self._reserve(ahead, False)  # the slack saves space-lock rounds, never an entry
             self.reserved = ahead
         except CacheFullError:
-            self._reserve(nbytes)
+            self._reserve(nbytes, True)
             self.reserved = nbytes
 
     def hope(self, nbytes: int) -> None:
-        """Reserve ``nbytes`` if the budget has room (an estimate: a table that cannot fit
-        is then refused before anything is written or evicted); else grow batch by batch."""
+        """Reserve ``nbytes`` (an estimate) if it fits without evicting anything; else grow
+        batch by batch, evicting for what is written only."""
+        if nbytes <= self.reserved:
+            return
         try:
-            self.need(nbytes)
+            self._reserve(nbytes, False)
+            self.reserved = nbytes
         except CacheFullError:
             pass
 
@@ -92,41 +99,37 @@ class _Reservation:
 def load_remote_table(
     plan: RemotePlan,
     writer: VersionWriter,
-    reserve: Callable[[int], None],
+    reserve: Reserve,
     advance: Callable[[int], None],
     part_size: int | None = None,
 ) -> LoadedTable:
     """Write a table plan's objects (several: their rows in name order, one schema) as one
-    table entry into a new version of ``writer``; ``reserve(nbytes)`` records (and checks
-    against the budget) what the writer will hold at most; ``advance`` reports each
+    table entry into a new version of ``writer``; ``reserve`` records (and checks against the
+    budget) what the writer will hold at most (see :data:`Reserve`); ``advance`` reports each
     object's bytes once fetched. Raises if an object changed meanwhile."""
     reservation = _Reservation(reserve)
     scratch = writer.new_version()
     version = writer.new_version()
     appender: TableAppender | None = None
     whole = not _has_pyarrow()  # JSON lines without pyarrow: read whole by the standard library
-    try:
-        for item in plan.items:
-            held = appender.nbytes + _PAGE * appender.file_count if appender is not None else 0
-            reservation.need(held + item.size + 2 * _PAGE)
-            path = str(writer.path(scratch, f"object{item.suffix}"))
-            _fetch(plan, item, writer, scratch, path, part_size)
-            advance(item.size)
-            if whole:
-                break
-            try:
-                appender = _decode(plan, item, path, writer, version, appender, reservation)
-            except ChangedLayout:
-                whole = True
-                break
-            os.unlink(path)
-        if not whole:
-            assert appender is not None
-            headers, crcs, meta = appender.finish()
-            reservation.need(appender.nbytes + _PAGE * (appender.file_count + 1))
-    finally:
-        if appender is not None:
-            appender.close()
+    for item in plan.items:
+        held = appender.nbytes + _PAGE * appender.file_count if appender is not None else 0
+        reservation.need(held + item.size + 2 * _PAGE)
+        path = str(writer.path(scratch, f"object{item.suffix}"))
+        _fetch(plan, item, writer, scratch, path, part_size)
+        advance(item.size)
+        if whole:
+            break
+        try:
+            appender = _decode(plan, item, path, writer, version, appender, reservation)
+        except ChangedLayout:
+            whole = True
+            break
+        os.unlink(path)
+    if not whole:
+        assert appender is not None
+        headers, crcs, meta = appender.finish()
+        reservation.need(appender.nbytes + _PAGE * (appender.file_count + 1))
     if whole:  # decoded whole, as before this module (the scratch file still there, if one object)
         writer.discard(version)
         version = writer.new_version()
@@ -208,31 +211,42 @@ def _decode(
     def create(name: str) -> tuple[int, str]:
         return writer.create_file(version, f"{name}.npy"), str(writer.path(version, f"{name}.npy"))
 
-    new = appender is None
-    try:
-        with pa.OSFile(path) as source:
-            with _arrow_errors(pa, item.url, item.suffix):
-                schema, batches, estimate = _batches(pa, source, item.suffix)
-            if appender is None:
-                appender = TableAppender(schema, create, str(plan.url))
-            elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
-                if item.suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
-                    raise ChangedLayout(f"{item.url}: {schema} after {appender.schema}")
-                raise InvalidSourceError(
-                    f"{plan.url}: its table objects do not share one schema ({item.url} has {schema}, the "
-                    f"first {appender.schema}); load each by its own URL"
-                )
-            held = appender.nbytes + _PAGE * (appender.file_count + 1) + item.size
-            reservation.hope(held + (estimate if estimate is not None else item.size))
-            for batch in _read(pa, batches, item.url, item.suffix):
-                held = appender.nbytes + _PAGE * (appender.file_count + 1) + item.size
-                reservation.need(held + _batch_bytes(batch))
-                appender.add(batch)  # (its own errors are not the object's: not mapped)
-        return appender
-    except BaseException:
-        if new and appender is not None:  # (the caller closes one it passed in)
-            appender.close()
-        raise
+    with pa.OSFile(path) as source:
+        with _arrow_errors(pa, item.url, item.suffix):
+            schema, batches, estimate = _batches(pa, source, item.suffix)
+        if item.suffix in (".csv", ".jsonl") and _has_null_type(pa, schema):
+            # a column with no value in the first block: the whole file's read types it
+            raise ChangedLayout(f"{item.url}: {schema} from the first block has null-typed columns")
+        if appender is None:
+            appender = TableAppender(schema, create, str(plan.url))
+        elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
+            if item.suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
+                raise ChangedLayout(f"{item.url}: {schema} after {appender.schema}")
+            raise InvalidSourceError(
+                f"{plan.url}: its table objects do not share one schema ({item.url} has {schema}, the "
+                f"first {appender.schema}); load each by its own URL"
+            )
+        added = appender
+
+        def before_write(nbytes: int) -> None:  # a column chunk's encoded bytes, about to be written
+            reservation.need(added.nbytes + _PAGE * (added.file_count + 1) + item.size + nbytes)
+
+        held = added.nbytes + _PAGE * (added.file_count + 1) + item.size
+        reservation.hope(held + (estimate if estimate is not None else item.size))
+        for batch in _read(pa, batches, item.url, item.suffix):
+            added.add(batch, before_write)  # (its own errors are not the object's: not mapped)
+    return appender
+
+
+def _has_null_type(pa: Any, schema: Any) -> bool:
+    """Whether a field (or a field nested in one: a list of nulls) is of Arrow type null."""
+    pending = [f.type for f in schema]
+    while pending:
+        kind = pending.pop()
+        if pa.types.is_null(kind):
+            return True
+        pending.extend(kind.field(i).type for i in range(kind.num_fields))
+    return False
 
 
 def _read(pa: Any, batches: Iterator[Any], url: str, suffix: str) -> Iterator[Any]:
@@ -243,12 +257,6 @@ def _read(pa: Any, batches: Iterator[Any], url: str, suffix: str) -> Iterator[An
         if batch is None:
             return
         yield batch
-
-
-def _batch_bytes(batch: Any) -> int:
-    """About what a batch becomes in column files (Arrow's buffers; bools are a byte each
-    there, a bit here; int32 offsets become int64)."""
-    return int(batch.nbytes) + 8 * int(batch.num_rows) * int(batch.num_columns)
 
 
 def _batches(pa: Any, source: Any, suffix: str) -> tuple[Any, Iterator[Any], int | None]:

@@ -372,11 +372,11 @@ class Putting:
         if progress is not None:
             progress(0, total)
         with self._writer() as writer:
-            versions = []
-            for split in splits:
+            versions, held = [], 0
+            for i, split in enumerate(splits):
                 with open_hf_split(split, allowed) as (files, extra):  # checked unchanged after the writes
-                    nbytes = sum(int(a.nbytes) for a in files.values())
-                    self._reserve(writer, nbytes + _PAGE * (len(files) + 1), [split.key] if overwrite else ())
+                    held += sum(int(a.nbytes) for a in files.values()) + _PAGE * (len(files) + 1)
+                    self._reserve(writer, held, keys[: i + 1] if overwrite else ())  # all the writer holds
                     version = writer.new_version()
                     crcs, headers = {}, {}
                     for name, array in files.items():
@@ -438,9 +438,8 @@ class Putting:
             advance, replacing = _progress_counter(progress, plan.object_bytes), [key] if overwrite else []
             advance(0)
             with self._writer() as writer:
-                table = load_remote_table(
-                    plan, writer, lambda n: self._reserve(writer, n, replacing), advance, part_size
-                )
+                reserve = lambda n, evict: self._reserve(writer, n, replacing, evict)  # noqa: E731
+                table = load_remote_table(plan, writer, reserve, advance, part_size)
                 meta = version_meta(key, "table", table.version, table.headers, table.crcs, pin) | table.extra
                 writer.write_meta(table.version, meta | {"shape": [meta.get("length", 0)]})
                 publish(
@@ -543,14 +542,19 @@ class Putting:
         if self._reader.check_root_identity():
             self._prepared = False
 
-    def _reserve(self, writer: VersionWriter, nbytes: int, replacing: Collection[str] = ()) -> None:
+    def _reserve(
+        self, writer: VersionWriter, nbytes: int, replacing: Collection[str] = (), evict: bool = True
+    ) -> None:
+        """``evict=False``: CacheFullError rather than evicting (nothing is evicted for slack)."""
         reserve(
             self.layout,
             writer,
             nbytes,
             budget=self.max_bytes,
             lock_timeout=self.lock_timeout,
-            evict_version=lambda key, version: self._evict_version(key, version, wait=False),
+            evict_version=lambda key, version: (
+                self._evict_version(key, version, wait=False) if evict else None
+            ),
             replacing=replacing,
         )
 

@@ -63,10 +63,14 @@ def reserve(
             _make_room_in_budget(layout, nbytes, limit, set(replacing), evict_version, others, victim_order)
         free = free_bytes(layout.root)
         pending = sum(max(0, reserved - written) for reserved, written in others)
-        if nbytes > free - pending:
+        # what this writer wrote already (a reservation grown as it writes) is no longer free
+        # but is in nbytes: count it once (looked up only then: it lists objects/)
+        written = _written_by(layout, writer.writer_id) if nbytes > free - pending else 0
+        if nbytes - written > free - pending:
             held = f", {human_bytes(pending)} of it reserved by writers still writing" if pending else ""
             raise CacheFullError(
-                f"need {human_bytes(nbytes)} but the file system of {layout.root} has only "
+                f"need {human_bytes(nbytes - written)}{' more' if written else ''} but the file system of "
+                f"{layout.root} has only "
                 f"{human_bytes(free)} free (of {human_bytes(total_bytes(layout.root))}){held}; evict "
                 "entries (`shmcache evict`) or enlarge /dev/shm (Docker: --shm-size or --ipc=host)"
             )
