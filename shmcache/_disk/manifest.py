@@ -68,6 +68,7 @@ PACK_ALIGN = 64
 """Each packed entry starts at a multiple of this (numpy pads headers to 64 bytes: the
 array data stays 64-byte aligned, as in a file of its own)."""
 _FLUSH = 4 << 20  # the data region is written in pieces of about this size
+_ZEROS = bytes(PACK_ALIGN)
 _HEAD = struct.Struct("<8sQQ")  # format 1's head, and the first 24 bytes of format 2's
 _HEAD2 = struct.Struct("<8sQQQQ24x")
 _PAIR = struct.Struct("<QQ")
@@ -100,16 +101,19 @@ class ManifestWriter:
     def add(self, index: int, data: bytes) -> str:
         """Append entry ``index``'s ``.npy`` bytes; returns its version's tail
         ``<n>.<offset>.<length>``."""
-        pad = -self._end % PACK_ALIGN
+        offset = self._end
+        buffer = self._buffer
+        pad = -offset % PACK_ALIGN
         if pad:
-            self._buffer += bytes(pad)
-        offset = self._end + pad
-        self._buffer += data
-        self._end = offset + len(data)
+            buffer += _ZEROS[:pad]
+            offset += pad
+        buffer += data
+        length = len(data)
+        self._end = offset + length
         self.live[index] = 1
-        if len(self._buffer) >= _FLUSH:
+        if len(buffer) >= _FLUSH:
             self._flush()
-        return f"{index}.{offset}.{len(data)}"
+        return f"{index}.{offset}.{length}"
 
     def _flush(self) -> None:
         write_all(self.fd, self._buffer, self.path)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._disk.checksum import format_checksums
+from .._disk.checksum import crc32, format_checksums
 from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
@@ -32,7 +32,7 @@ from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
 from .._sources.files import read_planned
 from .._sources.planned import Planned
-from .._sources.source_files import check_unchanged, reopen
+from .._sources.source_files import check_unchanged, check_unchanged_path, reopen
 from ..errors import KeyExistsError
 from .copy_pool import copy_threads, run_copies
 from .locks import key_locks, publish_lock
@@ -190,20 +190,28 @@ def _pack_small(
     advance: Callable[[int], None],
 ) -> list[int]:
     """Pack the plan's small byte copies into ``manifest`` (their versions and manifest
-    lines set); returns the indices of the others, written apart."""
+    lines set); returns the indices of the others, written apart. One loop with little
+    Python per file: at 100,000 files each attribute and call counts."""
     apart: list[int] = []
+    last, small = None, False
+    add, prefix = manifest.add, f"{batch}/"
     for index, item in enumerate(plan):
-        if (
-            item.header.file_size > PACK_MAX
-            or item.container is not None
-            or item.write is not None
-            or item.copy_offset is None
-        ):
+        header = item.header
+        if header is not last:  # a directory's files share a few header objects
+            last, small = header, header.file_size <= PACK_MAX
+        if not small or item.container is not None or item.write is not None or item.copy_offset is None:
             apart.append(index)
             continue
-        data, crc = read_planned(item, advance)
-        item.version = f"{batch}/{manifest.add(index, data)}"
-        lines[index] = array_line(item.key, item.header, crc, item.source, item.file.fingerprint_json)
+        data = item.data
+        if data is not None:  # read whole when checked (read_planned, inline)
+            item.data = None
+            check_unchanged_path(item.file)
+            crc = crc32(data)
+            advance(len(data))
+        else:
+            data, crc = read_planned(item, advance)
+        item.version = prefix + add(index, data)
+        lines[index] = array_line(item.key, header, crc, item.source, item.file.fingerprint_json)
     return apart
 
 
