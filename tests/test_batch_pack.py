@@ -265,7 +265,6 @@ def test_a_format_1_root_reads_evicts_and_cleans_up(
     assert all(int(store.open_array(k)[0, 0]) == i and store.verify(k) for i, k in enumerate(keys))
     assert store.info("d/f2").source == str(tmp_path / "src" / "f2.npy")
     store.evict("d/f0")
-    os.rmdir(batch / "0") if (batch / "0").exists() else None
     store.cleanup()
     assert sorted(os.listdir(batch)) == ["1", "2", "3", "manifest"]
     for key in keys[1:]:
@@ -301,8 +300,17 @@ def test_private_arrays_groups_and_pickles_of_packed_entries(store: Store, tmp_p
         assert np.array_equal(group[name], array), name
         again = pickle.loads(pickle.dumps(store.open_array(f"d/{name}")))  # by reference
         assert np.array_equal(again, array) and again.base is not None, name
-    view = private_view(store.open_array("d/fortran")[1:, 2:])
+    shared = store.open_array("d/fortran")
+    view = private_view(shared[1:, 2:])
     assert np.array_equal(view, arrays["fortran"][1:, 2:]) and view.flags.writeable
+    pickled = pickle.dumps(shared)
+    store.evict("d/fortran")  # as a removed file: no new mapping of an evicted entry
+    with pytest.raises(KeyNotFoundError):
+        private_view(shared)
+    code = "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"
+    proc = subprocess.run([sys.executable, "-c", code], input=pickled, capture_output=True, timeout=WAIT_S)
+    assert proc.returncode == 1 and b"KeyNotFoundError" in proc.stderr, proc.stderr[-2000:]
+    assert np.array_equal(shared, arrays["fortran"])  # this process keeps reading its mapping
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

@@ -269,6 +269,10 @@ def _map_packed(
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         shift = offset - start
         head, end = b"", 0
+        if not read_header and not _packed_live(fd, packed[1]):
+            # a second mapping of an array already out (unpickled, private_view): refused
+            # once the entry is evicted, as a removed file of its own would be
+            raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
         if read_header:
             head = os.pread(fd, min(_HEADER_READ, length), offset)
             end = header_length(head, f"entry {key!r}")
@@ -296,6 +300,16 @@ def _map_packed(
 
 
 _PAGE_BELOW = 64  # a packed entry never starts inside the manifest's head
+_LIVE_AT = slice(32, 40)  # where a format 2 manifest's head says its live bitmap starts
+
+
+def _packed_live(fd: int, index: int) -> bool:
+    """Whether packed entry ``index``'s live byte in the manifest at ``fd`` is still 1
+    (``manifest``'s format 2; two ``pread``s)."""
+    head = os.pread(fd, 40, 0)
+    if len(head) < 40:
+        return False
+    return os.pread(fd, 1, int.from_bytes(head[_LIVE_AT], "little") + index) == b"\x01"
 
 
 def _mmap(
