@@ -41,7 +41,6 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .fs import write_all
 from .layout import MANIFEST_FILE, object_path, packed_range
 
 __all__ = [
@@ -93,6 +92,9 @@ class ManifestWriter:
     the head."""
 
     def __init__(self, fd: int, path: str, count: int) -> None:
+        from .fs import write_all  # deferred: the read side (meta, the open path) loads no write side
+
+        self._write_all = write_all
         self.fd, self.path, self.count = fd, path, count
         self.live = bytearray(count)
         self._buffer = bytearray(_HEAD2.size)  # the head's place, written last
@@ -116,7 +118,7 @@ class ManifestWriter:
         return f"{index}.{offset}.{length}"
 
     def _flush(self) -> None:
-        write_all(self.fd, self._buffer, self.path)
+        self._write_all(self.fd, self._buffer, self.path)
         self._buffer = bytearray()
 
     def finish(self, common: Mapping[str, Any], entries: Sequence[bytes]) -> None:
