@@ -290,6 +290,7 @@ def test_cleanup_clears_a_packed_entry_no_link_points_at(store: Store, root: Pat
 def test_private_arrays_groups_and_pickles_of_packed_entries(store: Store, tmp_path: Path) -> None:
     arrays = {name: a for name, a in _arrays().items() if name in ("f32", "fortran", "zero_d", "i8")}
     store.put_file("d", _save(tmp_path / "src", arrays))
+    assert store.huge_pages("d/f32") == 0  # packed: a few KiB, never a 2 MiB page
     private = store.open_private_array("d/f32")
     assert private.flags.writeable and np.array_equal(private, arrays["f32"])
     private[0, 0] = -1.0  # copy-on-write: the cache keeps its bytes
