@@ -249,8 +249,7 @@ def _map_packed(
     """:func:`_map` of a packed entry: bytes ``offset..offset+length`` of its batch's
     manifest, mapped from the page below ``offset`` (``mmap`` offsets are page aligned);
     returns the entry's header as :func:`_map` does, and where its ``.npy`` starts in the
-    mapping.
-    A range beyond the file's end (a damaged or truncated manifest) is
+    mapping. A range beyond the file's end (a damaged or truncated manifest) is
     :class:`CorruptEntryError`, never a mapping that faults. No huge pages (tiny)."""
     batch, _, offset, length = packed
     path = object_path(root, batch, MANIFEST_FILE)
@@ -261,7 +260,7 @@ def _map_packed(
             raise _too_many_open(key) from exc
         raise
     try:
-        if offset < _PAGE_BELOW or offset + length > os.fstat(fd).st_size:
+        if offset < _DATA_START or offset + length > os.fstat(fd).st_size:
             raise CorruptEntryError(
                 f"entry {key!r}: {path} is truncated or damaged (it does not hold the entry's "
                 f"bytes {offset}..{offset + length}); evict it and put it again"
@@ -299,7 +298,7 @@ def _map_packed(
     return mapping, head, end, shift
 
 
-_PAGE_BELOW = 64  # a packed entry never starts inside the manifest's head
+_DATA_START = 64  # a packed entry starts after the manifest's head (format 2)
 _LIVE_AT = slice(32, 40)  # where a format 2 manifest's head says its live bitmap starts
 
 
