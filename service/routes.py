@@ -189,7 +189,7 @@ async def list_entries(
 )
 def get_entry(key: KeyPath, service: ServiceDep) -> EntryDetail:
     info = service.store.info(key)
-    pids = service.readers.fresh().pids_by_version.get(info.version, set())
+    pids = service.readers.fresh().pids_of(info.version)
     return EntryDetail(**entry_model(info).model_dump(), mapped_by=sorted(pids))
 
 

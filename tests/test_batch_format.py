@@ -1,5 +1,7 @@
 """A directory put is one batch version with one manifest (issue 22, item 1): entry ``n`` in
-``objects/<batch>/<n>/``, what each entry's ``meta.json`` said in ``objects/<batch>/manifest``.
+``objects/<batch>/<n>/`` (a ``.npy`` over ``PACK_MAX``; smaller ones are packed into the
+manifest: ``test_batch_pack.py``), what each entry's ``meta.json`` said in
+``objects/<batch>/manifest``.
 Every per-key promise holds: its own info and checksums, its own eviction (which frees its
 bytes; a process that maps it keeps reading), its own budget accounting, and ``cleanup``
 removes an entry no link points at (an evict killed by SIGKILL halfway) without touching
@@ -20,10 +22,11 @@ from shmcache import CorruptEntryError, KeyNotFoundError, Store
 from shmcache._disk.entry_tree import CRASH_ENV
 
 FILES = 6
+ROWS = 1100  # 70,528-byte files: over PACK_MAX, each entry a directory of its own
 WAIT_S = 120.0  # bound on every wait, so a broken build fails instead of hanging
 
 
-def _sources(directory: Path, files: int = FILES, rows: int = 64) -> Path:
+def _sources(directory: Path, files: int = FILES, rows: int = ROWS) -> Path:
     """``files`` float32 arrays, file ``i`` filled with ``i`` (so a reader can tell)."""
     directory.mkdir(parents=True)
     for i in range(files):
@@ -47,8 +50,8 @@ def test_a_directory_is_one_version_directory_and_one_manifest(
         info = store.info(key)
         assert info.version == f"{batch.name}/{i}"
         assert os.readlink(store.layout.entry_link(key)) == f"../../objects/{batch.name}/{i}"
-        assert (info.key, info.kind, info.dtype, info.shape) == (key, "array", "float32", (64, 16))
-        assert info.source == str(tmp_path / "src" / f"f{i}.npy") and info.size == 64 * 16 * 4 + 128
+        assert (info.key, info.kind, info.dtype, info.shape) == (key, "array", "float32", (ROWS, 16))
+        assert info.source == str(tmp_path / "src" / f"f{i}.npy") and info.size == ROWS * 16 * 4 + 128
         assert store.verify(key)  # the checksum the manifest recorded, against the file
         assert int(store.open_array(key)[0, 0]) == i
     assert [info.key for info in store.list("d")] == keys
@@ -121,7 +124,8 @@ def test_a_manifest_with_a_huge_number_is_damaged_not_a_huge_read(
     store.put_file("d", _sources(tmp_path / "src"))
     manifest = _batch(root) / "manifest"
     data = bytearray(manifest.read_bytes())
-    offset = where if isinstance(where, int) else 24 + 8 * (1 if where.startswith("start") else 2)
+    table = int.from_bytes(data[24:32], "little")  # format 2: where the offsets start
+    offset = where if isinstance(where, int) else table + 8 * (1 if where.startswith("start") else 2)
     data[offset : offset + 8] = number.to_bytes(8, "little")
     manifest.write_bytes(bytes(data))
     key = "d/f1"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from shmcache import CacheRootError, CorruptEntryError, KeyNotFoundError, Store
-from shmcache._disk import entry_tree
+from shmcache._disk import entry_tree, manifest
 from shmcache._disk.entry_tree import CRASH_ENV
 from shmcache._disk.layout import Layout
 from shmcache._disk.writer import VersionWriter
@@ -99,14 +99,21 @@ def _stored_versions(root: Path) -> set[str]:
         inside = os.listdir(root / "objects" / name)
         if "manifest" in inside:
             found |= {f"{name}/{entry}" for entry in inside if entry != "manifest"}
+            found |= {f"{name}/{n}" for n in manifest.live_entries(str(root), name) or ()}  # packed
         else:
             found.add(name)
     return found
 
 
+def _entry_of(version: str) -> str:
+    """``<batch>/<n>`` of a packed entry's version (``<batch>/<n>.<offset>.<length>``)."""
+    batch, slash, rest = version.partition("/")
+    return f"{batch}/{rest.partition('.')[0]}" if slash else version
+
+
 def _assert_no_orphan(root: Path, count: int) -> None:
     """``objects/`` holds exactly the versions the links point at, ``count`` of them."""
-    linked = {info.version for info in Store(root).list()}
+    linked = {_entry_of(info.version) for info in Store(root).list()}
     assert _stored_versions(root) == linked and len(linked) == count
 
 

@@ -20,7 +20,7 @@ from test_token_files import _hostile_index
 from token_datasets import write_megatron
 
 import shmcache
-from shmcache._disk.layout import Layout
+from shmcache._disk.layout import Layout, packed_range
 from shmcache._disk.meta import read_meta
 from shmcache.errors import (
     CorruptSourceError,
@@ -48,7 +48,13 @@ def _entry_files(store: shmcache.Store, root: Path, key: str) -> tuple[dict[str,
     layout = Layout(root)
     name = store.info(key).version  # "<batch>/<n>" for an entry of a directory put
     version = layout.objects / name
-    files = {p.name: p.read_bytes() for p in sorted(version.iterdir()) if p.name != "meta.json"}
+    packed = packed_range(name)  # a small entry packed into its batch's manifest
+    if packed is not None:
+        with open(layout.objects / packed[0] / "manifest", "rb") as fp:
+            fp.seek(packed[2])
+            files = {"data.npy": fp.read(packed[3])}
+    else:
+        files = {p.name: p.read_bytes() for p in sorted(version.iterdir()) if p.name != "meta.json"}
     record = read_meta(layout, name)  # meta.json, or the batch manifest's record
     assert record is not None
     meta = record.to_json()

@@ -123,7 +123,7 @@ def test_a_directory_put_out_of_inodes_is_cache_full(few_inodes: Path, tmp_path:
     folder = tmp_path / "folder"  # on another file system
     folder.mkdir()
     for i in range(3):
-        np.save(folder / f"a{i}.npy", np.full(10, i))
+        np.save(folder / f"a{i}.npy", np.full(9000, i))  # over PACK_MAX: an entry directory each
     fillers = few_inodes / "fillers"
     named = set()
     for inodes in range(24):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from .._disk.keys import validate_key
+from .._disk.procmaps import MappingScan
 from .._error_table import CLI, fix
 from .._sources.files import PLANNERS
 from .._sources.tar_shards import is_shard_source
@@ -342,13 +343,12 @@ def _put_here(
 # ---------------------------------------------------------------------- inspect
 
 
-def _mapped_by(root: Path | None) -> dict[str, list[int]]:
-    """Version -> PIDs of live processes mapping it (one /proc scan, in this process)."""
+def _mapped_by(root: Path | None) -> MappingScan:
+    """What live processes map (one /proc scan, in this process): ``pids_of(version)``."""
     try:
-        scan = local_store(root).scan_mappings()
+        return local_store(root).scan_mappings()
     except OSError:
-        return {}
-    return {version: sorted(pids) for version, pids in scan.pids_by_version.items()}
+        return MappingScan()
 
 
 def _cuda_pins(root: Path) -> dict[str, list[dict[str, Any]]]:
@@ -402,14 +402,14 @@ def list_command(
     mapped = _mapped_by(root)
     cuda = _cuda_pins(local_store(root).root)
     if as_json:
-        typer.echo(json.dumps([{**asdict(e), "mapped_by": mapped.get(e.version, []),
+        typer.echo(json.dumps([{**asdict(e), "mapped_by": sorted(mapped.pids_of(e.version)),
                                 "cuda_pinned_by": cuda.get(e.version, [])} for e in entries], indent=1))
         return
     now = time.time()
     rows = [
         (e.key, e.kind, e.dtype or "", "x".join(map(str, e.shape or ())) or "()", human_bytes(e.size),
          owner_name(e.owner_uid), _pinned_cell(e.pinned, cuda.get(e.version, [])),
-         _show_pids(mapped.get(e.version, [])),
+         _show_pids(sorted(mapped.pids_of(e.version))),
          _age(now - e.created))
         for e in entries
     ]

@@ -47,7 +47,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CorruptEntryError, KeyNotFoundError, MappingRefusedError, TooManyOpenFilesError
-from .layout import object_path
+from .layout import MANIFEST_FILE, object_path, packed_range
 from .npy import header_length, parse_header_bytes
 
 __all__ = [
@@ -157,8 +157,9 @@ def attach_array(
     """
     if huge_pages and mode != WRITABLE:
         raise ValueError("huge_pages=True maps a private writable array: mode='writable'")
-    mapping, head, end = _map(root, version, filename, key, True, mode, huge_pages)
+    mapping, head, end, shift = _map(root, version, filename, key, True, mode, huge_pages)
     dtype, shape, fortran_order, offset = parse_header_bytes(head, end, f"entry {key!r}")
+    offset += shift  # a packed entry's .npy starts inside its mapping
     try:
         if fortran_order:
             array = np.ndarray(shape, dtype, mapping, offset, order="F")
@@ -189,9 +190,16 @@ def _map(
     read_header: bool,
     mode: MapMode = COPY_ON_WRITE,
     huge: bool = False,
-) -> tuple[Any, bytes, int]:
+) -> tuple[Any, bytes, int, int]:
+    """A mapping of a published entry file, its header's first bytes and length (when
+    ``read_header``), and where its ``.npy`` starts in the mapping (0 but for a packed
+    entry)."""
     if mode != COPY_ON_WRITE and mode != SHARED and mode != WRITABLE:
         raise ValueError(f"unknown mapping mode {mode!r}: one of 'copy-on-write', 'shared', 'writable'")
+    if "." in version.partition("/")[2]:  # an entry packed into its batch's manifest
+        packed = packed_range(version)
+        if packed is not None:
+            return _map_packed(root, version, filename, key, packed, read_header, mode)
     path = object_path(root, version, filename)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -226,17 +234,95 @@ def _map(
         mapping.origin = (root, version, filename, key)
     if not _installed:
         install_pickle_by_reference()
-    return mapping, head, end
+    return mapping, head, end, 0
 
 
-def _mmap(fd: int, key: str, mode: MapMode, huge: bool = False) -> Any:
+def _map_packed(
+    root: str,
+    version: str,
+    filename: str,
+    key: str,
+    packed: tuple[str, int, int, int],
+    read_header: bool,
+    mode: MapMode,
+) -> tuple[Any, bytes, int, int]:
+    """:func:`_map` of a packed entry: bytes ``offset..offset+length`` of its batch's
+    manifest, mapped from the page below ``offset`` (``mmap`` offsets are page aligned);
+    returns the entry's header as :func:`_map` does, and where its ``.npy`` starts in the
+    mapping. A range beyond the file's end (a damaged or truncated manifest) is
+    :class:`CorruptEntryError`, never a mapping that faults. No huge pages (tiny)."""
+    batch, _, offset, length = packed
+    path = object_path(root, batch, MANIFEST_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise _too_many_open(key) from exc
+        raise
+    try:
+        if offset < _DATA_START or offset + length > os.fstat(fd).st_size:
+            raise CorruptEntryError(
+                f"entry {key!r}: {path} is truncated or damaged (it does not hold the entry's "
+                f"bytes {offset}..{offset + length}); evict it and put it again"
+            )
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        shift = offset - start
+        head, end = b"", 0
+        if not read_header and not _packed_live(fd, packed[1]):
+            # a second mapping of an array already out (unpickled, private_view): refused
+            # once the entry is evicted, as a removed file of its own would be
+            raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
+        if read_header:
+            head = os.pread(fd, min(_HEADER_READ, length), offset)
+            end = header_length(head, f"entry {key!r}")
+            if end > len(head):
+                head = os.pread(fd, min(end, length), offset)
+                if end > len(head):
+                    raise CorruptEntryError(f"entry {key!r}: its bytes in {path} end inside its header")
+        try:
+            mapping = _mmap(fd, key, mode, False, shift + length, start)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise _too_many_open(key) from exc
+            raise
+        try:
+            os.utime(fd)
+        except OSError:
+            pass
+    finally:
+        os.close(fd)
+    if isinstance(mapping, MappedFile):
+        mapping.origin = (root, version, filename, key)
+    if not _installed:
+        install_pickle_by_reference()
+    return mapping, head, end, shift
+
+
+_DATA_START = 64  # a packed entry starts after the manifest's head (format 2)
+_LIVE_AT = slice(32, 40)  # where a format 2 manifest's head says its live bitmap starts
+
+
+def _packed_live(fd: int, index: int) -> bool:
+    """Whether packed entry ``index``'s live byte in the manifest at ``fd`` is still 1
+    (``manifest``'s format 2; two ``pread``s)."""
+    head = os.pread(fd, 40, 0)
+    if len(head) < 40:
+        return False
+    return os.pread(fd, 1, int.from_bytes(head[_LIVE_AT], "little") + index) == b"\x01"
+
+
+def _mmap(
+    fd: int, key: str, mode: MapMode, huge: bool = False, length: int = 0, offset: int = 0
+) -> Any:
     """One mapping of ``fd`` in ``mode`` (an ``mmap``, or with ``huge`` a ``huge_map``
     buffer where one can be made); a copy-on-write one is a shared read-only one
     under strict overcommit, or where the kernel refuses it (ENOMEM: RLIMIT_DATA)."""
     if mode == COPY_ON_WRITE:
         if not _STRICT_OVERCOMMIT:
             try:
-                return MappedFile(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY, **_MMAP_OPTIONS)
+                return MappedFile(
+                    fd, length, flags=_FLAGS_COPY, prot=_PROT_COPY, offset=offset, **_MMAP_OPTIONS
+                )
             except OSError as exc:
                 if exc.errno != errno.ENOMEM:
                     raise
@@ -249,7 +335,7 @@ def _mmap(fd: int, key: str, mode: MapMode, huge: bool = False) -> Any:
             )
         mode = SHARED  # the fallback: a shared read-only mapping, below
     if mode == SHARED:
-        mapping = MappedFile(fd, 0, prot=mmap.PROT_READ, **_MMAP_OPTIONS)
+        mapping = MappedFile(fd, length, prot=mmap.PROT_READ, offset=offset, **_MMAP_OPTIONS)
         mapping.shared = True
         return mapping
     if huge and not _STRICT_OVERCOMMIT:
@@ -259,7 +345,7 @@ def _mmap(fd: int, key: str, mode: MapMode, huge: bool = False) -> Any:
         if made is not None:  # a refused collapse still maps: 4 KiB pages, aligned
             return made[0]
     try:
-        return mmap.mmap(fd, 0, flags=_FLAGS_COPY, prot=_PROT_COPY)
+        return mmap.mmap(fd, length, flags=_FLAGS_COPY, prot=_PROT_COPY, offset=offset)
     except OSError as exc:
         if exc.errno != errno.ENOMEM:
             raise

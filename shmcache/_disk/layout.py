@@ -87,6 +87,7 @@ __all__ = [
     "mark_tree_format",
     "modes_of",
     "object_path",
+    "packed_range",
     "prepare_root",
     "read_version",
     "version_of_target",
@@ -186,6 +187,24 @@ def generation_slot(key: str) -> int:
 def object_path(root: str, version: str, filename: str) -> str:
     """A published file of a version (string formatting only: it is on the attach hot path)."""
     return f"{root}/objects/{version}/{filename}"
+
+
+def packed_range(version: str) -> tuple[str, int, int, int] | None:
+    """``(batch, n, offset, length)`` of an entry packed into its batch's manifest (version
+    ``<batch>/<n>.<offset>.<length>``: its ``.npy`` is bytes ``offset..offset+length`` of
+    ``objects/<batch>/manifest``), or None for any other version (``<batch>/<n>``: a
+    directory of its own; one name: a version of its own). String work only: the open
+    path finds the bytes without reading the manifest."""
+    batch, slash, rest = version.partition("/")
+    if not slash:
+        return None
+    index, dot, span = rest.partition(".")
+    if not dot:
+        return None
+    offset, dot, length = span.partition(".")
+    if not (dot and index.isdigit() and offset.isdigit() and length.isdigit()):
+        return None
+    return batch, int(index), int(offset), int(length)
 
 
 def version_of_target(target: str) -> str:
@@ -351,7 +370,13 @@ class Layout:
         return self.objects / version
 
     def object_file(self, version: str, filename: str) -> str:
-        """A published file of a version (a ``str``: it is on the attach hot path)."""
+        """A published file of a version (a ``str``: it is on the attach hot path); for an
+        entry packed into its batch's manifest, that manifest (what holds its bytes, and
+        what ``stat`` and lease probes should look at)."""
+        if "." in version.partition("/")[2]:
+            packed = packed_range(version)
+            if packed is not None:
+                return object_path(str(self.root), packed[0], MANIFEST_FILE)
         return object_path(str(self.root), version, filename)
 
     def key_slot_file(self, index: int) -> str:

@@ -143,7 +143,7 @@ def read_meta(layout: Layout, version: str) -> EntryMeta | None:
     try:
         if "/" in version:  # an entry of a directory put: its object in the batch's manifest
             meta = read_manifest_entry(str(layout.root), version)
-            if meta is None or not os.path.isdir(layout.version_dir(version)):
+            if meta is None or not _entry_present(layout, version):
                 return None  # evicted (its directory goes, the manifest stays while others live)
         else:
             with open(layout.object_file(version, META_FILE), "rb") as fp:
@@ -151,6 +151,13 @@ def read_meta(layout: Layout, version: str) -> EntryMeta | None:
         return EntryMeta.from_json(meta) if isinstance(meta, dict) else None
     except (FileNotFoundError, NotADirectoryError, ValueError):  # JSON and UTF-8 errors are ValueErrors
         return None
+
+
+def _entry_present(layout: Layout, version: str) -> bool:
+    """Whether an entry of a directory put, whose manifest object was read, is still there:
+    its directory, or for a packed one (``<batch>/<n>.<offset>.<length>``) its live byte,
+    which the manifest's reader checked already."""
+    return "." in version.partition("/")[2] or os.path.isdir(layout.version_dir(version))
 
 
 def damaged(key: str, what: str) -> CorruptEntryError:
@@ -202,7 +209,7 @@ def _read_batch_entry_meta(layout: Layout, key: str, version: str) -> EntryMeta 
         if layout.entry_version(key) != version:
             return None
         raise damaged(key, f"its {MANIFEST_FILE} in {layout.version_dir(batch)} is damaged ({exc})") from None
-    if meta is None or not os.path.isdir(layout.version_dir(version)):
+    if meta is None or not _entry_present(layout, version):
         if layout.entry_version(key) != version:
             return None  # evicted or replaced: both move the link before removing files
         if meta is None:

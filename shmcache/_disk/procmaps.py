@@ -12,6 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .layout import MANIFEST_FILE, packed_range
+
 __all__ = ["MappingScan", "mapped_versions", "scan_mappings"]
 
 _DELETED = " (deleted)"
@@ -26,6 +28,19 @@ class MappingScan:
     deleted_bytes: int = 0
     """Bytes of unlinked (evicted or replaced) entry files still mapped by someone:
     memory that returns to the system only when those processes let go."""
+    packed: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """Batch -> ``(first byte, end, pid)`` of each mapping of its manifest: which of its
+    packed entries a process maps (``pids_by_version`` has the batch's name: any of them)."""
+
+    def pids_of(self, version: str) -> set[int]:
+        """PIDs mapping ``version``: for an entry packed in its batch's manifest, those
+        whose mapping of the manifest covers its bytes."""
+        span = packed_range(version)
+        if span is None:
+            return self.pids_by_version.get(version, set())
+        batch, _, offset, length = span
+        ranges = self.packed.get(batch, ())
+        return {pid for start, end, pid in ranges if start < offset + length and offset < end}
 
 
 def scan_mappings(objects_dir: Path) -> MappingScan:
@@ -37,6 +52,7 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
     prefix = os.path.realpath(objects_dir) + "/"
     needle = prefix.encode()
     pids_by_version: dict[str, set[int]] = defaultdict(set)
+    packed: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     deleted_extent: dict[tuple[str, str], int] = {}
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
@@ -54,15 +70,21 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
             where = line.find(prefix)
             if where < 0:
                 continue
-            # all but the file name: "<version>" or a directory put's "<batch>/<n>"
-            version = line[where + len(prefix) :].rpartition("/")[0]
+            # all but the file name: "<version>", a directory put's "<batch>/<n>", or
+            # "<batch>" for its manifest (packed entries)
+            version, _, name = line[where + len(prefix) :].rpartition("/")
             pids_by_version[version].add(pid)
-            if line.endswith(_DELETED):
+            deleted = line.endswith(_DELETED)
+            if deleted or name.startswith(MANIFEST_FILE):
                 fields = line.split(maxsplit=5)
                 start, end = (int(x, 16) for x in fields[0].split("-"))
+                if name.startswith(MANIFEST_FILE):
+                    first = int(fields[2], 16)  # the file offset the mapping starts at
+                    packed[version].append((first, first + end - start, pid))
+            if deleted:
                 ident = (fields[3], fields[4])  # device, inode
                 deleted_extent[ident] = max(deleted_extent.get(ident, 0), end - start)
-    return MappingScan(dict(pids_by_version), sum(deleted_extent.values()))
+    return MappingScan(dict(pids_by_version), sum(deleted_extent.values()), dict(packed))
 
 
 def mapped_versions(objects_dir: Path) -> dict[str, set[int]]:

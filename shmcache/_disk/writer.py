@@ -27,7 +27,7 @@ from .array_parts import ArrayParts
 from .checksum import crc32
 from .entry_tree import build_tree, install_tree, make_prefix_dirs
 from .fs import full_is_cache_full, raise_if_full, remove_tree, write_all
-from .layout import MANIFEST_FILE, META_FILE, Layout
+from .layout import META_FILE, Layout
 from .npy import NpyHeader, build_header, parse_header_bytes
 
 __all__ = ["STAGING_SUFFIX", "BatchEntries", "VersionWriter", "write_npy", "writer_of"]
@@ -90,7 +90,8 @@ class VersionWriter:
 
     def new_batch(self) -> str:
         """Create ``tmp/<batch>/``, the one version directory of a directory put, and return
-        its name; its entries are made with :meth:`new_batch_entry` (see ``manifest``)."""
+        its name; its entries are packed into its manifest (``manifest.ManifestWriter``) or
+        made with :meth:`batch_entries` / :meth:`new_batch_entry`."""
         return self.new_version()
 
     def new_batch_entry(self, batch: str, index: int) -> str:
@@ -112,15 +113,6 @@ class VersionWriter:
         except OSError as exc:
             raise_if_full(path, exc)
             raise
-
-    def write_manifest(self, batch: str, pieces: Iterable[bytes]) -> None:
-        """Write ``tmp/<batch>/manifest`` (``manifest.encode_manifest``'s pieces)."""
-        path = f"{self._tmp}/{batch}/{MANIFEST_FILE}"
-        fd = self.create_file(batch, MANIFEST_FILE)
-        try:
-            write_all(fd, b"".join(pieces), path)
-        finally:
-            os.close(fd)
 
     def path(self, version: str, filename: str) -> Path:
         return Path(f"{self._tmp}/{version}/{filename}")

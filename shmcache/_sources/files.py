@@ -55,6 +55,7 @@ __all__ = [
     "copy_planned",
     "list_array_files",
     "plan_sources",
+    "read_planned",
     "release_planned",
 ]
 
@@ -421,6 +422,26 @@ def copy_planned(
     return crc
 
 
+def read_planned(item: Planned, advance: Callable[[int], None]) -> tuple[bytes, int]:
+    """A small planned ``.npy``'s whole bytes, from the very file that was checked, and
+    their CRC-32 (what :func:`copy_planned` would write, for a directory put that packs
+    them into its manifest). ``item`` is a byte copy (``copy_offset`` set, no ``write``)
+    of at most a few MiB; the same checks as :func:`copy_planned`'s."""
+    if item.data is not None:
+        data, item.data = item.data, None
+        check_unchanged_path(item.file)
+    else:
+        held, item.fd = item.fd, None
+        src = reopen(item.file) if held is None else held
+        try:
+            data = _read_small(item, src)
+            check_unchanged(src, item.file)
+        finally:
+            os.close(src)
+    advance(len(data))
+    return data, crc32(data)
+
+
 def _write_small(dst: int, data: bytes, target: str | Path) -> None:
     """``write_all`` of a small buffer: one ``write``; ``write_all``'s view and loop only
     for the rest of a short write, or to raise the typed error of a failed one (a failed
@@ -437,6 +458,16 @@ def _copy_small(item: Planned, src: int, dst: int, target: str | Path, advance: 
     """A small file in one ``pread`` and one ``write`` from this thread, checksummed in
     between: the bytes written are the buffer checksummed, and their header is checked
     in the buffer (a thread and a read-back cost more than the copy itself)."""
+    data = _read_small(item, src)
+    crc = crc32(data)
+    write_all(dst, data, target)
+    advance(len(data))
+    return crc
+
+
+def _read_small(item: Planned, src: int) -> bytes:
+    """A small planned ``.npy``'s bytes in one ``pread`` (a built header, then the raw
+    payload, for an item with a ``prefix``), their header checked against the plan's."""
     assert item.copy_offset is not None
     size = item.header.file_size
     if item.prefix is None:
@@ -454,10 +485,7 @@ def _copy_small(item: Planned, src: int, dst: int, target: str | Path, advance: 
         written = None
     if written != item.header:
         raise CorruptSourceError(f"{item.source} changed while loading; nothing was published, load it again")
-    crc = crc32(data)
-    write_all(dst, data, target)
-    advance(size)
-    return crc
+    return data
 
 
 def _copy_buffered(

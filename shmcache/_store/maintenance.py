@@ -16,7 +16,8 @@ from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
 from .._disk.generations import bump_all_generations
-from .._disk.layout import MANIFEST_FILE, META_FILE, Layout
+from .._disk.layout import MANIFEST_FILE, META_FILE, Layout, packed_range
+from .._disk.manifest import clear_live, live_entries, open_packed, split_batch_version
 from .._disk.meta import EntryMeta, damaged, read_entry_meta
 from .._disk.npy import NpyHeader, header_length, parse_header_bytes
 from .._disk.shapes import checked_shape
@@ -25,7 +26,7 @@ from ..errors import CorruptEntryError, KeyNotFoundError, ShmCacheError
 from .catalog import referenced_versions
 from .locks import publish_lock
 from .reading import Reader
-from .writing import remove_versions
+from .writing import remove_batch_if_empty, remove_versions
 
 __all__ = ["linked_keys", "refuse_half_published", "remove_dead_writers_leftovers", "verify_entry"]
 
@@ -78,7 +79,7 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
             freed += remove_tree(layout.version_dir(version))
     freed += _remove_unlinked_batch_entries(layout)
     for version, key in linked.items():  # links whose version directory was removed by hand
-        if not layout.version_dir(version).is_dir():
+        if not _data_present(layout, version):
             with suppress(KeyNotFoundError, OSError):
                 if evict_version(key, version) is not None:
                     logger.warning("removed entry %s: its data had vanished", key)
@@ -91,41 +92,71 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
 
 def _remove_unlinked_batch_entries(layout: Layout) -> int:
     """Remove the entries of directory puts' batches that no link points at (an evict or a
-    replace killed between moving the link and removing the entry), and batches left
-    with their manifest alone; returns the bytes freed. The links are read under the
-    publish lock exclusive: no directory put or evict moves one during the walk, and a
-    batch still being published has no link yet, so none of its entries is taken."""
+    replace killed between moving the link and removing the entry: a directory removed, a
+    packed entry's live byte cleared), and batches left with their manifest alone and no
+    live packed entry; returns the bytes freed. The links are read under the publish lock
+    exclusive: no directory put or evict moves one during the walk, and a batch still
+    being published has no link yet, so none of its entries is taken (nor the batch: its
+    packed entries are live)."""
     orphans: list[str] = []
+    packed: dict[str, set[int]] = {}
+    root = str(layout.root)
     with publish_lock(layout, shared=False):
         linked = referenced_versions(layout)
-        batches = {version.partition("/")[0] for version in linked if "/" in version}
-        for batch in batches:
+        batches: dict[str, set[int]] = {}
+        for version in linked:
+            found = split_batch_version(version)
+            if found is not None:
+                batches.setdefault(found[0], set()).add(found[1])
+        for batch, indices in batches.items():
             with suppress(OSError):
                 names = os.listdir(layout.version_dir(batch))
                 entries = (f"{batch}/{name}" for name in names if name != MANIFEST_FILE)
                 orphans += [version for version in entries if version not in linked]
+            with suppress(OSError, ValueError):
+                unlinked = (live_entries(root, batch) or set()) - indices
+                if unlinked:
+                    packed[batch] = unlinked
         alone = [
             name
             for name in os.listdir(layout.objects)
             if name not in linked and name not in batches and _holds_manifest_alone(layout, name)
         ]
+        for batch, indices in packed.items():  # under the lock: no link into them can appear
+            clear_live(root, batch, indices)
     freed = remove_versions(layout, orphans)
+    for batch in packed:
+        freed += remove_batch_if_empty(layout, batch)
     for batch in alone:  # no entry left, no link into it: not a batch being published
         freed += remove_tree(layout.version_dir(batch))
-    if orphans or alone:
+    if orphans or alone or packed:
         logger.info(
             "cleanup removed %d unlinked entries of directory puts, %d empty batches",
-            len(orphans),
+            len(orphans) + sum(map(len, packed.values())),
             len(alone),
         )
     return freed
 
 
 def _holds_manifest_alone(layout: Layout, name: str) -> bool:
+    """Whether ``objects/<name>`` is a batch with no entry directory and no live packed
+    entry (a damaged manifest counts none: no link points into it)."""
     try:
-        return os.listdir(layout.version_dir(name)) == [MANIFEST_FILE]
+        if os.listdir(layout.version_dir(name)) != [MANIFEST_FILE]:
+            return False
     except OSError:
         return False
+    try:
+        return not live_entries(str(layout.root), name)
+    except ValueError:
+        return True
+
+
+def _data_present(layout: Layout, version: str) -> bool:
+    """Whether ``version``'s data is there: its directory, or a packed entry's manifest."""
+    if packed_range(version) is not None:
+        return os.path.isfile(layout.object_file(version.partition("/")[0], MANIFEST_FILE))
+    return layout.version_dir(version).is_dir()
 
 
 def linked_keys(layout: Layout) -> list[str]:
@@ -164,7 +195,11 @@ def _check_files(layout: Layout, key: str, version: str, meta: EntryMeta) -> dic
     if not files:
         raise damaged(key, f"its {META_FILE} lists no files ({files!r:.80})")
     try:
-        present = {n[: -len(".npy")] for n in os.listdir(layout.version_dir(version)) if n.endswith(".npy")}
+        if packed_range(version) is not None:  # its one data.npy, inside the manifest
+            present = {"data"} if _data_present(layout, version) else set()
+        else:
+            names = os.listdir(layout.version_dir(version))
+            present = {n[: -len(".npy")] for n in names if n.endswith(".npy")}
     except FileNotFoundError:
         raise KeyNotFoundError(f"entry {key!r} was replaced or evicted while verifying") from None
     missing, extra = sorted(set(files) - present), sorted(present - set(files))
@@ -177,19 +212,30 @@ def _check_files(layout: Layout, key: str, version: str, meta: EntryMeta) -> dic
     return {name: _file_header(layout, key, version, name) for name in files}
 
 
-def _file_header(layout: Layout, key: str, version: str, name: str) -> NpyHeader:
-    where = f"{name}.npy"
+def _open_file(layout: Layout, key: str, version: str, name: str) -> tuple[int, int, int]:
+    """``(descriptor, start, size)`` of file ``name`` of ``version``: a file of its own
+    (start 0), or a packed entry's bytes in its batch's manifest."""
     try:
-        fd = os.open(layout.object_file(version, where), os.O_RDONLY | os.O_CLOEXEC)
+        if packed_range(version) is None:
+            fd = os.open(layout.object_file(version, name), os.O_RDONLY | os.O_CLOEXEC)
+            return fd, 0, os.fstat(fd).st_size
+        try:
+            return open_packed(str(layout.root), version)
+        except ValueError as exc:
+            raise damaged(key, str(exc)) from None
     except FileNotFoundError:
         raise KeyNotFoundError(f"entry {key!r} was replaced or evicted while verifying") from None
+
+
+def _file_header(layout: Layout, key: str, version: str, name: str) -> NpyHeader:
+    where = f"{name}.npy"
+    fd, start, size = _open_file(layout, key, version, where)
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, _HEAD, 0)
+        head = os.pread(fd, min(_HEAD, size), start)
         try:
             end = header_length(head, where)
             if end > len(head):
-                head = os.pread(fd, end, 0)
+                head = os.pread(fd, min(end, size), start)
             header = NpyHeader(*parse_header_bytes(head, end, where)) if end <= len(head) else None
         except CorruptEntryError as exc:
             raise damaged(key, str(exc)) from None
@@ -243,12 +289,9 @@ def _check_checksums(layout: Layout, key: str, version: str, checksum: Any, file
             f"{META_FILE} was edited",
         )
     for name, crc in sorted(recorded.items()):
+        fd, start, size = _open_file(layout, key, version, f"{name}.npy")
         try:
-            fd = os.open(layout.object_file(version, f"{name}.npy"), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise KeyNotFoundError(f"entry {key!r} was replaced or evicted while verifying") from None
-        try:
-            actual = crc_of_range(fd, 0, os.fstat(fd).st_size)
+            actual = crc_of_range(fd, start, size)
         finally:
             os.close(fd)
         if actual != crc:

@@ -127,6 +127,10 @@ class Reader:
 
             raise wrong_kind(key, meta.kind, "array")
         if self.layout.entry_version(key) == version:
+            if "." in version.partition("/")[2]:  # packed: its bytes are in the batch's manifest
+                manifest = self.layout.object_file(version, ARRAY_FILE)
+                why = "`shmcache cleanup` removes entries whose data vanished"
+                raise damaged(key, f"its data ({manifest}) is missing ({why})")
             where = self.layout.version_dir(version)
             vanished = "" if where.is_dir() else " (`shmcache cleanup` removes entries whose data vanished)"
             raise damaged(key, f"its data ({ARRAY_FILE}) is missing from {where}{vanished}")

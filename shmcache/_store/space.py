@@ -17,7 +17,7 @@ from contextlib import suppress
 
 from .._disk.fs import FileLockProbe, allocated_bytes, free_bytes, full_is_cache_full, total_bytes
 from .._disk.layout import Layout
-from .._disk.procmaps import mapped_versions
+from .._disk.procmaps import scan_mappings
 from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
 from ..errors import CacheFullError
@@ -107,7 +107,8 @@ def _make_room_in_budget(
     if excess <= 0:
         return
     forget_attachments(layout.root)  # our own cache alone must not pin entries
-    mapped = mapped_versions(layout.objects)
+    scan = scan_mappings(layout.objects)  # a packed entry: mapped if its bytes in the manifest are
+    mapped = {e.version for e in entries if scan.pids_of(e.version)}
     evictable = [e for e in entries if not e.pinned and e.version not in mapped]
     if victim_order is None:
         candidates = sorted(evictable, key=lambda e: e.last_used)

@@ -32,9 +32,9 @@ from .._containers.shared import (
 from .._containers.table import SharedTable
 from .._disk.fs import descriptors_typed
 from .._disk.keys import key_in_prefix, validate_key
-from .._disk.layout import Layout, default_root
+from .._disk.layout import Layout, default_root, packed_range
 from .._disk.meta import read_entry_meta, read_meta
-from .._disk.procmaps import MappingScan, mapped_versions, scan_mappings
+from .._disk.procmaps import MappingScan, scan_mappings
 from .._sources.urls import redact_url
 from .._team.config import checked_team, team_of
 from ..errors import InvalidRequestError, KeyExistsError, KeyNotFoundError, UnsupportedDataError
@@ -391,7 +391,10 @@ class Store(Putting):
         then charges for the pages, instead of the first training job's."""
         from .._disk.huge_map import collapse_file
 
-        directory = self.layout.version_dir(self.info(key).version)
+        version = self.info(key).version
+        if packed_range(version) is not None:
+            return 0  # packed into its batch's manifest: a few KiB, no huge page to fill
+        directory = self.layout.version_dir(version)
         with os.scandir(directory) as found:
             files = [f.path for f in found if f.name.endswith(".npy") and f.is_file(follow_symlinks=False)]
         return sum(collapse_file(path).collapsed for path in files)
@@ -399,7 +402,7 @@ class Store(Putting):
     def mapped_by(self, key: str) -> builtins.list[int]:
         """PIDs of live processes that map the current version of ``key`` (a ``/proc`` scan)."""
         version = self.info(key).version
-        return sorted(mapped_versions(self.layout.objects).get(version, ()))
+        return sorted(scan_mappings(self.layout.objects).pids_of(version))
 
     def scan_mappings(self) -> MappingScan:
         """Which processes map which versions, and bytes still held by unlinked ones."""

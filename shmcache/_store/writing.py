@@ -12,19 +12,27 @@ from typing import Any
 
 import numpy as np
 
-from .._disk.checksum import format_checksums
+from .._disk.checksum import crc32, format_checksums
 from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations, mark_changing
-from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, Layout
-from .._disk.manifest import encode_manifest, read_manifest_keys, split_batch_version
+from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, Layout, packed_range
+from .._disk.manifest import (
+    PACK_MAX,
+    ManifestWriter,
+    clear_live,
+    live_entries,
+    read_manifest_keys,
+    split_batch_version,
+)
 from .._disk.meta import META_FORMAT, read_meta
 from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
+from .._sources.files import read_planned
 from .._sources.planned import Planned
-from .._sources.source_files import check_unchanged, reopen
+from .._sources.source_files import check_unchanged, check_unchanged_path, reopen
 from ..errors import KeyExistsError
 from .copy_pool import copy_threads, run_copies
 from .locks import key_locks, publish_lock
@@ -38,6 +46,7 @@ __all__ = [
     "pack_blobs",
     "publish",
     "publish_batch",
+    "remove_batch_if_empty",
     "remove_versions",
     "version_meta",
     "versions_of",
@@ -149,19 +158,79 @@ def write_batch(
     *,
     threads: int | None = None,
 ) -> str:
-    """Write every planned entry of a directory put into one new batch version (entry n in
-    ``<batch>/<n>/``, no ``meta.json``; ``item.version`` set), then its manifest; returns
-    the batch. ``copy`` copies a planned ``.npy`` (``_sources.files.copy_planned``; the
-    target it is given is a ``str``: no ``Path`` per entry). The entries are made relative
-    to the batch's directory (``BatchEntries``), by several threads for a big batch of byte
-    copies (``copy_pool``: ``threads``, default ``copy_threads(plan)``; 1: this thread
-    alone); the manifest lists them in plan order either way, and ``advance`` is called
-    from this thread only."""
+    """Write every planned entry of a directory put into one new batch version, then its
+    manifest; returns the batch (``item.version`` set on each). A small ``.npy`` (at most
+    ``PACK_MAX`` bytes, a byte copy) is packed into the manifest (version
+    ``<batch>/<n>.<offset>.<length>``, streamed there as it is read: no directory and no
+    file per entry); any other in ``<batch>/<n>/`` (no ``meta.json``), copied by ``copy``
+    (``_sources.files.copy_planned``; the target it is given is a ``str``: no ``Path`` per
+    entry). Those are made relative to the batch's directory (``BatchEntries``), by
+    several threads for a big batch of byte copies (``copy_pool``: ``threads``, default
+    ``copy_threads`` of them; 1: this thread alone); the manifest lists every entry in
+    plan order either way, and ``advance`` is called from this thread only."""
     batch = writer.new_batch()
     lines = [b""] * len(plan)
+    fd = writer.create_file(batch, MANIFEST_FILE)
+    try:
+        manifest = ManifestWriter(fd, str(writer.path(batch, MANIFEST_FILE)), len(plan))
+        apart = _pack_small(manifest, plan, batch, lines, advance)
+        if apart:
+            _write_apart(writer, batch, plan, apart, lines, pin, advance, copy, threads)
+        manifest.finish(batch_common(pin), lines)
+    finally:
+        os.close(fd)
+    return batch
+
+
+def _pack_small(
+    manifest: ManifestWriter,
+    plan: Sequence[Planned],
+    batch: str,
+    lines: list[bytes],
+    advance: Callable[[int], None],
+) -> list[int]:
+    """Pack the plan's small byte copies into ``manifest`` (their versions and manifest
+    lines set); returns the indices of the others, written apart. One loop with little
+    Python per file: at 100,000 files each attribute and call counts."""
+    apart: list[int] = []
+    last, small = None, False
+    add, prefix = manifest.add, f"{batch}/"
+    for index, item in enumerate(plan):
+        header = item.header
+        if header is not last:  # a directory's files share a few header objects
+            last, small = header, header.file_size <= PACK_MAX
+        if not small or item.container is not None or item.write is not None or item.copy_offset is None:
+            apart.append(index)
+            continue
+        data = item.data
+        if data is not None:  # read whole when checked (read_planned, inline)
+            item.data = None
+            check_unchanged_path(item.file)
+            crc = crc32(data)
+            advance(len(data))
+        else:
+            data, crc = read_planned(item, advance)
+        item.version = prefix + add(index, data)
+        lines[index] = array_line(item.key, header, crc, item.source, item.file.fingerprint_json)
+    return apart
+
+
+def _write_apart(
+    writer: VersionWriter,
+    batch: str,
+    plan: Sequence[Planned],
+    apart: Sequence[int],
+    lines: list[bytes],
+    pin: bool,
+    advance: Callable[[int], None],
+    copy: Callable[[Planned, int, str, Callable[[int], None]], int],
+    threads: int | None,
+) -> None:
+    """Write the entries ``apart`` of the plan into directories of their own, ``<batch>/<n>/``."""
     with writer.batch_entries(batch) as entries:
 
-        def write_entry(index: int, add: Callable[[int], None]) -> None:
+        def write_entry(at: int, add: Callable[[int], None]) -> None:
+            index = apart[at]
             item = plan[index]
             item.version = entries.new_entry(index)
             if item.container is not None:  # decoded when checked: HDF5 variable-length strings
@@ -176,14 +245,13 @@ def write_batch(
                 os.close(dst)
             lines[index] = array_line(item.key, item.header, crc, item.source, item.file.fingerprint_json)
 
-        workers = copy_threads(plan) if threads is None else threads
+        subset = [plan[index] for index in apart]
+        workers = copy_threads(subset) if threads is None else threads
         if workers > 1:
-            run_copies(len(plan), write_entry, workers, advance)
+            run_copies(len(apart), write_entry, workers, advance)
         else:
-            for index in range(len(plan)):
-                write_entry(index, advance)
-    writer.write_manifest(batch, encode_manifest(batch_common(pin), lines))
-    return batch
+            for at in range(len(apart)):
+                write_entry(at, advance)
 
 
 def publish_batch(
@@ -274,24 +342,35 @@ def versions_of(layout: Layout, replaced: Mapping[str, str]) -> list[str]:
 def remove_versions(layout: Layout, versions: Iterable[str]) -> int:
     """Remove published versions no link points at any more; returns the bytes freed
     (processes that map their files keep reading them). An entry of a directory put
-    (``<batch>/<n>``) is its own directory; the batch and its manifest go with the last
-    of its entries (a directory's link count tells, without listing the batch)."""
+    (``<batch>/<n>``) is its own directory; a packed one (``<batch>/<n>.<offset>.<length>``)
+    has its live byte in the manifest cleared (its bytes stay: a process that mapped them
+    keeps reading them). The batch and its manifest go with the last of its entries (a
+    directory's link count and the live bitmap tell, without listing the batch)."""
     freed = 0
     batches: set[str] = set()
+    packed: dict[str, list[int]] = {}
+    root = str(layout.root)
     for version in versions:
-        freed += remove_tree(layout.version_dir(version))
         batch, slash, _ = version.partition("/")
         if slash:
             batches.add(batch)
+            span = packed_range(version)
+            if span is not None:
+                packed.setdefault(batch, []).append(span[1])
+                continue
+        freed += remove_tree(layout.version_dir(version))
     for batch in batches:
-        freed += _remove_batch_if_empty(layout, batch)
+        live = clear_live(root, batch, packed[batch]) if batch in packed else None
+        freed += remove_batch_if_empty(layout, batch, live)
     return freed
 
 
-def _remove_batch_if_empty(layout: Layout, batch: str) -> int:
-    """Remove ``objects/<batch>`` if no entry directory is left in it. Two evicters of its
-    last entries both see it empty, or the later one does: it never stays behind (on a file
-    system whose directories count no links, ``cleanup`` removes it)."""
+def remove_batch_if_empty(layout: Layout, batch: str, live: int | None = None) -> int:
+    """Remove ``objects/<batch>`` if no entry directory is left in it and no packed entry
+    is live (``live``: how many live bytes its manifest holds, as :func:`clear_live` just
+    counted; None: read them). Two evicters of its last entries both see it empty, or
+    the later one does: it never stays behind (on a file system whose directories count
+    no links, ``cleanup`` removes it); removing it twice is harmless."""
     path = layout.version_dir(batch)
     try:
         if os.stat(path).st_nlink != 2:  # 2 + one per subdirectory (tmpfs, ext4, xfs)
@@ -300,6 +379,14 @@ def _remove_batch_if_empty(layout: Layout, batch: str) -> int:
     except FileNotFoundError:
         return 0
     if any(name != MANIFEST_FILE for name in names):
+        return 0
+    if live is None:
+        try:
+            found = live_entries(str(layout.root), batch)
+        except ValueError:  # damaged: cleanup's to judge
+            return 0
+        live = 0 if found is None else len(found)
+    if live:
         return 0
     return remove_tree(path)
 
