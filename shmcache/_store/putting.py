@@ -36,6 +36,7 @@ from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
 from .._sources.tar_shards import ShardSource, plan_shards
 from ..errors import CacheRootError, KeyExistsError, LockTimeoutError, UnsupportedDataError
+from .gc_pause import gc_paused
 from .locks import STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock
 from .reading import Reader, release_version
 from .records import EntryInfo, PlannedEntry, entry_info
@@ -295,11 +296,12 @@ class Putting:
             )
             return [info.key]
         allowed = builtins.list(allowed_dirs)
-        plan = plan_sources(key, Path(path), allowed, dtype, hold=True, listing=source.listing)
-        try:
-            return self._put_planned(key, path, plan, overwrite, pin, progress)
-        finally:
-            release_planned(plan)  # what a failed put did not copy
+        with gc_paused():  # a directory's plan: many objects, no cycles
+            plan = plan_sources(key, Path(path), allowed, dtype, hold=True, listing=source.listing)
+            try:
+                return self._put_planned(key, path, plan, overwrite, pin, progress)
+            finally:
+                release_planned(plan)  # what a failed put did not copy
 
     def _put_planned(
         self,
