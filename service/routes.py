@@ -128,6 +128,7 @@ async def stats(service: ServiceDep) -> Stats:
         budget=space.budget,
         over_budget=space.over_budget,
         entries=space.entries,
+        packed_held=space.packed_held,
         held_by_readers_bytes=held,
         jobs_queued=counts["queued"],
         jobs_running=counts["running"],

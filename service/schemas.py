@@ -54,6 +54,11 @@ class Stats(BaseModel):
         "evicts to fit."
     )
     entries: int
+    packed_held: int = Field(
+        default=0,
+        description="Of `used`: bytes directory puts' manifests hold beyond their linked packed "
+        "entries (mostly evicted ones: freed when the rest of that directory put is evicted or re-put).",
+    )
     held_by_readers_bytes: int = Field(
         description="Bytes of evicted or replaced entries that live processes still map "
         "(returned to the system when they let go); refreshed at most every 2 s."

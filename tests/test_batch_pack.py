@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import shmcache
 import shmcache.torch
-from shmcache import CorruptEntryError, KeyNotFoundError, Store
+from shmcache import CacheFullError, CorruptEntryError, KeyNotFoundError, Store
 from shmcache._disk import manifest
 from shmcache._disk.attach import private_view
 from shmcache._disk.layout import packed_range
@@ -92,7 +92,8 @@ def test_packed_entries_round_trip_bit_identically(store: Store, root: Path, tmp
     batch = _batch(root)
     over = store.info("d/over_bound").version.partition("/")[2]
     assert sorted(os.listdir(batch)) == sorted([over, "manifest"])  # a mixed batch
-    assert store.stats().used == sum(store.info(f"d/{name}").size for name in arrays)
+    stats = store.stats()  # used: the entries, and the manifest's pages beyond them (headers, padding)
+    assert stats.used - stats.packed_held == sum(store.info(f"d/{name}").size for name in arrays)
 
 
 def test_evicting_packed_keys_one_by_one(store: Store, root: Path, tmp_path: Path) -> None:
@@ -337,7 +338,9 @@ def test_dataloader_workers_read_packed_entries(store: Store, tmp_path: Path, me
 
 def test_space_pressure_spares_a_mapped_packed_entry(root: Path, tmp_path: Path) -> None:
     """A mapping of the manifest counts for the packed entries whose bytes it covers (its
-    neighbours in the same pages too: conservative), not for the batch's others."""
+    neighbours in the same pages too: conservative), not for the batch's others. Evicting
+    the others would free nothing (the manifest's pages go with its last entry), so a put
+    that needs room is refused, naming only the mapped entry as busy, and evicts nothing."""
     store = Store(root)
     store.put_file("d", _small(tmp_path / "src", 4, rows=1500))  # 48,128-byte entries
     with subprocess.Popen(
@@ -350,8 +353,11 @@ def test_space_pressure_spares_a_mapped_packed_entry(root: Path, tmp_path: Path)
         reader.stdout.readline()
         assert store.mapped_by("d/f1") == [reader.pid] and store.mapped_by("d/f3") == []
         store.set_budget(store.stats().used + 40_000)
-        store.put_array("new", np.zeros(50_000, np.uint8))  # needs one entry evicted
-        assert store.exists("d/f1") and not store.exists("d/f3")  # the unmapped one went
+        with pytest.raises(CacheFullError, match=r"mapped by live processes: [^.]*d/f1\b") as refused:
+            store.put_array("new", np.zeros(50_000, np.uint8))  # needs the whole batch freed
+        busy = str(refused.value).partition("mapped by live processes")[2].partition(".")[0]
+        assert "d/f3" not in busy and "only 0 B could be evicted" in str(refused.value)
+        assert all(store.exists(f"d/f{i}") for i in range(4)) and not store.exists("new")
         assert int(store.open_array("d/f1")[0, 0]) == 1
         reader.stdin.close()
         assert reader.wait(timeout=WAIT_S) == 0

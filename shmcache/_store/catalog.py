@@ -4,22 +4,38 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from .._disk.fs import free_bytes, total_bytes
-from .._disk.layout import GENERATION_BYTES, Layout, generation_slot, read_version
+from .._disk.layout import (
+    GENERATION_BYTES,
+    MANIFEST_FILE,
+    Layout,
+    generation_slot,
+    object_path,
+    packed_range,
+    read_version,
+)
 from .._disk.meta import read_meta
 from ..errors import CacheRootError
 from .records import EntryInfo, StoreStats, entry_info
 
-__all__ = ["info_of", "iter_infos", "referenced_versions", "store_stats", "used_bytes"]
+__all__ = [
+    "held_by_batches",
+    "info_of",
+    "iter_infos",
+    "packed_batch",
+    "referenced_versions",
+    "store_stats",
+    "used_bytes",
+]
 
 _USAGE_MAX_AGE_S = 5.0
-_usage: dict[str, tuple[bytes, float, dict[str, tuple[str, int]]]] = {}
-"""root -> (its generation table when read, when, key -> (version, size)): the
+_usage: dict[str, tuple[bytes, float, dict[str, tuple[str, int, str | None]]]] = {}
+"""root -> (its generation table when read, when, key -> (version, size, packed batch)): the
 sizes of a root's entries, re-read only for keys whose generation slot changed since (a
 published version never changes, so ``meta.json`` is read once per new version)."""
 
@@ -56,12 +72,39 @@ def iter_infos(layout: Layout) -> Iterator[EntryInfo]:
             yield info
 
 
+def packed_batch(version: str) -> str | None:
+    """The batch whose manifest holds a packed entry's bytes (None: not packed)."""
+    packed = packed_range(version)
+    return None if packed is None else packed[0]
+
+
+def held_by_batches(layout: Layout, linked: Iterable[tuple[str | None, int]]) -> dict[str, int]:
+    """Batch -> bytes its manifest holds beyond the sizes of its linked packed entries
+    (``linked``: ``(packed batch or None, size)`` of each entry counted): evicting a packed
+    entry clears its live byte but frees nothing, the manifest's pages return only with
+    the batch's last entry. One ``stat`` per batch (its allocated blocks), none per key."""
+    live: dict[str, int] = {}
+    for batch, size in linked:
+        if batch is not None:
+            live[batch] = live.get(batch, 0) + size
+    held = {}
+    for batch, size in live.items():
+        try:
+            allocated = os.stat(object_path(str(layout.root), batch, MANIFEST_FILE)).st_blocks * 512
+        except OSError:  # gone since the listing: its bytes went with it
+            continue
+        held[batch] = max(0, allocated - size)
+    return held
+
+
 def used_bytes(layout: Layout, excluding: Collection[str] = ()) -> int:
     """Bytes held by the root's published entries but those under ``excluding`` keys (what
-    ``stats`` calls used). Every put under a budget pays it first, so it must not read every
-    entry's metadata: one walk of the entry tree, then a ``readlink`` only for keys whose generation
-    slot changed since the last call (every publish and evict bumps its keys' slots), and
-    every key again after a few seconds (a writer killed between its link swap and its
+    ``stats`` calls used), and by the manifests of their directory puts beyond those
+    entries (what evicted packed entries still hold, see :func:`held_by_batches`). Every
+    put under a budget pays it first, so it must not read every entry's metadata: one walk
+    of the entry tree, then a ``readlink`` only for keys whose generation slot changed
+    since the last call (every publish and evict bumps its keys' slots), one ``stat`` per
+    packed batch, and every key again after a few seconds (a writer killed between its link swap and its
     bump leaves no trace in the table)."""
     root = str(layout.root)
     table = _generation_table(layout)  # before the listing: a change during it is seen next time
@@ -76,14 +119,16 @@ def used_bytes(layout: Layout, excluding: Collection[str] = ()) -> int:
     if table is not None:
         full_scan_at = now if changed is None or cached is None else cached[1]
         _usage[root] = (table, full_scan_at, sizes)
-    total = sum([size for _, size in sizes.values()])
-    return total - sum(sizes[key][1] for key in set(excluding) if key in sizes)
+    excluded = set(excluding)
+    counted = [(batch, size) for key, (_, size, batch) in sizes.items() if key not in excluded]
+    # a replaced packed entry's bytes stay in its manifest: held, not freed by the put
+    return sum([size for _, size in counted]) + sum(held_by_batches(layout, counted).values())
 
 
 def _scan_sizes(
-    layout: Layout, known: dict[str, tuple[str, int]], changed: set[int] | None
-) -> dict[str, tuple[str, int]]:
-    """Key -> (version, size) of every entry: from ``known`` for keys whose slot is not in
+    layout: Layout, known: dict[str, tuple[str, int, str | None]], changed: set[int] | None
+) -> dict[str, tuple[str, int, str | None]]:
+    """Key -> (version, size, packed batch) of every entry: from ``known`` for keys whose slot is not in
     ``changed``, else read (``meta.json`` only for a version not seen before)."""
     sizes = {}
     for key, link in _entry_links(layout).items():
@@ -98,7 +143,7 @@ def _scan_sizes(
             meta = read_meta(layout, version)
             if meta is None or meta.key != key:
                 continue
-            seen = (version, meta.size)
+            seen = (version, meta.size, packed_batch(version))
         sizes[key] = seen
     return sizes
 
@@ -128,14 +173,16 @@ def referenced_versions(layout: Layout) -> dict[str, str]:
 
 def store_stats(layout: Layout, entries: list[EntryInfo], budget: int | None) -> StoreStats:
     """Space of the root's file system (of its nearest existing ancestor, before the first put)."""
+    held = sum(held_by_batches(layout, [(packed_batch(e.version), e.size) for e in entries]).values())
     probe: Path = layout.root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return StoreStats(
         root=str(layout.root),
         capacity=total_bytes(probe),
-        used=sum(e.size for e in entries),
+        used=sum(e.size for e in entries) + held,
         free=free_bytes(probe),
         budget=budget,
         entries=len(entries),
+        packed_held=held,
     )

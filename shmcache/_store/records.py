@@ -46,13 +46,18 @@ class StoreStats:
     capacity: int
     """Size of the file system holding the root (the tmpfs)."""
     used: int
-    """Bytes held by published entries."""
+    """Bytes held by published entries, and by directory puts' manifests beyond them
+    (``packed_held``)."""
     free: int
     """Bytes still free on that file system."""
     budget: int | None
     """The budget in force: the root's (``shmcache budget``), or the store's lower
     ``max_bytes``; None for no budget."""
     entries: int
+    packed_held: int = 0
+    """Of ``used``: bytes the manifests of directory puts hold beyond their linked packed
+    entries, mostly evicted packed entries (evicting one frees nothing; its batch's pages
+    return when the rest of that directory put is evicted, or it is put again)."""
 
     @property
     def over_budget(self) -> bool:

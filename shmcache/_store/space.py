@@ -22,7 +22,7 @@ from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
 from ..errors import CacheFullError
 from .budget import read_budget
-from .catalog import iter_infos, used_bytes
+from .catalog import held_by_batches, iter_infos, packed_batch, used_bytes
 from .locks import space_lock
 from .reading import forget_attachments
 from .records import EntryInfo
@@ -102,7 +102,8 @@ def _make_room_in_budget(
     if used_bytes(layout, replacing) + reserved + nbytes <= budget:
         return  # the common case, without reading every entry's record
     entries = [e for e in iter_infos(layout) if e.key not in replacing]
-    used = sum(e.size for e in entries) + reserved
+    held = held_by_batches(layout, [(packed_batch(e.version), e.size) for e in entries])
+    used = sum(e.size for e in entries) + sum(held.values()) + reserved
     excess = used + nbytes - budget
     if excess <= 0:
         return
@@ -114,12 +115,13 @@ def _make_room_in_budget(
         candidates = sorted(evictable, key=lambda e: e.last_used)
     else:
         candidates = victim_order(evictable)
-    if sum(e.size for e in candidates) < excess:
+    members = _batch_members(entries)
+    if _freed_by(candidates, members, held) < excess:
         pinned = [e.key for e in entries if e.pinned]
         busy = [e.key for e in entries if e.version in mapped]
         raise CacheFullError(
             f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}), "
-            f"{human_bytes(used)} used; only {human_bytes(sum(e.size for e in candidates))} could be "
+            f"{human_bytes(used)} used; only {human_bytes(_freed_by(candidates, members, held))} could be "
             f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}. Evict some "
             "(`shmcache evict KEY`), let the processes that map them exit, or raise the budget "
             "(`shmcache budget set SIZE`)"
@@ -131,13 +133,46 @@ def _make_room_in_budget(
         # and then waits for the space lock we hold (lock-order deadlock).
         if evict_version(entry.key, entry.version) is not None:
             logger.info("evicted %s (%d bytes) to stay within the budget", entry.key, entry.size)
-            excess -= entry.size
+            batch = packed_batch(entry.version)
+            if batch is None:
+                excess -= entry.size
+                continue
+            count, live = members[batch]  # a packed entry's bytes go with its batch's last entry
+            members[batch] = (count - 1, live)
+            if count == 1:
+                excess -= live + held.get(batch, 0)
     if excess > 0:
         raise CacheFullError(
             f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}); "
             f"{human_bytes(excess)} could not be freed because the entries to evict were being "
             "replaced or loaded by other processes; try again"
         )
+
+
+def _batch_members(entries: list[EntryInfo]) -> dict[str, tuple[int, int]]:
+    """Packed batch -> how many of ``entries`` are packed into it, and their bytes."""
+    members: dict[str, tuple[int, int]] = {}
+    for entry in entries:
+        batch = packed_batch(entry.version)
+        if batch is not None:
+            count, live = members.get(batch, (0, 0))
+            members[batch] = (count + 1, live + entry.size)
+    return members
+
+
+def _freed_by(victims: list[EntryInfo], members: dict[str, tuple[int, int]], held: dict[str, int]) -> int:
+    """Bytes evicting every one of ``victims`` would free: an entry of its own frees its
+    size; a packed entry frees nothing until its batch's last entry goes, then the whole
+    manifest (its entries' bytes and what it holds beyond them)."""
+    left = {batch: count for batch, (count, _) in members.items()}
+    freed = 0
+    for entry in victims:
+        batch = packed_batch(entry.version)
+        if batch is None:
+            freed += entry.size
+        else:
+            left[batch] -= 1
+    return freed + sum(members[b][1] + held.get(b, 0) for b, n in left.items() if n == 0)
 
 
 def _live_reservations(layout: Layout, writer: VersionWriter) -> list[tuple[int, int]]:

@@ -1,0 +1,78 @@
+"""What packed entries hold after eviction counts against the budget and in ``stats``:
+evicting a packed entry clears its live byte but frees no memory (the manifest's pages
+return with its batch's last entry), so ``stats().used``, ``packed_held`` and every put
+under a budget count the manifest's allocated bytes. Real files on the tmpfs, real puts
+and evictions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmcache import CacheFullError, Store
+from shmcache._disk.layout import packed_range
+
+COUNT = 200
+ENTRY = 64 * 200 * 4 + 128  # a 64 x 200 float32 .npy: 51,328 bytes, packed (<= 64 KiB)
+
+
+def _put_small_dir(store: Store, folder: Path) -> Path:
+    """A directory put of ``COUNT`` packed entries; the path of its batch's manifest."""
+    folder.mkdir()
+    for i in range(COUNT):
+        np.save(folder / f"f{i}.npy", np.full((64, 200), i, np.float32))
+    store.put_file("d", folder)
+    packed = packed_range(store.info("d/f0").version)
+    assert packed is not None
+    return store.root / "objects" / packed[0] / "manifest"
+
+
+def _allocated(path: Path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def _objects_allocated(root: Path) -> int:
+    """What the root's published objects really take on the tmpfs."""
+    return sum(
+        _allocated(Path(folder) / name) for folder, _, names in os.walk(root / "objects") for name in names
+    )
+
+
+def _evict_all_but_f0(store: Store) -> None:
+    for i in range(1, COUNT):
+        store.evict(f"d/f{i}")
+
+
+def test_stats_count_what_evicted_packed_entries_still_hold(store: Store, tmp_path: Path) -> None:
+    manifest = _put_small_dir(store, tmp_path / "src")
+    full = store.stats()
+    assert full.used - full.packed_held == COUNT * ENTRY and full.used >= _allocated(manifest)
+    _evict_all_but_f0(store)
+    stats = store.stats()
+    assert stats.entries == 1 and manifest.exists()
+    assert stats.used >= _allocated(manifest) > 100 * ENTRY  # not just the one entry left
+    assert stats.packed_held == stats.used - ENTRY
+    store.evict("d/f0")  # the batch's last entry: the manifest goes, its pages return
+    assert not manifest.exists()
+    assert (store.stats().used, store.stats().packed_held) == (0, 0)
+
+
+def test_a_put_frees_the_batch_it_needs_or_is_refused(store: Store, tmp_path: Path) -> None:
+    """The reviewer's case: 199 of 200 packed entries evicted, a 2 MB budget, a 1.8 MB put.
+    It must not fit beside the ~10 MB the manifest still holds: with the last entry
+    evictable, evicting it frees the whole batch; mapped here, the put is refused."""
+    manifest = _put_small_dir(store, tmp_path / "src")
+    _evict_all_but_f0(store)
+    store.set_budget(2_000_000)
+    mapped = store.open_array("d/f0")
+    with pytest.raises(CacheFullError, match="within the budget"):
+        store.put_array("x", np.zeros(1_800_000 // 8))
+    assert not store.exists("x") and store.exists("d/f0") and manifest.exists()  # changed nothing
+    assert int(mapped[0, 0]) == 0
+    del mapped
+    store.put_array("x", np.zeros(1_800_000 // 8))
+    assert not store.exists("d/f0") and not manifest.exists()  # the batch went, with its pages
+    assert store.stats().used <= 2_000_000 and _objects_allocated(store.root) <= 2_000_000 + 64 * 1024
