@@ -6,11 +6,14 @@ and evictions."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import cli, invoke
+from service_helpers import running_daemon
 
 from shmcache import CacheFullError, Store
 from shmcache._disk.layout import packed_range
@@ -76,3 +79,23 @@ def test_a_put_frees_the_batch_it_needs_or_is_refused(store: Store, tmp_path: Pa
     store.put_array("x", np.zeros(1_800_000 // 8))
     assert not store.exists("d/f0") and not manifest.exists()  # the batch went, with its pages
     assert store.stats().used <= 2_000_000 and _objects_allocated(store.root) <= 2_000_000 + 64 * 1024
+
+
+def test_stats_cli_doctor_and_daemon_say_what_is_held(store: Store, root: Path, tmp_path: Path) -> None:
+    """``shmcache stats`` (text and JSON), ``doctor``'s budget check and the daemon's
+    ``GET /v1/stats`` report the held bytes, and say what frees them."""
+    manifest = _put_small_dir(store, tmp_path / "src")
+    _evict_all_but_f0(store)
+    code, out, err = cli("stats", "--root", str(root), "--json", "--local")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["used"] >= _allocated(manifest) and report["packed_held"] == report["used"] - ENTRY
+    code, out, err = cli("stats", "--root", str(root), "--local")
+    assert code == 0 and "packed:" in out and "freed with the rest of that put" in out, (out, err)
+    result = invoke("doctor", "--root", str(root), "--json")
+    budget = {check["name"]: check for check in json.loads(result.stdout)["checks"]}["budget"]
+    assert budget["details"]["packed_held"] == report["packed_held"]
+    assert "evicting the rest of that directory put" in budget["summary"]
+    with running_daemon(root) as daemon, daemon.client() as client:
+        served = client.get("/v1/stats").json()
+    assert (served["used"], served["packed_held"]) == (report["used"], report["packed_held"])

@@ -496,6 +496,9 @@ def stats(
     typer.echo(f"daemon:   {'running' if daemon else 'not used (--local)' if local else 'not running'}")
     typer.echo(f"entries:  {result.entries}")
     typer.echo(f"used:     {human_bytes(result.used)}  (budget {budget}{over})")
+    if result.packed_held > 0:
+        typer.echo(f"packed:   {human_bytes(result.packed_held)} of it held by directory puts' manifests "
+                   "beyond their entries (evicted packed entries: freed with the rest of that put)")
     typer.echo(f"free:     {human_bytes(result.free)} of {human_bytes(result.capacity)}")
     if result.budget_warning is not None:
         typer.echo(f"warning:  {result.budget_warning}", err=True)

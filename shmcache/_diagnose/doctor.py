@@ -291,12 +291,16 @@ def _check_daemon(root: Path, socket_path: Path) -> tuple[Check, StoreStats | No
 def _check_budget(stats: StoreStats) -> Check:
     """The root's budget: exceeded by the entries (fail), or larger than the file system
     it must fit in (warn)."""
-    details = {"budget": stats.budget, "capacity": stats.capacity, "used": stats.used}
+    details = {
+        "budget": stats.budget, "capacity": stats.capacity, "used": stats.used,
+        "packed_held": stats.packed_held,
+    }
+    held = _packed_held_note(stats)
     if stats.over_budget and stats.budget is not None:
         return Check(
             "budget", "fail",
             f"the entries use {human_bytes(stats.used)}, more than the root's budget of "
-            f"{human_bytes(stats.budget)} (over by {human_bytes(stats.used - stats.budget)})",
+            f"{human_bytes(stats.budget)} (over by {human_bytes(stats.used - stats.budget)}){held}",
             "the next put evicts least-recently-used entries that are neither pinned nor mapped; "
             "free space now with `shmcache evict KEY`, or raise the budget: `shmcache budget set SIZE`",
             details,
@@ -309,12 +313,26 @@ def _check_budget(stats: StoreStats) -> Check:
             details,
         )
     if stats.budget is None:
-        return Check("budget", "ok", "no budget: puts are bounded by the file system only", "", details)
+        return Check(
+            "budget", "ok", f"no budget: puts are bounded by the file system only{held}", "", details
+        )
     return Check(
         "budget", "ok",
         f"{human_bytes(stats.used)} used of the root's budget of {human_bytes(stats.budget)}, which fits "
-        f"the file system ({human_bytes(stats.capacity)})",
+        f"the file system ({human_bytes(stats.capacity)}){held}",
         "", details,
+    )
+
+
+def _packed_held_note(stats: StoreStats) -> str:
+    """What directory puts' manifests hold beyond their entries (counted in ``used``), and
+    what frees it; empty when nothing is."""
+    if stats.packed_held <= 0:
+        return ""
+    return (
+        f"; {human_bytes(stats.packed_held)} of it is held by directory puts' manifests beyond their "
+        "entries (mostly evicted packed entries, whose pages return only with their batch): evicting "
+        "the rest of that directory put, or putting it again, frees it"
     )
 
 
