@@ -44,7 +44,7 @@ class Health(BaseModel):
 class Stats(BaseModel):
     root: str
     capacity: int = Field(description="Size of the file system holding the root (bytes).")
-    used: int = Field(description="Bytes held by published entries.")
+    used: int = Field(description="Bytes held by published entries and packed batches (see `packed_held`).")
     free: int = Field(description="Bytes still free on that file system.")
     budget: int | None = Field(
         description="The root's byte budget, kept by every writer (`PUT /v1/budget`), or null for none."
@@ -138,7 +138,7 @@ class Budget(BaseModel):
     max_bytes: int | None = Field(description="The budget in bytes, or null for none.")
     set_by: str | None = Field(description="What recorded it (`shmcache serve --max-bytes`, ...).")
     set_at: float | None = Field(description="When, in seconds since the epoch.")
-    used: int = Field(description="Bytes held by published entries.")
+    used: int = Field(description="Bytes held by published entries and packed batches (see `packed_held`).")
     over_budget: bool
 
 
