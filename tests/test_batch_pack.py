@@ -91,7 +91,7 @@ def test_packed_entries_round_trip_bit_identically(store: Store, root: Path, tmp
         assert _is_packed(store, key) == (name != "over_bound"), name
     batch = _batch(root)
     over = store.info("d/over_bound").version.partition("/")[2]
-    assert sorted(os.listdir(batch)) == sorted([over, "manifest"])  # a mixed batch
+    assert sorted(os.listdir(batch)) == sorted([over, "manifest", "packed"])  # a mixed batch
     stats = store.stats()  # used: the entries, and the manifest's pages beyond them (headers, padding)
     assert stats.used - stats.packed_held == sum(store.info(f"d/{name}").size for name in arrays)
 
@@ -361,3 +361,54 @@ def test_space_pressure_spares_a_mapped_packed_entry(root: Path, tmp_path: Path)
         assert int(store.open_array("d/f1")[0, 0]) == 1
         reader.stdin.close()
         assert reader.wait(timeout=WAIT_S) == 0
+
+
+def test_a_batch_that_packs_counts_a_subdirectory_and_still_goes_with_its_last_entry(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """Its ``packed`` directory keeps an older shmcache, which removes a batch whose link
+    count says it has no subdirectory when it evicts one key, from taking every packed
+    entry with it (checked by hand against the previous release); this version still
+    removes the batch with its last entry."""
+    keys = store.put_file("d", _small(tmp_path / "src", 3))
+    batch = _batch(root)
+    assert os.stat(batch).st_nlink == 3 and os.listdir(batch / "packed") == []
+    for key in keys:
+        store.evict(key)
+    assert os.listdir(root / "objects") == []
+
+
+def test_a_link_whose_numbers_are_not_ascii_digits_does_not_break_cleanup(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """``str.isdigit`` takes "²", which ``int`` refuses: such a damaged link is an entry
+    whose data vanished (evicted by cleanup), not a ValueError out of cleanup."""
+    store.put_file("d", _small(tmp_path / "src", 3))
+    leaf = store.layout.entry_link("d/f0")
+    n, offset, length = packed_range(store.info("d/f0").version)[1:]  # type: ignore[index]
+    target = os.readlink(leaf).replace(f"/{n}.{offset}.{length}", f"/{n}.\u00b2.{length}")
+    os.unlink(leaf)
+    os.symlink(target, leaf)
+    store.cleanup()
+    assert not store.exists("d/f0")
+    assert [int(store.open_array(k)[0, 0]) for k in ("d/f1", "d/f2")] == [1, 2]
+
+
+def test_a_live_bitmap_offset_damaged_into_data_is_refused_and_writes_nothing(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """A head whose live-bitmap offset points into the data region (not exactly the last N
+    bytes) is damage: an evict must not write its zero into another entry's bytes."""
+    store.put_file("d", _small(tmp_path / "src", 4))
+    path = _batch(root) / "manifest"
+    reader = store.open_array("d/f1")
+    before = reader.copy()
+    _, offset, _ = packed_range(store.info("d/f1").version)[1:]  # type: ignore[index]
+    raw = bytearray(path.read_bytes())
+    magic, count, common, table, _live = manifest._HEAD2.unpack_from(raw)
+    raw[: manifest._HEAD2.size] = manifest._HEAD2.pack(magic, count, common, table, offset + HEADER)
+    path.write_bytes(bytes(raw))
+    store.evict("d/f3")
+    assert np.array_equal(reader, before)
+    with pytest.raises(CorruptEntryError):
+        store.info("d/f2")

@@ -98,7 +98,7 @@ def _stored_versions(root: Path) -> set[str]:
     for name in os.listdir(root / "objects"):
         inside = os.listdir(root / "objects" / name)
         if "manifest" in inside:
-            found |= {f"{name}/{entry}" for entry in inside if entry != "manifest"}
+            found |= {f"{name}/{entry}" for entry in inside if entry not in ("manifest", "packed")}
             found |= {f"{name}/{n}" for n in manifest.live_entries(str(root), name) or ()}  # packed
         else:
             found.add(name)

@@ -167,7 +167,7 @@ def attach_array(
             array = np.ndarray(shape, dtype, mapping, offset)
     except TypeError as exc:  # "buffer is too small for requested array"
         raise CorruptEntryError(
-            f"entry {key!r} ({filename}) is truncated: {len(mapping)} bytes, fewer than its "
+            f"entry {key!r} ({filename}) is truncated: {len(mapping) - shift} bytes, fewer than its "
             f"header promises ({shape} of {dtype}); evict it and put it again"
         ) from exc
     if mode != WRITABLE:

@@ -71,6 +71,7 @@ __all__ = [
     "GENERATION_SLOTS",
     "MANIFEST_FILE",
     "META_FILE",
+    "PACKED_GUARD",
     "PID_NAME",
     "PRIVATE_MODES",
     "SHM_DIR",
@@ -112,6 +113,11 @@ MANIFEST_FILE = "manifest"
 """What a directory put's batch version holds beside its entries' directories (``manifest``)."""
 ARRAY_FILE = "data.npy"
 """The one file of an array entry (containers have one ``<name>.npy`` per part)."""
+
+PACKED_GUARD = "packed"
+"""An empty directory in a batch that packs entries into its manifest: an older shmcache
+removes a batch whose directory counts no subdirectory when it evicts one of its keys, which
+would take every packed entry with it; this keeps the count above that."""
 
 GENERATION_SLOTS = 1024
 GENERATION_BYTES = 8 * GENERATION_SLOTS
@@ -202,9 +208,15 @@ def packed_range(version: str) -> tuple[str, int, int, int] | None:
     if not dot:
         return None
     offset, dot, length = span.partition(".")
-    if not (dot and index.isdigit() and offset.isdigit() and length.isdigit()):
+    if not (dot and _digits(index) and _digits(offset) and _digits(length)):
         return None
     return batch, int(index), int(offset), int(length)
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes ``"²"`` and other digits ``int``
+    refuses, which a damaged link target could hold."""
+    return text.isascii() and text.isdigit()
 
 
 def version_of_target(target: str) -> str:

@@ -79,7 +79,7 @@ def split_batch_version(version: str) -> tuple[str, int] | None:
     batch, slash, index = version.partition("/")
     if not slash:
         return None
-    if index.isdigit():
+    if index.isascii() and index.isdigit():  # int() refuses other digits ("²")
         return batch, int(index)
     packed = packed_range(version)
     return None if packed is None else (batch, packed[1])
@@ -314,12 +314,15 @@ class _Head(NamedTuple):
             table, live = _HEAD.size, None
         elif magic == MANIFEST_MAGIC and len(head) == _HEAD2.size:
             _, _, _, table, live = _HEAD2.unpack(head)
-            if not _HEAD2.size <= table <= size or live + count > size:
-                raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
         else:
             raise ValueError(f"the manifest of {batch} is not a shmcache manifest")
         body = table + 8 * (count + 1)
-        if body + common_length > size:
+        if body + common_length > size or (
+            # format 2: the table after the head, 8-byte aligned; the live bitmap last, after
+            # the JSON, exactly N bytes (a damaged L must not aim an evict's write at data)
+            live is not None
+            and (table < _HEAD2.size or table % 8 or live < body + common_length or live + count != size)
+        ):
             raise ValueError(f"the manifest of {batch} is truncated or its offsets are wrong")
         return cls(batch, count, table, body, common_length, size, live)
 

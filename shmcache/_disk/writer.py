@@ -114,6 +114,10 @@ class VersionWriter:
             raise_if_full(path, exc)
             raise
 
+    def make_dir(self, version: str, name: str) -> None:
+        """An empty directory ``name`` in the version being written."""
+        self._mkdir(str(self.path(version, name)))
+
     def path(self, version: str, filename: str) -> Path:
         return Path(f"{self._tmp}/{version}/{filename}")
 

@@ -16,7 +16,7 @@ from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
 from .._disk.generations import bump_all_generations
-from .._disk.layout import MANIFEST_FILE, META_FILE, Layout, packed_range
+from .._disk.layout import MANIFEST_FILE, META_FILE, PACKED_GUARD, Layout, packed_range
 from .._disk.manifest import clear_live, live_entries, open_packed, split_batch_version
 from .._disk.meta import EntryMeta, damaged, read_entry_meta
 from .._disk.npy import NpyHeader, header_length, parse_header_bytes
@@ -111,7 +111,7 @@ def _remove_unlinked_batch_entries(layout: Layout) -> int:
         for batch, indices in batches.items():
             with suppress(OSError):
                 names = os.listdir(layout.version_dir(batch))
-                entries = (f"{batch}/{name}" for name in names if name != MANIFEST_FILE)
+                entries = (f"{batch}/{name}" for name in names if name not in _NOT_ENTRIES)
                 orphans += [version for version in entries if version not in linked]
             with suppress(OSError, ValueError):
                 unlinked = (live_entries(root, batch) or set()) - indices
@@ -138,11 +138,16 @@ def _remove_unlinked_batch_entries(layout: Layout) -> int:
     return freed
 
 
+_NOT_ENTRIES = frozenset({MANIFEST_FILE, PACKED_GUARD})
+"""What a batch directory holds beside its entries' directories."""
+
+
 def _holds_manifest_alone(layout: Layout, name: str) -> bool:
     """Whether ``objects/<name>`` is a batch with no entry directory and no live packed
     entry (a damaged manifest counts none: no link points into it)."""
     try:
-        if os.listdir(layout.version_dir(name)) != [MANIFEST_FILE]:
+        names = os.listdir(layout.version_dir(name))
+        if MANIFEST_FILE not in names or not _NOT_ENTRIES.issuperset(names):
             return False
     except OSError:
         return False

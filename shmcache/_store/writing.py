@@ -17,7 +17,7 @@ from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
 from .._disk.generations import bump_generations, mark_changing
-from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, Layout, packed_range
+from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, PACKED_GUARD, Layout, packed_range
 from .._disk.manifest import (
     PACK_MAX,
     ManifestWriter,
@@ -174,6 +174,8 @@ def write_batch(
     try:
         manifest = ManifestWriter(fd, str(writer.path(batch, MANIFEST_FILE)), len(plan))
         apart = _pack_small(manifest, plan, batch, lines, advance)
+        if len(apart) < len(plan):  # some packed: keep an older shmcache's evict off the batch
+            writer.make_dir(batch, PACKED_GUARD)
         if apart:
             _write_apart(writer, batch, plan, apart, lines, pin, advance, copy, threads)
         manifest.finish(batch_common(pin), lines)
@@ -373,12 +375,13 @@ def remove_batch_if_empty(layout: Layout, batch: str, live: int | None = None) -
     no links, ``cleanup`` removes it); removing it twice is harmless."""
     path = layout.version_dir(batch)
     try:
-        if os.stat(path).st_nlink != 2:  # 2 + one per subdirectory (tmpfs, ext4, xfs)
+        # 2 + one per subdirectory (tmpfs, ext4, xfs): <n>/ and the PACKED_GUARD
+        if os.stat(path).st_nlink > 3:
             return 0
         names = os.listdir(path)
     except FileNotFoundError:
         return 0
-    if any(name != MANIFEST_FILE for name in names):
+    if any(name != MANIFEST_FILE and name != PACKED_GUARD for name in names):
         return 0
     if live is None:
         try:
