@@ -99,3 +99,28 @@ def test_stats_cli_doctor_and_daemon_say_what_is_held(store: Store, root: Path, 
     with running_daemon(root) as daemon, daemon.client() as client:
         served = client.get("/v1/stats").json()
     assert (served["used"], served["packed_held"]) == (report["used"], report["packed_held"])
+
+
+def test_a_mixed_batch_frees_its_manifest_only_with_its_last_entry(store: Store, tmp_path: Path) -> None:
+    """A batch with an entry directory beside its packed entries keeps its manifest while
+    that directory's key is linked: evicting its last packed entry frees nothing, so a put
+    that needs those bytes (the directory's key mapped here) is refused, not let overshoot."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for i in range(100):
+        np.save(folder / f"f{i}.npy", np.full((64, 200), i, np.float32))
+    np.save(folder / "big.npy", np.zeros(200_000, np.uint8))  # over 64 KiB: a directory of its own
+    store.put_file("d", folder)
+    packed = packed_range(store.info("d/f0").version)
+    assert packed is not None and packed_range(store.info("d/big").version) is None
+    manifest = store.root / "objects" / packed[0] / "manifest"
+    for i in range(1, 100):
+        store.evict(f"d/f{i}")
+    used = store.stats().used
+    assert used >= _allocated(manifest)
+    store.set_budget(used + 100_000)
+    mapped = store.open_array("d/big")
+    with pytest.raises(CacheFullError, match="within the budget"):
+        store.put_array("x", np.zeros(1_000_000, np.uint8))
+    assert store.exists("d/f0") and not store.exists("x") and manifest.exists()
+    del mapped

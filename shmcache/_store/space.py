@@ -17,6 +17,7 @@ from contextlib import suppress
 
 from .._disk.fs import FileLockProbe, allocated_bytes, free_bytes, full_is_cache_full, total_bytes
 from .._disk.layout import Layout
+from .._disk.manifest import split_batch_version
 from .._disk.procmaps import scan_mappings
 from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
@@ -133,14 +134,14 @@ def _make_room_in_budget(
         # and then waits for the space lock we hold (lock-order deadlock).
         if evict_version(entry.key, entry.version) is not None:
             logger.info("evicted %s (%d bytes) to stay within the budget", entry.key, entry.size)
-            batch = packed_batch(entry.version)
-            if batch is None:
-                excess -= entry.size
-                continue
-            count, live = members[batch]  # a packed entry's bytes go with its batch's last entry
-            members[batch] = (count - 1, live)
-            if count == 1:
-                excess -= live + held.get(batch, 0)
+            if packed_batch(entry.version) is None:
+                excess -= entry.size  # its own directory or file: freed now
+            batch = _batch_of(entry)
+            if batch is not None:  # a packed entry's bytes go with its batch's last entry
+                count, live = members[batch]
+                members[batch] = (count - 1, live)
+                if count == 1:
+                    excess -= live + held.get(batch, 0)
     if excess > 0:
         raise CacheFullError(
             f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}); "
@@ -149,28 +150,36 @@ def _make_room_in_budget(
         )
 
 
+def _batch_of(entry: EntryInfo) -> str | None:
+    """The directory put's batch an entry is part of (None: a version of its own)."""
+    found = split_batch_version(entry.version)
+    return None if found is None else found[0]
+
+
 def _batch_members(entries: list[EntryInfo]) -> dict[str, tuple[int, int]]:
-    """Packed batch -> how many of ``entries`` are packed into it, and their bytes."""
+    """Batch -> how many of ``entries`` are in it (packed or not: its manifest stays while
+    any is), and the bytes of those packed into its manifest."""
     members: dict[str, tuple[int, int]] = {}
     for entry in entries:
-        batch = packed_batch(entry.version)
+        batch = _batch_of(entry)
         if batch is not None:
             count, live = members.get(batch, (0, 0))
-            members[batch] = (count + 1, live + entry.size)
+            packed = entry.size if packed_batch(entry.version) is not None else 0
+            members[batch] = (count + 1, live + packed)
     return members
 
 
 def _freed_by(victims: list[EntryInfo], members: dict[str, tuple[int, int]], held: dict[str, int]) -> int:
-    """Bytes evicting every one of ``victims`` would free: an entry of its own frees its
-    size; a packed entry frees nothing until its batch's last entry goes, then the whole
-    manifest (its entries' bytes and what it holds beyond them)."""
+    """Bytes evicting every one of ``victims`` would free: an entry of its own (or an entry
+    directory) frees its size; a packed entry frees nothing until its batch's last entry
+    goes, then the whole manifest (its entries' bytes and what it holds beyond them)."""
     left = {batch: count for batch, (count, _) in members.items()}
     freed = 0
     for entry in victims:
-        batch = packed_batch(entry.version)
-        if batch is None:
+        if packed_batch(entry.version) is None:
             freed += entry.size
-        else:
+        batch = _batch_of(entry)
+        if batch is not None:
             left[batch] -= 1
     return freed + sum(members[b][1] + held.get(b, 0) for b, n in left.items() if n == 0)
 
