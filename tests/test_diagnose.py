@@ -140,6 +140,44 @@ def test_top_once_shows_a_process_that_maps_an_entry(root: Path) -> None:
     assert result.exit_code == 0 and str(reader.pid) not in result.stdout
 
 
+def test_top_names_the_packed_entry_a_process_maps_and_evicted_once_its_manifest_is(
+    root: Path, tmp_path: Path
+) -> None:
+    """A directory put's small entries live in its manifest: top attributes a mapping of
+    the manifest to the entries its range covers (not ``<evicted>``), and only a mapping
+    of no live entry's bytes to ``<evicted>``."""
+    from shmcache._diagnose.top import mapping_processes
+
+    source = tmp_path / "d"
+    source.mkdir()
+    for i in range(4):  # 16 KiB each: the middle ones own pages of their own
+        np.save(source / f"f{i}.npy", np.full((64, 64), i, dtype=np.float32))
+    store = shmcache.Store(root)
+    store.put_file("d", source)
+    assert "." in store.info("d/f2").version  # packed: <batch>/<n>.<offset>.<length>
+    reader = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, shmcache
+            a = shmcache.open_array("d/f2", root={str(root)!r})
+            print(float(a[0, 0]), flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert reader.stdout is not None and float(reader.stdout.readline()) == 2.0
+        rows, _ = mapping_processes(store)
+        keys = next(row.entries for row in rows if row.pid == reader.pid)
+        assert "d/f2" in keys and "<evicted>" not in keys
+        assert "d/f0" not in keys  # a page of its own: per page, not per manifest
+        for i in range(4):
+            store.evict(f"d/f{i}")
+        rows, _ = mapping_processes(store)
+        assert next(row.entries for row in rows if row.pid == reader.pid) == ["<evicted>"]
+    finally:
+        reader.communicate("")
+
+
 # ---------------------------------------------------------------------- watch
 
 # A training-like script: the main process forks 2 workers that run for ~7 s. "leak"

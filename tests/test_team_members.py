@@ -27,7 +27,7 @@ from shmcache.service.fd_channel import FdChannel
 from shmcache.service.members import MemberPolicy
 from team_helpers import User, as_user, made_users
 
-from shmcache import InvalidSourceError, NotPermittedError, QuotaExceededError, Store
+from shmcache import CacheFullError, InvalidSourceError, NotPermittedError, QuotaExceededError, Store
 from shmcache._disk.layout import SHM_DIR
 from shmcache._store.member_writes import MemberWriter
 
@@ -258,3 +258,31 @@ def test_the_daemon_sees_another_users_mapping_of_an_entry(served: Path, team: d
     finally:
         os.close(ready_r)
         os.close(release_w)
+
+
+def test_eviction_says_a_packed_entry_counts_as_mapped_when_its_manifest_is(
+    budget_served: Path, team: dict[str, User], tmp_path: Path
+) -> None:
+    """The lease probe sees a directory put's manifest as one file: while a process maps
+    one of its packed entries, the daemon may not evict any of them, and says so."""
+    source = tmp_path / "d"
+    source.mkdir()
+    for i in range(6):  # 64 KiB each: packed into the manifest
+        np.save(source / f"f{i}.npy", np.zeros((64 << 10) - 128, dtype=np.uint8))
+    Store(budget_served).put_file("d", source)
+    assert "." in Store(budget_served).info("d/f5").version  # packed
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys, shmcache\n"
+         f"a = shmcache.open_array('d/f0', root={str(budget_served)!r})\n"
+         "print(int(a[0]), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "0"
+        with pytest.raises(CacheFullError) as refused:
+            as_user(team["bob"], _put_kib, budget_served, "b/new", 200)
+        message = str(refused.value)
+        assert all(f"d/f{i}" in message for i in range(5))  # each one it kept is named
+        assert "every entry packed there counts as mapped" in message
+    finally:
+        reader.communicate("")

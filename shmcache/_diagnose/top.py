@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .._disk.layout import packed_range
 from .._disk.pin_records import live_pins
 from .._store import Store
 from .procfs import Memory, command_line, read_memory
@@ -19,7 +20,8 @@ class ProcessRow:
     pid: int
     command: str
     entries: list[str]
-    """Keys it maps (``<evicted>`` for versions no longer published)."""
+    """Keys it maps (``<evicted>`` for versions no longer published). An entry packed in a
+    directory put's manifest counts as mapped when a mapped page holds any of its bytes."""
     memory: Memory
     cuda_pins: list[str] = field(default_factory=list)
     """Keys it pinned with ``shmcache.torch`` (`` (staged)``: not registered, copied
@@ -33,11 +35,27 @@ def mapping_processes(store: Store, gpu: dict[int, int] | None = None) -> tuple[
     evicted or replaced entries still held by them. ``gpu``: bytes of GPU memory by pid
     (from :class:`~shmcache._diagnose.nvml.GpuMemory`), None without NVML."""
     scan = store.scan_mappings()
-    key_of = {entry.version: entry.key for entry in store.list()}
     keys_by_pid: dict[int, set[str]] = {}
+    live: set[str] = set()  # versions of live entries (not packed ones)
+    spans: dict[str, list[tuple[int, int]]] = {}  # batch -> byte ranges of its live packed entries
+    for entry in store.list():
+        span = packed_range(entry.version)
+        if span is None:
+            live.add(entry.version)
+        else:
+            spans.setdefault(span[0], []).append((span[2], span[2] + span[3]))
+        for pid in scan.pids_of(entry.version):
+            keys_by_pid.setdefault(pid, set()).add(entry.key)
     for version, pids in scan.pids_by_version.items():
+        if version in live or version in scan.packed:
+            continue  # a live entry's, or a manifest's (attributed by range below)
         for pid in pids:
-            keys_by_pid.setdefault(pid, set()).add(key_of.get(version, "<evicted>"))
+            keys_by_pid.setdefault(pid, set()).add("<evicted>")
+    for batch, ranges in scan.packed.items():  # a mapped manifest range that holds no live entry
+        held = spans.get(batch, [])
+        for start, end, pid in ranges:
+            if not any(first < end and start < last for first, last in held):
+                keys_by_pid.setdefault(pid, set()).add("<evicted>")
     pins = live_pins(store.root)
     rows = []
     for pid, keys in keys_by_pid.items():
