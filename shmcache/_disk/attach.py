@@ -201,12 +201,7 @@ def _map(
         if packed is not None:
             return _map_packed(root, version, filename, key, packed, read_header, mode)
     path = object_path(root, version, filename)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise _too_many_open(key) from exc
-        raise
+    fd = _open_entry_file(path, key)
     try:
         head, end = b"", 0
         if read_header:
@@ -217,24 +212,12 @@ def _map(
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: {path} is truncated inside its header")
         try:
-            mapping = _mmap(fd, key, mode, huge)
+            mapping = _map_and_touch(fd, key, mode, huge)
         except ValueError as exc:  # an empty file cannot be mapped
             raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise _too_many_open(key) from exc
-            raise
-        try:  # when it was last used, for least-recently-used eviction
-            os.utime(fd)
-        except OSError:
-            pass
     finally:
         os.close(fd)
-    if isinstance(mapping, MappedFile):
-        mapping.origin = (root, version, filename, key)
-    if not _installed:
-        install_pickle_by_reference()
-    return mapping, head, end, 0
+    return _owned(mapping, (root, version, filename, key)), head, end, 0
 
 
 def _map_packed(
@@ -253,12 +236,7 @@ def _map_packed(
     :class:`CorruptEntryError`, never a mapping that faults. No huge pages (tiny)."""
     batch, _, offset, length = packed
     path = object_path(root, batch, MANIFEST_FILE)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise _too_many_open(key) from exc
-        raise
+    fd = _open_entry_file(path, key)
     try:
         if offset < _DATA_START or offset + length > os.fstat(fd).st_size:
             raise CorruptEntryError(
@@ -279,23 +257,45 @@ def _map_packed(
                 head = os.pread(fd, min(end, length), offset)
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: its bytes in {path} end inside its header")
-        try:
-            mapping = _mmap(fd, key, mode, False, shift + length, start)
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise _too_many_open(key) from exc
-            raise
-        try:
-            os.utime(fd)
-        except OSError:
-            pass
+        mapping = _map_and_touch(fd, key, mode, False, shift + length, start)
     finally:
         os.close(fd)
+    return _owned(mapping, (root, version, filename, key)), head, end, shift
+
+
+def _open_entry_file(path: str, key: str) -> int:
+    """A read-only descriptor of an entry's file; out of descriptors is typed."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise _too_many_open(key) from exc
+        raise
+
+
+def _map_and_touch(fd: int, key: str, mode: MapMode, huge: bool, length: int = 0, offset: int = 0) -> Any:
+    """:func:`_mmap` (out of descriptors typed), then the file's time stamps touched: when
+    it was last used, for least-recently-used eviction."""
+    try:
+        mapping = _mmap(fd, key, mode, huge, length, offset)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise _too_many_open(key) from exc
+        raise
+    try:
+        os.utime(fd)
+    except OSError:
+        pass
+    return mapping
+
+
+def _owned(mapping: Any, origin: tuple[str, str, str, str]) -> Any:
+    """``mapping`` told where it came from (pickled by reference), the pickler installed."""
     if isinstance(mapping, MappedFile):
-        mapping.origin = (root, version, filename, key)
+        mapping.origin = origin
     if not _installed:
         install_pickle_by_reference()
-    return mapping, head, end, shift
+    return mapping
 
 
 _DATA_START = 64  # a packed entry starts after the manifest's head (format 2)
