@@ -20,7 +20,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KEY", "SECRET", "MotoServer", "moto_server", "npy_bytes", "unique_bucket"]
+__all__ = [
+    "KEY",
+    "SECRET",
+    "Cancelled",
+    "MotoServer",
+    "cancel_once_started",
+    "moto_server",
+    "npy_bytes",
+    "put_object",
+    "unique_bucket",
+]
 
 KEY = "testing"
 SECRET = "testing"
@@ -129,3 +139,18 @@ def npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
+
+
+def put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:
+    s3.boto().put_object(Bucket=bucket, Key=name, Body=body)
+
+
+class Cancelled(Exception):
+    """What :func:`cancel_once_started` raises."""
+
+
+def cancel_once_started(done: int, _total: int) -> None:
+    """A progress callback that cancels a load as the daemon's cancel does (it raises) once
+    any byte has come."""
+    if done:
+        raise Cancelled("cancelled on request")

@@ -149,16 +149,22 @@ READER = textwrap.dedent(
 )
 
 
+def _reader(root: Path, key: str) -> subprocess.Popen[str]:
+    """A process running ``READER`` over ``key``: it prints the entry's sum when mapped,
+    then its sum and first bytes again at each line on its stdin."""
+    return subprocess.Popen(
+        [sys.executable, "-c", READER, str(root), key],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_a_reader_keeps_reading_a_packed_entry_after_evict_and_re_put(root: Path, tmp_path: Path) -> None:
     store = Store(root)
     store.put_file("d", _small(tmp_path / "a", 3))
     expected = np.full((4, 8), 1, np.float32)
-    with subprocess.Popen(
-        [sys.executable, "-c", READER, str(root), "d/f1"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as reader:
+    with _reader(root, "d/f1") as reader:
         assert reader.stdin is not None and reader.stdout is not None
         assert float(reader.stdout.readline()) == expected.sum()
         assert store.mapped_by("d/f1") == [reader.pid]  # its bytes in the manifest are mapped
@@ -343,12 +349,7 @@ def test_space_pressure_spares_a_mapped_packed_entry(root: Path, tmp_path: Path)
     that needs room is refused, naming only the mapped entry as busy, and evicts nothing."""
     store = Store(root)
     store.put_file("d", _small(tmp_path / "src", 4, rows=1500))  # 48,128-byte entries
-    with subprocess.Popen(
-        [sys.executable, "-c", READER, str(root), "d/f1"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as reader:
+    with _reader(root, "d/f1") as reader:
         assert reader.stdout is not None and reader.stdin is not None
         reader.stdout.readline()
         assert store.mapped_by("d/f1") == [reader.pid] and store.mapped_by("d/f3") == []

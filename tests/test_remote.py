@@ -23,7 +23,16 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from cli_helpers import cli
-from s3_helpers import KEY, MotoServer, moto_server, npy_bytes, unique_bucket
+from s3_helpers import (
+    KEY,
+    Cancelled,
+    MotoServer,
+    cancel_once_started,
+    moto_server,
+    npy_bytes,
+    put_object,
+    unique_bucket,
+)
 from service_helpers import clean_env, load, scratch_dir, unique, wait_job
 
 import shmcache
@@ -35,10 +44,6 @@ from shmcache.errors import (
     SourceNotFoundError,
     UnsupportedDataError,
 )
-
-
-def _put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:
-    s3.boto().put_object(Bucket=bucket, Key=name, Body=body)
 
 
 def _everything_under(root: Path) -> bytes:
@@ -62,8 +67,8 @@ def test_a_prefix_of_npy_objects_round_trips(
         "f": np.asfortranarray(np.arange(12, dtype=np.int16).reshape(3, 4)),
     }
     for name, array in arrays.items():
-        _put_object(s3, bucket, f"data/{name}.npy", npy_bytes(array))
-    _put_object(s3, bucket, "data/README.txt", b"not an array: skipped")
+        put_object(s3, bucket, f"data/{name}.npy", npy_bytes(array))
+    put_object(s3, bucket, "data/README.txt", b"not an array: skipped")
     secret = f"secret-{uuid.uuid4().hex}"
     options = s3.options(secret=secret)  # moto accepts any secret; it must never be recorded
 
@@ -86,7 +91,7 @@ def test_one_object_becomes_one_entry_and_plan_file_reads_headers_only(
     store: shmcache.Store, s3: MotoServer, bucket: str
 ) -> None:
     array = np.arange(5000, dtype=np.uint16)
-    _put_object(s3, bucket, "one.npy", npy_bytes(array))
+    put_object(s3, bucket, "one.npy", npy_bytes(array))
     url = f"s3://{bucket}/one.npy"
 
     planned = store.plan_file("one", url, storage_options=s3.options())
@@ -100,7 +105,7 @@ def test_a_big_object_is_read_in_parallel_ranged_parts(
     store: shmcache.Store, s3: MotoServer, bucket: str
 ) -> None:
     array = np.random.default_rng(0).integers(0, 255, size=1 << 20, dtype=np.uint8)
-    _put_object(s3, bucket, "big.npy", npy_bytes(array))
+    put_object(s3, bucket, "big.npy", npy_bytes(array))
     part = 64 << 10
     seen: list[tuple[int, int]] = []
 
@@ -128,7 +133,7 @@ def test_a_header_longer_than_a_part_is_read_whole_before_anything_is_written(
     array = np.zeros(10, dtype=dtype)
     array["field_3"] = np.arange(10)
     body = npy_bytes(array)
-    _put_object(s3, bucket, "wide.npy", body)
+    put_object(s3, bucket, "wide.npy", body)
     store.put_file("wide", f"s3://{bucket}/wide.npy", storage_options=s3.options(), part_size=256)
     got = store.open_array("wide")
     assert got.dtype == dtype and np.array_equal(got["field_3"], np.arange(10))
@@ -149,8 +154,8 @@ def test_a_truncated_object_is_corrupt_and_nothing_is_published(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
     good = npy_bytes(np.arange(100, dtype=np.int64))
-    _put_object(s3, bucket, "d/good.npy", good)
-    _put_object(s3, bucket, "d/short.npy", good[:-8])
+    put_object(s3, bucket, "d/good.npy", good)
+    put_object(s3, bucket, "d/short.npy", good[:-8])
     with pytest.raises(CorruptSourceError, match=rf"s3://{bucket}/d/short.npy: truncated \.npy file"):
         store.put_file("d", f"s3://{bucket}/d/", storage_options=s3.options())
     assert store.list() == [] and not _staging(root)
@@ -160,10 +165,10 @@ def test_object_dtypes_and_empty_npz_are_refused_before_anything_is_written(
     store: shmcache.Store, s3: MotoServer, bucket: str
 ) -> None:
     header = npy_bytes(np.zeros(3, dtype=np.float64)).replace(b"'<f8'", b"'|O' ")
-    _put_object(s3, bucket, "obj.npy", header)
+    put_object(s3, bucket, "obj.npy", header)
     with pytest.raises(UnsupportedDataError, match="holds Python objects"):
         store.put_file("o", f"s3://{bucket}/obj.npy", storage_options=s3.options())
-    _put_object(s3, bucket, "z/a.npz", b"PK\x05\x06" + bytes(18))  # (.npz: test_remote_formats.py)
+    put_object(s3, bucket, "z/a.npz", b"PK\x05\x06" + bytes(18))  # (.npz: test_remote_formats.py)
     with pytest.raises(InvalidSourceError, match=r"a\.npz: the \.npz archive holds no \.npy arrays"):
         store.put_file("z", f"s3://{bucket}/z/", storage_options=s3.options())
     assert store.list() == []
@@ -173,12 +178,12 @@ def test_an_object_changed_during_the_load_publishes_nothing(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
     array = np.arange(1 << 16, dtype=np.uint32)
-    _put_object(s3, bucket, "x.npy", npy_bytes(array))
+    put_object(s3, bucket, "x.npy", npy_bytes(array))
     rewritten: list[bool] = []
 
     def rewrite_once(done: int, _total: int) -> None:
         if done and not rewritten:  # same size, other bytes: only the ETag/MD5 can tell
-            _put_object(s3, bucket, "x.npy", npy_bytes(array[::-1].copy()))
+            put_object(s3, bucket, "x.npy", npy_bytes(array[::-1].copy()))
             rewritten.append(True)
 
     with pytest.raises(CorruptSourceError, match="changed while loading"):
@@ -200,7 +205,7 @@ def test_a_ranged_read_that_comes_back_short_is_named(s3: MotoServer, bucket: st
     from shmcache._sources.remote_parts import read_range
     from shmcache._sources.remote_plan import RemoteItem
 
-    _put_object(s3, bucket, "shrunk.bin", bytes(range(100)))
+    put_object(s3, bucket, "shrunk.bin", bytes(range(100)))
     fs = fsspec.filesystem("s3", **s3.options())
     url = f"s3://{bucket}/shrunk.bin"
     listed = RemoteItem("k", f"{bucket}/shrunk.bin", url, 200, "etag", None)  # 200 bytes when listed
@@ -222,7 +227,7 @@ def test_a_reput_over_a_link_to_another_entry_leaves_that_entry(
     """A remote directory re-put (one version per object, published together) over a link
     damaged to point at another key's version removes only what records its own keys."""
     for i in range(2):
-        _put_object(s3, bucket, f"d/f{i}.npy", npy_bytes(np.full(4, i)))
+        put_object(s3, bucket, f"d/f{i}.npy", npy_bytes(np.full(4, i)))
     assert store.put_file("d", f"s3://{bucket}/d/", storage_options=s3.options()) == ["d/f0", "d/f1"]
     store.put_array("b", np.arange(5))
     link, version = store.layout.entry_link("d/f0"), store.layout.entry_version("b")
@@ -243,18 +248,11 @@ def test_a_load_cancelled_by_its_progress_callback_stops_and_publishes_nothing(
     """What the daemon's cancel does: the callback raises in a fetching thread; the parts
     still queued are dropped, those running return, the error comes out of ``put_file``."""
     for i in range(24):
-        _put_object(s3, bucket, f"many/{i:02d}.npy", npy_bytes(np.full(4096, i, dtype=np.int64)))
-
-    class Cancelled(Exception):
-        pass
-
-    def cancel(done: int, _total: int) -> None:
-        if done:
-            raise Cancelled("cancelled on request")
+        put_object(s3, bucket, f"many/{i:02d}.npy", npy_bytes(np.full(4096, i, dtype=np.int64)))
 
     with pytest.raises(Cancelled):
         store.put_file("many", f"s3://{bucket}/many/", storage_options=s3.options(), part_size=8 << 10,
-                       progress=cancel)  # fmt: skip
+                       progress=cancel_once_started)  # fmt: skip
     assert store.list() == [] and not _staging(root)
 
 
@@ -278,7 +276,7 @@ def test_a_multipart_object_changed_during_the_load_is_caught_by_its_etag(
 
     def rewrite_once(done: int, _total: int) -> None:
         if done and not rewritten:
-            _put_object(s3, bucket, "mp.npy", body)  # the same bytes, uploaded again: a new ETag
+            put_object(s3, bucket, "mp.npy", body)  # the same bytes, uploaded again: a new ETag
             rewritten.append(True)
 
     with pytest.raises(CorruptSourceError, match="its size or ETag is not what it was"):
@@ -330,7 +328,7 @@ def test_a_server_killed_mid_load_fails_typed_and_publishes_nothing(
 
 def test_cleanup_reclaims_what_a_killed_remote_load_left(root: Path, s3: MotoServer, bucket: str) -> None:
     array = np.arange(1 << 17, dtype=np.uint64)
-    _put_object(s3, bucket, "x.npy", npy_bytes(array))
+    put_object(s3, bucket, "x.npy", npy_bytes(array))
     script = textwrap.dedent(
         f"""
         import os, signal, shmcache
@@ -409,7 +407,7 @@ def test_settings_take_url_prefixes_and_url_datasets(tmp_path: Path) -> None:
 
 
 def test_cli_put_takes_a_url_and_storage_options(root: Path, s3: MotoServer, bucket: str) -> None:
-    _put_object(s3, bucket, "p/a.npy", npy_bytes(np.arange(3)))
+    put_object(s3, bucket, "p/a.npy", npy_bytes(np.arange(3)))
     secret = f"cli-secret-{uuid.uuid4().hex}"
     code, out, err = cli(
         "put", f"s3://{bucket}/p/", "--key", "c", "--local",
@@ -432,8 +430,8 @@ def test_cli_put_takes_a_url_and_storage_options(root: Path, s3: MotoServer, buc
 
 
 def test_cache_remote_loads_once_then_opens(root: Path, s3: MotoServer, bucket: str) -> None:
-    _put_object(s3, bucket, "c/a.npy", npy_bytes(np.arange(10)))
-    _put_object(s3, bucket, "one.npy", npy_bytes(np.ones(4)))
+    put_object(s3, bucket, "c/a.npy", npy_bytes(np.arange(10)))
+    put_object(s3, bucket, "one.npy", npy_bytes(np.ones(4)))
     url = f"s3://{bucket}/c/"
     group = shmcache.cache_remote("grp", url, storage_options=s3.options())
     np.testing.assert_array_equal(group["a"], np.arange(10))
@@ -536,16 +534,16 @@ def test_a_url_preload_is_up_to_date_until_an_object_changes(
 
     for name, value in daemon_env_of(s3, "testing").items():  # the daemon's way: its environment
         monkeypatch.setenv(name, value)
-    _put_object(s3, bucket, "pre/a.npy", npy_bytes(np.arange(3)))
-    _put_object(s3, bucket, "pre/b.npy", npy_bytes(np.arange(4)))
+    put_object(s3, bucket, "pre/a.npy", npy_bytes(np.arange(3)))
+    put_object(s3, bucket, "pre/b.npy", npy_bytes(np.arange(4)))
     url = f"s3://{bucket}/pre/"
     store.put_file("pre", url, storage_options=s3.options())
     assert is_up_to_date(store, "pre", url)
-    _put_object(s3, bucket, "pre/b.npy", npy_bytes(np.arange(4) + 1))  # same size, other bytes
+    put_object(s3, bucket, "pre/b.npy", npy_bytes(np.arange(4) + 1))  # same size, other bytes
     assert not is_up_to_date(store, "pre", url)
     store.put_file("pre", url, storage_options=s3.options(), overwrite=True)
     assert is_up_to_date(store, "pre", url)
-    _put_object(s3, bucket, "pre/c.npy", npy_bytes(np.arange(1)))  # one more object
+    put_object(s3, bucket, "pre/c.npy", npy_bytes(np.arange(1)))  # one more object
     assert not is_up_to_date(store, "pre", url)
 
 
@@ -556,7 +554,7 @@ def _job_of(http, key: str) -> str:  # type: ignore[no-untyped-def]
 
 def test_meta_json_of_a_remote_entry_names_the_redacted_url(store: shmcache.Store, root: Path, s3: MotoServer,
                                                              bucket: str) -> None:  # fmt: skip
-    _put_object(s3, bucket, "m.npy", npy_bytes(np.arange(2)))
+    put_object(s3, bucket, "m.npy", npy_bytes(np.arange(2)))
     store.put_file("m", f"s3://{bucket}/m.npy", storage_options=s3.options())
     meta = json.loads((Layout(root).objects / store.info("m").version / "meta.json").read_text())
     assert meta["source"] == f"s3://{bucket}/m.npy" and meta["source_identity"].startswith("ETag=")
@@ -585,7 +583,7 @@ def test_torchrun_on_two_simulated_nodes_downloads_once_per_node(s3: MotoServer,
     import zlib
 
     array = np.random.default_rng(1).standard_normal((256, 9)).astype(np.float32)
-    _put_object(s3, bucket, "train/feats.npy", npy_bytes(array))
+    put_object(s3, bucket, "train/feats.npy", npy_bytes(array))
     port = _free_port()
     with scratch_dir("node0") as root0, scratch_dir("node1") as root1:
         launches = []

@@ -21,16 +21,12 @@ pa = pytest.importorskip("pyarrow")
 
 import pyarrow.feather as feather  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from s3_helpers import KEY, MotoServer, npy_bytes, unique_bucket  # noqa: E402
+from s3_helpers import KEY, MotoServer, npy_bytes, put_object, unique_bucket  # noqa: E402
 from service_helpers import load, unique  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
 from shmcache.errors import CorruptSourceError, InvalidSourceError  # noqa: E402
-
-
-def _put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:
-    s3.boto().put_object(Bucket=bucket, Key=name, Body=body)
 
 
 def _staging(root: Path) -> list[Path]:
@@ -73,8 +69,8 @@ def test_table_objects_load_as_tables(store: shmcache.Store, root: Path, s3: Mot
     pcsv.write_csv(table, csv)
     jsonl = "".join(json.dumps(row) + "\n" for row in table.to_pylist()).encode()
     for name, body in {"t.parquet": parquet, "t.feather": arrow, "t.csv": csv}.items():
-        _put_object(s3, bucket, f"tables/{name}", body.getvalue())
-    _put_object(s3, bucket, "tables/t.jsonl", jsonl)
+        put_object(s3, bucket, f"tables/{name}", body.getvalue())
+    put_object(s3, bucket, "tables/t.jsonl", jsonl)
     for suffix in ("parquet", "feather", "csv", "jsonl"):
         url = f"s3://{bucket}/tables/t.{suffix}"
         [planned] = store.plan_file(suffix, url, storage_options=s3.options())
@@ -97,7 +93,7 @@ def test_a_table_object_is_fetched_in_one_get(store: shmcache.Store, s3: MotoSer
     body = io.BytesIO()
     pq.write_table(table, body, compression="none", row_group_size=100_000)
     assert body.tell() > 9 << 20
-    _put_object(s3, bucket, "big/t.parquet", body.getvalue())
+    put_object(s3, bucket, "big/t.parquet", body.getvalue())
     store.put_file("big", f"s3://{bucket}/big/t.parquet", storage_options=s3.options())
     assert len(s3.requests("GET", f"/{bucket}/big/t.parquet")) == 1
     back = store.open_table("big")
@@ -118,8 +114,8 @@ def test_a_prefix_of_parquet_shards_is_one_table(
     for i, start in enumerate((0, 20, 35)):
         shard = io.BytesIO()
         pq.write_table(table.slice(start, {0: 20, 1: 15, 2: 15}[i]), shard)
-        _put_object(s3, bucket, f"ds/data/train-{i:05d}-of-00003.parquet", shard.getvalue())
-    _put_object(s3, bucket, "ds/README.md", b"a dataset card: skipped")
+        put_object(s3, bucket, f"ds/data/train-{i:05d}-of-00003.parquet", shard.getvalue())
+    put_object(s3, bucket, "ds/README.md", b"a dataset card: skipped")
     url = f"s3://{bucket}/ds/data/"
     [planned] = store.plan_file("ds", url, storage_options=s3.options())
     assert planned.key == "ds" and planned.source == url
@@ -128,11 +124,11 @@ def test_a_prefix_of_parquet_shards_is_one_table(
     assert _meta(store, root, "ds")["source"] == url
     other = io.BytesIO()
     pq.write_table(pa.table({"other": [1, 2]}), other)
-    _put_object(s3, bucket, "ds/data/train-00009-of-00003.parquet", other.getvalue())
+    put_object(s3, bucket, "ds/data/train-00009-of-00003.parquet", other.getvalue())
     with pytest.raises(InvalidSourceError, match="do not share one schema"):
         store.put_file("ds2", url, storage_options=s3.options())
-    _put_object(s3, bucket, "mixed/a.parquet", other.getvalue())
-    _put_object(s3, bucket, "mixed/b.csv", b"other\n1\n")
+    put_object(s3, bucket, "mixed/a.parquet", other.getvalue())
+    put_object(s3, bucket, "mixed/b.csv", b"other\n1\n")
     with pytest.raises(InvalidSourceError, match=r"several formats \(\.csv, \.parquet\)"):
         store.put_file("mixed", f"s3://{bucket}/mixed/", storage_options=s3.options())
     assert not store.exists("ds2") and not store.exists("mixed")
@@ -146,7 +142,7 @@ def test_safetensors_tensors_are_ranges_of_the_object(
         "model.b": np.arange(7, dtype=np.int64),
         "empty": np.zeros((0, 4), dtype=np.float16),
     }
-    _put_object(s3, bucket, "ckpt/model.safetensors", _safetensors(tensors))
+    put_object(s3, bucket, "ckpt/model.safetensors", _safetensors(tensors))
     url = f"s3://{bucket}/ckpt/model.safetensors"
     planned = store.plan_file("m", url, storage_options=s3.options())
     assert sorted(p.key for p in planned) == ["m/empty", "m/model.b", "m/model.w"]
@@ -170,7 +166,7 @@ def test_torch_checkpoints_load_their_contiguous_tensors(
     }
     body = io.BytesIO()
     torch.save(state, body)
-    _put_object(s3, bucket, "c.pt", body.getvalue())
+    put_object(s3, bucket, "c.pt", body.getvalue())
     assert sorted(store.put_file("c", f"s3://{bucket}/c.pt", storage_options=s3.options())) == ["c/b", "c/w"]
     from shmcache.torch import as_tensor
 
@@ -187,8 +183,8 @@ def test_npz_members_stored_are_ranges_and_compressed_ones_are_inflated_from_the
     plain, packed = io.BytesIO(), io.BytesIO()
     np.savez(plain, **arrays)  # type: ignore[arg-type]
     np.savez_compressed(packed, **arrays)  # type: ignore[arg-type]
-    _put_object(s3, bucket, "a.npz", plain.getvalue())
-    _put_object(s3, bucket, "z.npz", packed.getvalue())
+    put_object(s3, bucket, "a.npz", plain.getvalue())
+    put_object(s3, bucket, "z.npz", packed.getvalue())
     for name in ("a", "z"):
         keys = store.put_file(name, f"s3://{bucket}/{name}.npz", storage_options=s3.options())
         assert sorted(keys) == [f"{name}/x", f"{name}/y"]
@@ -198,7 +194,7 @@ def test_npz_members_stored_are_ranges_and_compressed_ones_are_inflated_from_the
     assert _meta(store, root, "z/x")["source"] == f"s3://{bucket}/z.npz[x.npy]"
     damaged = bytearray(packed.getvalue())
     damaged[len(damaged) // 3] ^= 0xFF  # inside x's deflate stream: a zlib error or a CRC mismatch
-    _put_object(s3, bucket, "bad.npz", bytes(damaged))
+    put_object(s3, bucket, "bad.npz", bytes(damaged))
     with pytest.raises(CorruptSourceError, match=r"bad.npz\[x.npy\]"):
         store.put_file("bad", f"s3://{bucket}/bad.npz", storage_options=s3.options())
     assert not store.exists("bad/x") and not store.exists("bad/y") and not _staging(root)
@@ -208,7 +204,7 @@ def test_a_raw_token_file_loads_with_its_dtype(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
     tokens = np.random.default_rng(0).integers(0, 50257, 100_001, dtype=np.uint16)
-    _put_object(s3, bucket, "tok/train.bin", tokens.tobytes())
+    put_object(s3, bucket, "tok/train.bin", tokens.tobytes())
     url = f"s3://{bucket}/tok/train.bin"
     [planned] = store.plan_file("t", url, storage_options=s3.options(), dtype="uint16")
     assert planned.size > tokens.nbytes
@@ -233,7 +229,7 @@ def test_hdf5_datasets_are_decoded_from_the_remote_file(
     with h5py.File(path, "w") as h5:
         h5.create_dataset("grp/rows", data=rows, chunks=(1000, 4), compression="gzip")
         h5.create_dataset("scalar", data=np.int32(7))
-    _put_object(s3, bucket, "d.h5", path.read_bytes())
+    put_object(s3, bucket, "d.h5", path.read_bytes())
     keys = store.put_file("h", f"s3://{bucket}/d.h5", storage_options=s3.options())
     assert sorted(keys) == ["h/grp/rows", "h/scalar"]
     np.testing.assert_array_equal(store.open_array("h/grp/rows"), rows)
@@ -249,10 +245,10 @@ def test_a_prefix_of_several_formats_loads_as_one_group(
 ) -> None:
     npz = io.BytesIO()
     np.savez(npz, m=np.arange(3))
-    _put_object(s3, bucket, "mix/a.npy", npy_bytes(np.arange(5)))
-    _put_object(s3, bucket, "mix/sub/w.safetensors", _safetensors({"k": np.ones(4, np.float32)}))
-    _put_object(s3, bucket, "mix/n.npz", npz.getvalue())
-    _put_object(s3, bucket, "mix/README.md", b"skipped")
+    put_object(s3, bucket, "mix/a.npy", npy_bytes(np.arange(5)))
+    put_object(s3, bucket, "mix/sub/w.safetensors", _safetensors({"k": np.ones(4, np.float32)}))
+    put_object(s3, bucket, "mix/n.npz", npz.getvalue())
+    put_object(s3, bucket, "mix/README.md", b"skipped")
     keys = store.put_file("mix", f"s3://{bucket}/mix/", storage_options=s3.options())
     assert sorted(keys) == ["mix/a", "mix/n/m", "mix/sub/w/k"]
     np.testing.assert_array_equal(store.open_array("mix/a"), np.arange(5))
@@ -266,12 +262,12 @@ def test_an_object_changed_during_the_load_publishes_nothing(
     """Ranges of an object prove nothing by their MD5: its ETag is looked up again at the end."""
     before = {"w": np.arange(1 << 15, dtype=np.float32)}
     body = _safetensors(before)
-    _put_object(s3, bucket, "w.safetensors", body)
+    put_object(s3, bucket, "w.safetensors", body)
     rewritten: list[bool] = []
 
     def rewrite_once(done: int, _total: int) -> None:
         if done and not rewritten:  # the same size, other bytes: only the ETag can tell
-            _put_object(s3, bucket, "w.safetensors", _safetensors({"w": before["w"][::-1].copy()}))
+            put_object(s3, bucket, "w.safetensors", _safetensors({"w": before["w"][::-1].copy()}))
             rewritten.append(True)
 
     with pytest.raises(CorruptSourceError, match="its size or ETag is not what it was"):
@@ -286,12 +282,12 @@ def test_truncated_objects_are_typed_errors_and_nothing_is_published(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
     body = _safetensors({"a": np.arange(1000, dtype=np.int64)})
-    _put_object(s3, bucket, "short.safetensors", body[:-8])
+    put_object(s3, bucket, "short.safetensors", body[:-8])
     with pytest.raises(CorruptSourceError, match=r"short.safetensors"):
         store.put_file("s", f"s3://{bucket}/short.safetensors", storage_options=s3.options())
     parquet = io.BytesIO()
     pq.write_table(_table(), parquet)
-    _put_object(s3, bucket, "short.parquet", parquet.getvalue()[:-100])
+    put_object(s3, bucket, "short.parquet", parquet.getvalue()[:-100])
     with pytest.raises(CorruptSourceError, match=r"short.parquet is not a readable parquet file"):
         store.put_file("p", f"s3://{bucket}/short.parquet", storage_options=s3.options())
     with pytest.raises(CorruptSourceError, match=r"short.parquet is not a readable parquet file"):
@@ -306,9 +302,9 @@ def test_storage_option_secrets_never_reach_meta_errors_or_logs(
     options = s3.options(secret=secret)  # moto takes any secret; it must never be recorded
     parquet = io.BytesIO()
     pq.write_table(_table(), parquet)
-    _put_object(s3, bucket, "s/t.parquet", parquet.getvalue())
-    _put_object(s3, bucket, "s/m.safetensors", _safetensors({"a": np.arange(3)}))
-    _put_object(s3, bucket, "s/bad.safetensors", b"\xff" * 16)
+    put_object(s3, bucket, "s/t.parquet", parquet.getvalue())
+    put_object(s3, bucket, "s/m.safetensors", _safetensors({"a": np.arange(3)}))
+    put_object(s3, bucket, "s/bad.safetensors", b"\xff" * 16)
     caplog.set_level(logging.DEBUG)
     store.put_file("t", f"s3://{bucket}/s/t.parquet", storage_options=options)
     store.put_file("m", f"s3://{bucket}/s/m.safetensors", storage_options=options)
@@ -336,19 +332,19 @@ def test_a_preload_of_tensors_is_up_to_date_until_its_object_changes(
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()  # one made from another module's server's environment
-    _put_object(s3, bucket, "pre/m.safetensors", _safetensors({"a": np.arange(3), "b": np.ones(2)}))
+    put_object(s3, bucket, "pre/m.safetensors", _safetensors({"a": np.arange(3), "b": np.ones(2)}))
     url = f"s3://{bucket}/pre/m.safetensors"
     store.put_file("pre", url, storage_options=s3.options())
     assert is_up_to_date(store, "pre", url)
-    _put_object(s3, bucket, "pre/m.safetensors", _safetensors({"a": np.arange(3) + 1, "b": np.ones(2)}))
+    put_object(s3, bucket, "pre/m.safetensors", _safetensors({"a": np.arange(3) + 1, "b": np.ones(2)}))
     assert not is_up_to_date(store, "pre", url)
 
 
 def test_cache_remote_opens_what_each_format_became(root: Path, s3: MotoServer, bucket: str) -> None:
     parquet = io.BytesIO()
     pq.write_table(_table(), parquet)
-    _put_object(s3, bucket, "cr/t.parquet", parquet.getvalue())
-    _put_object(s3, bucket, "cr/m.safetensors", _safetensors({"a": np.arange(3)}))
+    put_object(s3, bucket, "cr/t.parquet", parquet.getvalue())
+    put_object(s3, bucket, "cr/m.safetensors", _safetensors({"a": np.arange(3)}))
     options = s3.options()
     url = f"s3://{bucket}/cr"
     for _ in range(2):  # loaded, then opened
@@ -425,7 +421,7 @@ def test_a_byte_range_load_holds_parts_not_the_object(root: Path, s3: MotoServer
 
     size = 96 << 20
     body = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8).tobytes()
-    _put_object(s3, bucket, "big.bin", body)
+    put_object(s3, bucket, "big.bin", body)
     del body
     options = s3.options()
     done = subprocess.run(

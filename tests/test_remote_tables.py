@@ -28,16 +28,12 @@ import pyarrow.csv as pcsv  # noqa: E402
 import pyarrow.feather as feather  # noqa: E402
 import pyarrow.json as pjson  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from s3_helpers import MotoServer  # noqa: E402
+from s3_helpers import Cancelled, MotoServer, cancel_once_started, put_object  # noqa: E402
 from service_helpers import mounted_tmpfs  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
 from shmcache.errors import CacheFullError, CorruptSourceError, InvalidSourceError  # noqa: E402
-
-
-def _put_object(s3: MotoServer, bucket: str, name: str, body: bytes) -> None:
-    s3.boto().put_object(Bucket=bucket, Key=name, Body=body)
 
 
 def _tmp_items(root: Path) -> list[Path]:
@@ -102,7 +98,7 @@ def test_table_objects_of_many_batches_read_back_as_pyarrow_reads_them(
     in batches whose row counts are not multiples of 8; CSV and JSON lines over several of
     the streaming readers' 1 MiB blocks."""
     for name, (body, expected) in _bodies(_table(60_003)).items():
-        _put_object(s3, bucket, name, body)
+        put_object(s3, bucket, name, body)
         key = name.replace(".", "-")
         assert store.put_file(key, f"s3://{bucket}/{name}", storage_options=s3.options()) == [key]
         back = store.open_table(key).to_arrow()
@@ -118,7 +114,7 @@ def test_a_csv_whose_later_block_widens_a_type_is_read_whole(
     """pyarrow's streaming CSV reader takes its types from the first block; a later block it
     cannot convert makes the load decode the file whole, as ``read_csv`` infers it."""
     body = ("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)) + "1.5,y\n").encode()
-    _put_object(s3, bucket, "wide.csv", body)
+    put_object(s3, bucket, "wide.csv", body)
     store.put_file("wide", f"s3://{bucket}/wide.csv", storage_options=s3.options())
     back = store.open_table("wide").to_arrow()
     assert back.schema.field("a").type == pa.float64()
@@ -136,7 +132,7 @@ def test_a_column_with_no_value_in_the_first_block_is_typed_by_the_whole_file(
     csv = "a,b\n" + "".join(f"{i},\n" for i in range(200_000)) + "1,hello\n"
     cases = (("n.jsonl", jsonl.encode(), pjson.read_json), ("n.csv", csv.encode(), pcsv.read_csv))
     for name, body, read in cases:
-        _put_object(s3, bucket, name, body)
+        put_object(s3, bucket, name, body)
         key = name.replace(".", "-")
         store.put_file(key, f"s3://{bucket}/{name}", storage_options=s3.options())
         expected = read(io.BytesIO(body))
@@ -154,12 +150,12 @@ def test_a_prefix_of_csv_objects_whose_types_differ_by_block_is_read_whole(
     read whole as before; objects that truly differ are still refused."""
     first = b"a,b\n0.5,x\n1,y\n"
     second = ("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)) + "1.5,y\n").encode()
-    _put_object(s3, bucket, "p/0.csv", first)
-    _put_object(s3, bucket, "p/1.csv", second)
+    put_object(s3, bucket, "p/0.csv", first)
+    put_object(s3, bucket, "p/1.csv", second)
     store.put_file("p", f"s3://{bucket}/p/", storage_options=s3.options())
     expected = pa.concat_tables([pcsv.read_csv(io.BytesIO(body)) for body in (first, second)])
     assert store.open_table("p").to_arrow().to_pylist() == expected.to_pylist()
-    _put_object(s3, bucket, "p/2.csv", b"a,c\n1,2\n")
+    put_object(s3, bucket, "p/2.csv", b"a,c\n1,2\n")
     with pytest.raises(InvalidSourceError, match="do not share one schema"):
         store.put_file("p2", f"s3://{bucket}/p/", storage_options=s3.options())
     assert not store.exists("p2") and not _tmp_items(root)
@@ -171,7 +167,7 @@ def test_a_damaged_row_group_fails_typed_after_the_first_ones_were_written(
     body, _ = _bodies(_table(20_000))["t.parquet"]
     offset = pq.ParquetFile(io.BytesIO(body)).metadata.row_group(3).column(0).data_page_offset
     damaged = body[:offset] + b"\xff" * 16 + body[offset + 16 :]  # a page header of the 4th row group
-    _put_object(s3, bucket, "d.parquet", damaged)
+    put_object(s3, bucket, "d.parquet", damaged)
     with pytest.raises(CorruptSourceError, match=r"d\.parquet is not a readable parquet file"):
         store.put_file("d", f"s3://{bucket}/d.parquet", storage_options=s3.options())
     assert not store.exists("d") and not _tmp_items(root) and not _open_under(root)
@@ -181,12 +177,12 @@ def test_a_changed_object_publishes_nothing_and_leaves_no_scratch_file(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
     body, _ = _bodies(_table(20_000))["t.parquet"]
-    _put_object(s3, bucket, "c.parquet", body)
+    put_object(s3, bucket, "c.parquet", body)
     rewritten: list[bool] = []
 
     def rewrite_once(done: int, _total: int) -> None:
         if done and not rewritten:  # the object is in tmp/ now; same size, other bytes: the ETag tells
-            _put_object(s3, bucket, "c.parquet", body[:100] + bytes(reversed(body[100:200])) + body[200:])
+            put_object(s3, bucket, "c.parquet", body[:100] + bytes(reversed(body[100:200])) + body[200:])
             rewritten.append(True)
 
     with pytest.raises(CorruptSourceError, match="changed while loading"):
@@ -201,23 +197,18 @@ def test_a_cancelled_load_leaves_no_scratch_file(
     is in its scratch file: the error comes out, nothing is published, ``tmp/`` is empty."""
     body, _ = _bodies(_table(20_000))["t.parquet"]
     for name in ("a", "b"):
-        _put_object(s3, bucket, f"cancel/{name}.parquet", body)
-
-    class Cancelled(Exception):
-        pass
-
-    def cancel(done: int, _total: int) -> None:
-        if done:
-            raise Cancelled("cancelled on request")
+        put_object(s3, bucket, f"cancel/{name}.parquet", body)
 
     with pytest.raises(Cancelled):
-        store.put_file("c", f"s3://{bucket}/cancel/", storage_options=s3.options(), progress=cancel)
+        store.put_file(
+            "c", f"s3://{bucket}/cancel/", storage_options=s3.options(), progress=cancel_once_started
+        )
     assert store.list() == [] and not _tmp_items(root)
 
 
 def test_cleanup_removes_the_scratch_file_of_a_killed_load(root: Path, s3: MotoServer, bucket: str) -> None:
     body, _ = _bodies(_table(20_000))["t.parquet"]
-    _put_object(s3, bucket, "k.parquet", body)
+    put_object(s3, bucket, "k.parquet", body)
     script = textwrap.dedent(
         f"""
         import os, signal, shmcache
@@ -244,7 +235,7 @@ def test_the_budget_counts_the_object_with_the_table(root: Path, s3: MotoServer,
     table = pa.table({"v": np.random.default_rng(0).random(1 << 17)})  # 1 MiB, incompressible
     body = io.BytesIO()
     pq.write_table(table, body, compression="none", row_group_size=1 << 15)
-    _put_object(s3, bucket, "b.parquet", body.getvalue())
+    put_object(s3, bucket, "b.parquet", body.getvalue())
     store = shmcache.Store(root, max_bytes=int(1.6 * (1 << 20)) + (64 << 10))
     store.put_array("other", np.arange(1 << 13, dtype=np.int64))  # 64 KiB, evictable
     with pytest.raises(CacheFullError, match="within the budget"):
@@ -265,7 +256,7 @@ def test_a_load_that_fits_the_budget_evicts_nothing(root: Path, s3: MotoServer, 
     table = pa.table({"x": np.random.default_rng(0).random((3 << 20) // 80)})
     body = io.BytesIO()
     pq.write_table(table, body, compression="none", row_group_size=1 << 13)
-    _put_object(s3, bucket, "t.parquet", body.getvalue())
+    put_object(s3, bucket, "t.parquet", body.getvalue())
     store.put_file("t", f"s3://{bucket}/t.parquet", storage_options=s3.options())
     assert sorted(e.key for e in store.list()) == [f"a{i}" for i in range(9)] + ["t"]
     assert np.array_equal(store.open_table("t").column("x"), table.column("x").to_numpy())
@@ -280,7 +271,7 @@ def test_a_table_that_fits_the_file_system_with_its_object_loads(
     table = pa.table({"v": np.random.default_rng(0).random(5 << 17)})  # 5 MiB, incompressible
     body = io.BytesIO()
     pq.write_table(table, body, compression="none", row_group_size=1 << 15)
-    _put_object(s3, bucket, "f.parquet", body.getvalue())
+    put_object(s3, bucket, "f.parquet", body.getvalue())
     with mounted_tmpfs(tmp_path / "fs", "size=16m") as mountpoint:
         store = shmcache.Store(mountpoint / "root")
         store.put_file("f", f"s3://{bucket}/f.parquet", storage_options=s3.options())
@@ -289,7 +280,7 @@ def test_a_table_that_fits_the_file_system_with_its_object_loads(
         big = pa.table({"v": np.random.default_rng(1).random(9 << 17)})  # 9 + 9 MiB: refused, typed
         body = io.BytesIO()
         pq.write_table(big, body, compression="none", row_group_size=1 << 15)
-        _put_object(s3, bucket, "g.parquet", body.getvalue())
+        put_object(s3, bucket, "g.parquet", body.getvalue())
         with pytest.raises(CacheFullError):
             store.put_file("g", f"s3://{bucket}/g.parquet", storage_options=s3.options())
         assert not store.exists("g") and store.exists("f") and not _tmp_items(mountpoint / "root")
@@ -305,7 +296,7 @@ def test_a_dictionary_column_is_checked_for_its_decoded_size(
     table = pa.table({"d": pa.array([f"c{i % 3}" + "x" * 200 for i in range(rows)]).dictionary_encode()})
     body = io.BytesIO()
     pq.write_table(table, body, row_group_size=rows)
-    _put_object(s3, bucket, "d.parquet", body.getvalue())
+    put_object(s3, bucket, "d.parquet", body.getvalue())
     with mounted_tmpfs(tmp_path / "fs", "size=16m") as mountpoint:
         store = shmcache.Store(mountpoint / "root")
         with pytest.raises(CacheFullError, match=r"has only .* free"):
@@ -321,7 +312,7 @@ def test_a_wide_table_loads_under_the_usual_limit_of_descriptors(
     table = pa.table({f"c{i}": pa.array(["a", None, "bc"]) for i in range(400)})
     body = io.BytesIO()
     pq.write_table(table, body)
-    _put_object(s3, bucket, "wide.parquet", body.getvalue())
+    put_object(s3, bucket, "wide.parquet", body.getvalue())
     script = textwrap.dedent(
         f"""
         import resource, shmcache
@@ -341,7 +332,7 @@ def test_a_csv_that_does_not_parse_is_corrupt(
     """A row with a column too many after the first block: the streamed read gives way to
     the whole read, whose error is typed (CorruptSourceError naming the object)."""
     body = ("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)) + "1,2,3\n").encode()
-    _put_object(s3, bucket, "bad.csv", body)
+    put_object(s3, bucket, "bad.csv", body)
     with pytest.raises(CorruptSourceError, match=r"bad\.csv"):
         store.put_file("bad", f"s3://{bucket}/bad.csv", storage_options=s3.options())
     assert not store.exists("bad") and not _tmp_items(root) and not _open_under(root)
@@ -366,7 +357,7 @@ def test_a_fresh_process_loads_a_big_parquet_with_flat_memory(
     s3.boto().upload_file(str(path), bucket, "big.parquet")
     small = io.BytesIO()
     pq.write_table(table.slice(0, 1000), small)
-    _put_object(s3, bucket, "small.parquet", small.getvalue())
+    put_object(s3, bucket, "small.parquet", small.getvalue())
     del table, strings
     path.unlink()
     script = textwrap.dedent(
