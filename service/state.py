@@ -36,7 +36,7 @@ from shmcache._disk.generations import map_generations
 from shmcache._disk.layout import Layout, generation_slot, read_version
 from shmcache._disk.procmaps import MappingScan
 from shmcache._store.budget import read_budget
-from shmcache._store.catalog import held_by_batches, info_of, packed_batch
+from shmcache._store.catalog import held_by_batches, info_of
 from shmcache.errors import ShmCacheError
 
 from .jobs import JobManager, LoadJob
@@ -463,7 +463,7 @@ class Service:
         """``Store.stats()`` from an entry view (default: the current one), no re-read of every entry."""
         if view is None:
             view = self.entry_view()
-        linked = [(packed_batch(entry.version), entry.size) for entry in view.entries]
+        linked = [(entry.version, entry.size) for entry in view.entries]
         held = sum(held_by_batches(self.store.layout, linked).values())  # one stat per batch
         return StoreStats(
             root=str(self.store.root),

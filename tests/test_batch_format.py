@@ -55,7 +55,9 @@ def test_a_directory_is_one_version_directory_and_one_manifest(
         assert store.verify(key)  # the checksum the manifest recorded, against the file
         assert int(store.open_array(key)[0, 0]) == i
     assert [info.key for info in store.list("d")] == keys
-    assert store.stats().used == sum(store.info(key).size for key in keys)
+    manifest = os.stat(batch / "manifest").st_blocks * 512  # its index: held while the batch is
+    stats = store.stats()
+    assert (stats.used, stats.packed_held) == (sum(store.info(k).size for k in keys) + manifest, manifest)
 
 
 def test_evicting_one_key_frees_its_bytes_and_keeps_the_others(
@@ -179,7 +181,8 @@ def test_a_budget_evicts_entries_of_a_directory_one_by_one(root: Path, tmp_path:
     store.put_array("big", np.zeros(2 * 256 * 1024, dtype=np.float32))  # room for 2 more entries
     left = [info.key for info in store.list("d")]
     assert 1 <= len(left) < len(keys) and set(left) <= set(keys)
-    assert store.stats().used == sum(info.size for info in store.list())
+    stats = store.stats()  # and the batch's manifest, held while any of its entries is
+    assert stats.used == sum(info.size for info in store.list()) + stats.packed_held > stats.packed_held > 0
     assert all(store.verify(key) for key in left)
 
 

@@ -124,3 +124,51 @@ def test_a_mixed_batch_frees_its_manifest_only_with_its_last_entry(store: Store,
         store.put_array("x", np.zeros(1_000_000, np.uint8))
     assert store.exists("d/f0") and not store.exists("x") and manifest.exists()
     del mapped
+
+
+def _mixed_batch(store: Store, folder: Path) -> Path:
+    """A directory put of 100 packed entries and one entry directory (``d/big``); the
+    path of its batch's manifest."""
+    folder.mkdir()
+    for i in range(100):
+        np.save(folder / f"f{i}.npy", np.full((64, 200), i, np.float32))
+    np.save(folder / "big.npy", np.zeros(200_000, np.uint8))  # over 64 KiB: a directory of its own
+    store.put_file("d", folder)
+    packed = packed_range(store.info("d/f0").version)
+    assert packed is not None and packed_range(store.info("d/big").version) is None
+    return store.root / "objects" / packed[0] / "manifest"
+
+
+def test_a_batch_whose_packed_entries_are_all_evicted_still_counts_its_manifest(
+    store: Store, tmp_path: Path
+) -> None:
+    """Evicting every packed entry of a mixed batch leaves its manifest (and its pages)
+    while ``d/big`` is linked: ``used`` counts it, as the tmpfs does, until ``d/big`` goes."""
+    manifest = _mixed_batch(store, tmp_path / "src")
+    for i in range(100):
+        store.evict(f"d/f{i}")
+    stats = store.stats()
+    big = store.info("d/big").size
+    assert stats.entries == 1 and manifest.exists()
+    assert stats.packed_held == _allocated(manifest) > 100 * ENTRY
+    assert stats.used == big + stats.packed_held
+    assert stats.used >= _objects_allocated(store.root) - 64 * 1024  # all but the headers' pages
+    store.evict("d/big")
+    assert not manifest.exists() and (store.stats().used, store.stats().packed_held) == (0, 0)
+
+
+def test_evicting_the_entry_directory_of_such_a_batch_frees_room_for_its_manifest_too(
+    store: Store, tmp_path: Path
+) -> None:
+    """Budget eviction credits the manifest when the batch's last entry (an entry
+    directory) goes: a put that needs those bytes evicts ``d/big`` and fits, and the
+    tmpfs then holds no more than the budget."""
+    manifest = _mixed_batch(store, tmp_path / "src")
+    for i in range(100):
+        store.evict(f"d/f{i}")
+    held = _objects_allocated(store.root)  # d/big and the manifest, as the tmpfs counts them
+    store.set_budget(held + 100_000)
+    store.put_array("x", np.zeros(held - 300_000, np.uint8))  # fits only once the manifest goes
+    assert not store.exists("d/big") and not manifest.exists() and store.exists("x")
+    assert store.stats().used <= held + 100_000
+    assert _objects_allocated(store.root) <= held + 100_000

@@ -34,8 +34,8 @@ __all__ = [
 ]
 
 _USAGE_MAX_AGE_S = 5.0
-_usage: dict[str, tuple[bytes, float, dict[str, tuple[str, int, str | None]]]] = {}
-"""root -> (its generation table when read, when, key -> (version, size, packed batch)): the
+_usage: dict[str, tuple[bytes, float, dict[str, tuple[str, int]]]] = {}
+"""root -> (its generation table when read, when, key -> (version, size)): the
 sizes of a root's entries, re-read only for keys whose generation slot changed since (a
 published version never changes, so ``meta.json`` is read once per new version)."""
 
@@ -78,20 +78,24 @@ def packed_batch(version: str) -> str | None:
     return None if packed is None else packed[0]
 
 
-def held_by_batches(layout: Layout, linked: Iterable[tuple[str | None, int]]) -> dict[str, int]:
+def held_by_batches(layout: Layout, linked: Iterable[tuple[str, int]]) -> dict[str, int]:
     """Batch -> bytes its manifest holds beyond the sizes of its linked packed entries
-    (``linked``: ``(packed batch or None, size)`` of each entry counted): evicting a packed
+    (``linked``: ``(version, size)`` of each entry counted). Every batch with a linked
+    entry, packed or an entry directory, keeps its whole manifest: evicting a packed
     entry clears its live byte but frees nothing, the manifest's pages return only with
-    the batch's last entry. One ``stat`` per batch (its allocated blocks), none per key."""
+    the batch's last entry (a batch whose packed entries are all evicted still holds them
+    while an entry directory of it is linked). One ``stat`` per batch (its allocated
+    blocks), none per key."""
     live: dict[str, int] = {}
-    for batch, size in linked:
-        if batch is not None:
-            live[batch] = live.get(batch, 0) + size
+    for version, size in linked:
+        batch, slash, rest = version.partition("/")
+        if slash:  # an entry of a directory put: a packed one's bytes are in the manifest
+            live[batch] = live.get(batch, 0) + (size if "." in rest and packed_range(version) else 0)
     held = {}
     for batch, size in live.items():
         try:
             allocated = os.stat(object_path(str(layout.root), batch, MANIFEST_FILE)).st_blocks * 512
-        except OSError:  # gone since the listing: its bytes went with it
+        except OSError:  # gone since the listing (or a batch of an older format without one)
             continue
         held[batch] = max(0, allocated - size)
     return held
@@ -104,7 +108,7 @@ def used_bytes(layout: Layout, excluding: Collection[str] = ()) -> int:
     put under a budget pays it first, so it must not read every entry's metadata: one walk
     of the entry tree, then a ``readlink`` only for keys whose generation slot changed
     since the last call (every publish and evict bumps its keys' slots), one ``stat`` per
-    packed batch, and every key again after a few seconds (a writer killed between its link swap and its
+    batch, and every key again after a few seconds (a writer killed between its link swap and its
     bump leaves no trace in the table)."""
     root = str(layout.root)
     table = _generation_table(layout)  # before the listing: a change during it is seen next time
@@ -120,15 +124,15 @@ def used_bytes(layout: Layout, excluding: Collection[str] = ()) -> int:
         full_scan_at = now if changed is None or cached is None else cached[1]
         _usage[root] = (table, full_scan_at, sizes)
     excluded = set(excluding)
-    counted = [(batch, size) for key, (_, size, batch) in sizes.items() if key not in excluded]
+    counted = [seen for key, seen in sizes.items() if key not in excluded]
     # a replaced packed entry's bytes stay in its manifest: held, not freed by the put
     return sum([size for _, size in counted]) + sum(held_by_batches(layout, counted).values())
 
 
 def _scan_sizes(
-    layout: Layout, known: dict[str, tuple[str, int, str | None]], changed: set[int] | None
-) -> dict[str, tuple[str, int, str | None]]:
-    """Key -> (version, size, packed batch) of every entry: from ``known`` for keys whose slot is not in
+    layout: Layout, known: dict[str, tuple[str, int]], changed: set[int] | None
+) -> dict[str, tuple[str, int]]:
+    """Key -> (version, size) of every entry: from ``known`` for keys whose slot is not in
     ``changed``, else read (``meta.json`` only for a version not seen before)."""
     sizes = {}
     for key, link in _entry_links(layout).items():
@@ -143,7 +147,7 @@ def _scan_sizes(
             meta = read_meta(layout, version)
             if meta is None or meta.key != key:
                 continue
-            seen = (version, meta.size, packed_batch(version))
+            seen = (version, meta.size)
         sizes[key] = seen
     return sizes
 
@@ -173,7 +177,7 @@ def referenced_versions(layout: Layout) -> dict[str, str]:
 
 def store_stats(layout: Layout, entries: list[EntryInfo], budget: int | None) -> StoreStats:
     """Space of the root's file system (of its nearest existing ancestor, before the first put)."""
-    held = sum(held_by_batches(layout, [(packed_batch(e.version), e.size) for e in entries]).values())
+    held = sum(held_by_batches(layout, [(e.version, e.size) for e in entries]).values())
     probe: Path = layout.root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

@@ -103,7 +103,7 @@ def _make_room_in_budget(
     if used_bytes(layout, replacing) + reserved + nbytes <= budget:
         return  # the common case, without reading every entry's record
     entries = [e for e in iter_infos(layout) if e.key not in replacing]
-    held = held_by_batches(layout, [(packed_batch(e.version), e.size) for e in entries])
+    held = held_by_batches(layout, [(e.version, e.size) for e in entries])
     used = sum(e.size for e in entries) + sum(held.values()) + reserved
     excess = used + nbytes - budget
     if excess <= 0:
