@@ -30,6 +30,7 @@ from team_helpers import User, as_user, made_users
 from shmcache import CacheFullError, InvalidSourceError, NotPermittedError, QuotaExceededError, Store
 from shmcache._disk.layout import SHM_DIR
 from shmcache._store.member_writes import MemberWriter
+from shmcache._store.writing import publish, version_meta
 
 QUOTA = 256 << 10
 
@@ -286,3 +287,26 @@ def test_eviction_says_a_packed_entry_counts_as_mapped_when_its_manifest_is(
         assert "every entry packed there counts as mapped" in message
     finally:
         reader.communicate("")
+
+
+def test_a_writer_that_published_but_is_still_closing_does_not_count_twice(
+    budget_served: Path, team: dict[str, User]
+) -> None:
+    """A put's reservation stays on its lock file until its writer closes, a moment after
+    its entry is linked (and counted in ``used``). A member's put in that moment must not
+    count those bytes twice and evict the entry just published: a put that returned
+    would then vanish. The other writer is held in that moment with the steps a put
+    takes (reserve, write, publish), before its close."""
+    store = Store(budget_served)
+    data = np.zeros(200 << 10, dtype=np.uint8)
+    with store._writer() as writer:
+        store._reserve(writer, data.nbytes + 2 * 4096)
+        version = writer.new_version()
+        crc, header = writer.write_array(version, "data.npy", data)
+        meta = version_meta("a/done", "array", version, {"data": header}, {"data": crc}, False)
+        writer.write_meta(version, meta)
+        publish(store.layout, writer, [("a/done", version)], overwrite=False, lock_timeout=5)
+        assert store.exists("a/done")
+        as_user(team["bob"], _put_kib, budget_served, "b/new", 200)  # 416 KiB with a/done: fits
+        assert sorted(e.key for e in store.list()) == ["a/done", "b/new"]
+    assert store.stats().used <= 450 << 10

@@ -63,7 +63,7 @@ def reserve(
         if limit is not None:
             _make_room_in_budget(layout, nbytes, limit, set(replacing), evict_version, others, victim_order)
         free = free_bytes(layout.root)
-        pending = sum(max(0, reserved - written) for reserved, written in others)
+        pending = sum(max(0, reserved - written) for _, reserved, written in others)
         # what this writer wrote already (a reservation grown as it writes) is no longer free
         # but is in nbytes: count it once (looked up only then: it lists objects/)
         written = _written_by(layout, writer.writer_id) if nbytes > free - pending else 0
@@ -95,14 +95,14 @@ def _make_room_in_budget(
     limit: tuple[int, str],
     replacing: set[str],
     evict_version: EvictVersion,
-    others: list[tuple[int, int]],
+    others: list[tuple[str, int, int]],
     victim_order: VictimOrder | None = None,
 ) -> None:
     budget, whose = limit
-    reserved = sum(reserved for reserved, _ in others)
-    if used_bytes(layout, replacing) + reserved + nbytes <= budget:
+    if used_bytes(layout, replacing) + sum(r for _, r, _ in others) + nbytes <= budget:
         return  # the common case, without reading every entry's record
     entries = [e for e in iter_infos(layout) if e.key not in replacing]
+    reserved = _still_reserved(others, entries)
     held = held_by_batches(layout, [(e.version, e.size) for e in entries])
     used = sum(e.size for e in entries) + sum(held.values()) + reserved
     excess = used + nbytes - budget
@@ -190,16 +190,31 @@ def _freed_by(victims: list[EntryInfo], members: dict[str, tuple[int, int]], hel
     return freed + sum(members[b][1] + held.get(b, 0) for b, n in left.items() if n == 0)
 
 
-def _live_reservations(layout: Layout, writer: VersionWriter) -> list[tuple[int, int]]:
-    """``(bytes reserved, bytes already written)`` of every other live writer (the
+def _live_reservations(layout: Layout, writer: VersionWriter) -> list[tuple[str, int, int]]:
+    """``(writer, bytes reserved, bytes already written)`` of every other live writer (the
     file system's free space already lacks what they wrote)."""
     found = []
     for lock in layout.tmp.glob("*.lock"):
         if lock == writer.lock_path or not FileLockProbe.holder_alive(lock):
             continue
         with suppress(OSError, ValueError):
-            found.append((int(lock.read_text() or 0), _written_by(layout, writer_of(lock.name))))
+            other = writer_of(lock.name)
+            found.append((other, int(lock.read_text() or 0), _written_by(layout, other)))
     return found
+
+
+def _still_reserved(others: list[tuple[str, int, int]], entries: list[EntryInfo]) -> int:
+    """What live writers reserved beyond the entries they have published already: a
+    writer's reservation stays on its lock file until it closes, a moment after its
+    entries are linked and counted among ``entries``; counting both would evict for
+    bytes counted twice (the entry just published, at worst)."""
+    if not others:
+        return 0
+    published: dict[str, int] = {}
+    for entry in entries:
+        owner = writer_of(entry.version.partition("/")[0])
+        published[owner] = published.get(owner, 0) + entry.size
+    return sum(max(0, reserved - published.get(other, 0)) for other, reserved, _ in others)
 
 
 def _written_by(layout: Layout, writer_id: str) -> int:
