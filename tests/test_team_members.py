@@ -310,3 +310,33 @@ def test_a_writer_that_published_but_is_still_closing_does_not_count_twice(
         as_user(team["bob"], _put_kib, budget_served, "b/new", 200)  # 416 KiB with a/done: fits
         assert sorted(e.key for e in store.list()) == ["a/done", "b/new"]
     assert store.stats().used <= 450 << 10
+
+
+def test_a_later_put_evicts_a_members_new_entry_while_a_batch_it_would_free_is_mapped(
+    budget_served: Path, team: dict[str, User], tmp_path: Path
+) -> None:
+    """What a put that "vanished" was, where it was not a double count: a later put needs
+    room, every entry packed in the batch counts as mapped while one is (the lease probe
+    sees the manifest), so the least recently used entry left, the member's new one, goes
+    (docs/team-writes.md says so)."""
+    source = tmp_path / "d"
+    source.mkdir()
+    for i in range(6):  # 64 KiB each: packed into the manifest
+        np.save(source / f"f{i}.npy", np.zeros((64 << 10) - 128, dtype=np.uint8))
+    Store(budget_served).put_file("d", source)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys, shmcache\n"
+         f"a = shmcache.open_array('d/f0', root={str(budget_served)!r})\n"
+         "print(int(a[0]), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "0"
+        as_user(team["bob"], _put_kib, budget_served, "b/new", 40)  # fits beside the batch
+        as_user(team["bob"], _put_kib, budget_served, "b/more", 40)  # does not: b/new goes
+        left = sorted(e.key for e in Store(budget_served).list())
+        assert left == ["b/more"] + [f"d/f{i}" for i in range(6)]
+    finally:
+        reader.communicate("")
+    as_user(team["bob"], _put_kib, budget_served, "b/new", 40)  # unmapped now: the batch goes
+    assert sorted(e.key for e in Store(budget_served).list()) == ["b/more", "b/new"]
