@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,8 @@ class MemberPolicy:
             share = self.share(budget, everyone)
             usage = usage_by_owner(everyone)
             over = {uid for uid, use in usage.items() if share is not None and use.bytes > share}
-            free = [e for e in evictable if not _mapped(layout, e)]
+            probed: dict[str, bool] = {}  # a batch's packed entries share one manifest: one probe
+            free = [e for e in evictable if not _mapped(layout, e, probed)]
             ordered = fair_order(free, None)
             return [e for e in ordered if e.owner_uid in over] + [
                 e for e in ordered if e.owner_uid not in over
@@ -130,11 +132,56 @@ class MemberPolicy:
         return order
 
 
-def _mapped(layout: Layout, entry: EntryInfo) -> bool:
-    """Whether any process has one of the entry's files open or mapped (a lease probe)."""
+_OWN_OPEN_WAIT_S = 0.02
+_OWN_OPEN_TRIES = 100
+"""How long a lease probe refused while this daemon itself has the file open is asked
+again (up to 2 s): its own threads open a manifest briefly (cleanup, a listing, a
+member's ``info``), and the kernel counts those opens as anyone's."""
+
+
+def _mapped(layout: Layout, entry: EntryInfo, probed: dict[str, bool]) -> bool:
+    """Whether any process has one of the entry's files open or mapped (a lease probe;
+    ``probed``: path -> answer, of the files asked already)."""
     meta = read_meta(layout, entry.version)
     names = (meta.files if meta is not None else None) or ("data",)
-    return any(in_use(layout.object_file(entry.version, f"{name}.npy")) for name in names)
+    for name in names:
+        path = layout.object_file(entry.version, f"{name}.npy")
+        if path not in probed:
+            probed[path] = _in_use(path)
+        if probed[path]:
+            return True
+    return False
+
+
+def _in_use(path: str) -> bool:
+    """:func:`in_use`, not fooled by this daemon's own brief opens of the file: the kernel
+    refuses the lease for those as for anyone's (a packed batch then counted as mapped,
+    and a member's new entry evicted instead, or a put refused). While a descriptor of
+    this process holds the file (not a mapping: that one is in use), ask again, a while."""
+    for _ in range(_OWN_OPEN_TRIES):
+        if not in_use(path):
+            return False
+        if not _open_here(path) and in_use(path) and not _open_here(path):
+            return True  # refused twice with no open of ours in between: another process's
+        time.sleep(_OWN_OPEN_WAIT_S)
+    return True
+
+
+def _open_here(path: str) -> bool:
+    """Whether a descriptor of this process has ``path`` open (``/proc/self/fd``)."""
+    try:
+        st = os.stat(path)
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            found = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
 
 
 def policy_of(settings: Settings) -> MemberPolicy:

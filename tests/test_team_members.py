@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -340,3 +341,40 @@ def test_a_later_put_evicts_a_members_new_entry_while_a_batch_it_would_free_is_m
         reader.communicate("")
     as_user(team["bob"], _put_kib, budget_served, "b/new", 40)  # unmapped now: the batch goes
     assert sorted(e.key for e in Store(budget_served).list()) == ["b/more", "b/new"]
+
+
+def test_the_daemons_own_brief_open_of_a_manifest_is_not_a_mapping(
+    budget_served: Path, team: dict[str, User], tmp_path: Path
+) -> None:
+    """The lease probe is refused while the daemon's own threads have a manifest open
+    (cleanup, a listing read it): the kernel counts that open as anyone's. The daemon asks
+    again while the only opener it can see is itself, so a batch nobody maps is evicted
+    (not the put refused, nor a member's entry taken instead). Seen with a cleanup running
+    beside a member's put (1 put in 20 refused)."""
+    source = tmp_path / "d"
+    source.mkdir()
+    for i in range(6):  # 64 KiB each: packed into the manifest
+        np.save(source / f"f{i}.npy", np.zeros((64 << 10) - 128, dtype=np.uint8))
+    store = Store(budget_served)
+    store.put_file("d", source)
+    manifest = store.layout.object_file(store.info("d/f0").version, "data.npy")
+    held = os.open(manifest, os.O_RDONLY)  # as a thread of the daemon reading it would
+
+    def close_soon() -> None:
+        threading.Event().wait(0.8)
+        os.close(held)
+
+    closer = threading.Thread(target=close_soon)
+    closer.start()
+    try:
+        as_user(team["bob"], _put_kib_closing, held, budget_served, "b/new", 200)
+    finally:
+        closer.join()
+    assert sorted(e.key for e in store.list()) == ["b/new"]
+
+
+def _put_kib_closing(inherited: int, root: Path, key: str, kib: int) -> None:
+    """``_put_kib`` in a forked child that first closes a descriptor it inherited (a
+    member's process holds none of the daemon's)."""
+    os.close(inherited)
+    _put_kib(root, key, kib)
