@@ -96,8 +96,8 @@ def _run(code: str, args: list[str], path: str | None) -> str:
     env = dict(os.environ)
     if path is not None:
         env["PYTHONPATH"] = path
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=900
+    proc = subprocess.run(  # cwd: not this checkout, which "-c" would put first on sys.path
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=900, cwd="/"
     )
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])

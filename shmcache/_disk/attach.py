@@ -290,8 +290,8 @@ def _map_packed(
     batch, index, offset, length = packed
     path = object_path(root, batch, MANIFEST_FILE)
     if mode == COPY_ON_WRITE:
-        shared = _shared_manifest(root, batch, path, key, offset, length)
-        if not read_header and not _live_in(shared, index):
+        shared, size = _shared_manifest(root, batch, path, key, offset, length)
+        if not read_header and not _live_in(shared, size, index):
             raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
         shared.record(offset, version, key, length)
         head, end = b"", 0
@@ -329,10 +329,13 @@ def _check_range(key: str, path: str, offset: int, length: int, size: int) -> No
         )
 
 
-def _shared_manifest(root: str, batch: str, path: str, key: str, offset: int, length: int) -> SharedManifest:
-    """This process's mapping of ``batch``'s whole manifest, made on the first open of
-    one of its entries; later opens of its other entries cost one ``stat`` (the file's
-    identity and size; the LRU touch at most once a second), no open, fstat nor mmap.
+def _shared_manifest(
+    root: str, batch: str, path: str, key: str, offset: int, length: int
+) -> tuple[SharedManifest, int]:
+    """This process's mapping of ``batch``'s whole manifest (made on the first open of
+    one of its entries) and the file's size now; later opens of its other entries cost
+    one ``stat`` (the file's identity and size; the LRU touch at most once a second), no
+    open, fstat nor mmap.
 
     The mapping is reused only for the same file: the ``stat`` of ``path`` must give the
     ``(device, inode)`` it was made from, which no other file can have while it lives (it
@@ -355,7 +358,7 @@ def _shared_manifest(root: str, batch: str, path: str, key: str, offset: int, le
                     os.utime(path)
                 except OSError:
                     pass
-            return cached
+            return cached, st.st_size
     fd = _open_entry_file(path, key)
     try:
         st = os.fstat(fd)
@@ -367,7 +370,7 @@ def _shared_manifest(root: str, batch: str, path: str, key: str, offset: int, le
     mapping.entries = {}
     _owned(mapping, (root, batch, MANIFEST_FILE, ""))
     _MANIFESTS[(root, batch)] = mapping
-    return mapping  # type: ignore[no-any-return]
+    return mapping, st.st_size
 
 
 def _packed_header(
@@ -384,11 +387,12 @@ def _packed_header(
     return head, end
 
 
-def _live_in(mapping: SharedManifest, index: int) -> bool:
+def _live_in(mapping: SharedManifest, size: int, index: int) -> bool:
     """:func:`_packed_live` read through the shared mapping (an evict's ``pwrite`` of the
-    live byte shows in every mapping of the file, unlinked or not)."""
+    live byte shows in every mapping of the file, unlinked or not); ``size``: the file's
+    now (never a read past its end: SIGBUS)."""
     at = int.from_bytes(mapping[_LIVE_AT], "little") + index
-    return 0 <= at < len(mapping) and mapping[at] == 1
+    return 0 <= at < min(size, len(mapping)) and mapping[at] == 1
 
 
 def _open_entry_file(path: str, key: str) -> int:
