@@ -241,3 +241,19 @@ def test_dataloader_workers_open_many_packed_keys_over_one_mapping(
     assert sorted(values.tolist()) == list(range(count))
     assert set(pids.tolist()) != {os.getpid()} and len(set(pids.tolist())) == 2
     assert manifests.max().item() == 1  # each worker: one mapping of the manifest, for 300 keys
+
+
+def test_a_cold_open_through_the_shared_mapping_still_marks_the_batch_used(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """The LRU touch stays: a cold open of another key of a mapped batch (no open, no
+    mmap) still sets the manifest's use time, at most once a second per batch."""
+    store.put_file("d", _folder(tmp_path / "src", 3))
+    reader = Store(root)
+    reader.open_array("d/f0")
+    packed = packed_range(store.info("d/f1").version)
+    assert packed is not None
+    path = root / "objects" / packed[0] / "manifest"
+    os.utime(path, (1_000_000, 1_000_000))  # an hour-old use, as LRU eviction reads it
+    assert int(reader.open_array("d/f1")[0]) == 1
+    assert os.stat(path).st_atime > 1_000_000 + 3600

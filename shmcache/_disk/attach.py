@@ -532,7 +532,8 @@ def _too_many_open(key: str) -> TooManyOpenFilesError:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return TooManyOpenFilesError(
         f"cannot attach entry {key!r}: this process has too many open files (limit {soft}; "
-        f"on Python < 3.13 each attached entry holds a descriptor). Raise `ulimit -n` (hard limit "
+        f"on Python < 3.13 each attached entry holds a descriptor, the small entries of one directory put "
+        f"one together). Raise `ulimit -n` (hard limit "
         f"{hard}), or open fewer distinct entries (e.g. one array instead of many small ones)"
     )
 
