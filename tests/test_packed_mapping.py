@@ -257,3 +257,20 @@ def test_a_cold_open_through_the_shared_mapping_still_marks_the_batch_used(
     os.utime(path, (1_000_000, 1_000_000))  # an hour-old use, as LRU eviction reads it
     assert int(reader.open_array("d/f1")[0]) == 1
     assert os.stat(path).st_atime > 1_000_000 + 3600
+
+
+def test_a_packed_view_held_for_a_device_is_its_own_whole_manifest_mapping(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """``pin``'s bookkeeping (``_cuda.hold``; mapped, not registered, on a CPU) of a view of
+    a packed entry: the view's origin is found by its offset in the shared mapping, and
+    the held array is the same bytes over a mapping of its own."""
+    from shmcache import _cuda
+
+    store.put_file("d", _folder(tmp_path / "src", 8))
+    array = Store(root).open_array("d/f5")
+    view = array[10:20]
+    with _cuda.hold(view, str(root), torch.device("cpu"), register=False) as held:
+        assert held.key == "d/f5" and held.version == store.info("d/f5").version
+        assert list(held.array) == [5] * 10
+        assert held.array.base is not array.base and not held.array.flags.writeable
