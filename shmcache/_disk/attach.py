@@ -7,6 +7,13 @@ dtype)`` instead of the data, and the receiving process maps the same file again
 DataLoader workers started with ``spawn``/``forkserver`` get the dataset in
 microseconds, not a copy.
 
+The small entries of a directory put are packed into its batch's manifest: those a
+process opens copy-on-write are views into ONE mapping of the whole manifest
+(:class:`SharedManifest`: one descriptor on Python < 3.13 and one VMA per batch, not per
+key), which lives while any array of it does. ``/proc/<pid>/maps`` then shows every entry
+of that batch as mapped by the process: true of its memory, which returns only with the
+batch. An evicted packed entry's bytes stay readable through it, as an unlinked file's do.
+
 How an entry is mapped (``mode``):
 
 - ``"copy-on-write"`` (the default, what every reader gets): ``MAP_PRIVATE`` with
