@@ -223,9 +223,8 @@ def attach_array(
             array = np.ndarray(shape, dtype, mapping, offset)
     except TypeError as exc:  # "buffer is too small for requested array"
         raise CorruptEntryError(
-            f"entry {key!r} ({filename}) is truncated: {(stop or len(mapping)) - shift} bytes, fewer "
-            "than its "
-            f"header promises ({shape} of {dtype}); evict it and put it again"
+            f"entry {key!r} ({filename}) is truncated: {(stop or len(mapping)) - shift} bytes, "
+            f"fewer than its header promises ({shape} of {dtype}); evict it and put it again"
         ) from exc
     if mode != WRITABLE:
         array.setflags(write=False)
