@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ._api import get_store
-from ._disk.attach import SHARED, MappedFile, attach_array, mapped_base
+from ._disk.attach import SHARED, attach_array, mapped_base, origin_of
 from ._disk.layout import ARRAY_FILE
 from ._disk.pin_records import PinnedEntry, PinRecord
 from .errors import GPUUnavailableError, KeyNotFoundError, UnsupportedDataError
@@ -277,10 +277,10 @@ def _resolve(array_or_key: np.ndarray | str, root: Root) -> tuple[str, str, str,
         return str(store.root), info.version, ARRAY_FILE, array_or_key, None
     if not isinstance(array_or_key, np.ndarray):
         raise TypeError(f"expected a key or a shmcache array, got {type(array_or_key).__name__}")
-    base = mapped_base(array_or_key)
-    if not isinstance(base, MappedFile):
+    found = origin_of(array_or_key)
+    if found is None:
         raise ValueError("array does not live in the shmcache (open it with shmcache.open_array)")
-    root_str, version, filename, key = base.origin
+    root_str, version, filename, key = found[0]
     return root_str, version, filename, key, array_or_key
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 import shmcache
 from shmcache._disk.attach import MappedFile
 
-__all__ = ["SharedRowsDataset", "WorkerView", "describe_array"]
+__all__ = ["PackedKeysDataset", "SharedRowsDataset", "WorkerView", "describe_array"]
 
 WorkerView = tuple[int, bool, bool, bool, str]
 """``(pid, base chain ends in a MappedFile, data file in /proc/self/maps, writeable,
@@ -71,3 +71,26 @@ class SharedRowsDataset(Dataset[dict[str, Any]]):
             "writeable": writeable,
             "base_types": types,
         }
+
+
+class PackedKeysDataset(Dataset[tuple[int, int, int]]):
+    """Item ``i``: entry ``<prefix>/f<i>`` opened by key in the worker (what a Dataset of a
+    folder's small files does), as ``(first value, mappings of manifests in this process,
+    this process's pid)``."""
+
+    def __init__(self, root: str, prefix: str, count: int) -> None:
+        self.root, self.prefix, self.count = root, prefix, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[int, int, int]:
+        array = shmcache.open_array(f"{self.prefix}/f{index}", root=self.root)
+        with open("/proc/self/maps") as maps:
+            manifests = sum(
+                1
+                for line in maps
+                if f"{self.root}/objects/" in line
+                and line.rstrip().endswith(("/manifest", "/manifest (deleted)"))
+            )
+        return int(array[0]), manifests, os.getpid()

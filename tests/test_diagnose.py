@@ -144,13 +144,14 @@ def test_top_names_the_packed_entry_a_process_maps_and_evicted_once_its_manifest
     root: Path, tmp_path: Path
 ) -> None:
     """A directory put's small entries live in its manifest: top attributes a mapping of
-    the manifest to the entries its range covers (not ``<evicted>``), and only a mapping
-    of no live entry's bytes to ``<evicted>``."""
+    the manifest to the entries its range covers (not ``<evicted>``): a reader maps the
+    whole manifest once for all its entries, so all of them; and only a mapping of no live
+    entry's bytes to ``<evicted>``."""
     from shmcache._diagnose.top import mapping_processes
 
     source = tmp_path / "d"
     source.mkdir()
-    for i in range(4):  # 16 KiB each: the middle ones own pages of their own
+    for i in range(4):  # 16 KiB each
         np.save(source / f"f{i}.npy", np.full((64, 64), i, dtype=np.float32))
     store = shmcache.Store(root)
     store.put_file("d", source)
@@ -169,7 +170,7 @@ def test_top_names_the_packed_entry_a_process_maps_and_evicted_once_its_manifest
         rows, _ = mapping_processes(store)
         keys = next(row.entries for row in rows if row.pid == reader.pid)
         assert "d/f2" in keys and "<evicted>" not in keys
-        assert "d/f0" not in keys  # a page of its own: per page, not per manifest
+        assert keys == ["d/f0", "d/f1", "d/f2", "d/f3"]  # one mapping of the whole manifest
         for i in range(4):
             store.evict(f"d/f{i}")
         rows, _ = mapping_processes(store)

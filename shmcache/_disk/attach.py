@@ -7,6 +7,13 @@ dtype)`` instead of the data, and the receiving process maps the same file again
 DataLoader workers started with ``spawn``/``forkserver`` get the dataset in
 microseconds, not a copy.
 
+The small entries of a directory put are packed into its batch's manifest: those a
+process opens copy-on-write are views into ONE mapping of the whole manifest
+(:class:`SharedManifest`: one descriptor on Python < 3.13 and one VMA per batch, not per
+key), which lives while any array of it does. ``/proc/<pid>/maps`` then shows every entry
+of that batch as mapped by the process: true of its memory, which returns only with the
+batch. An evicted packed entry's bytes stay readable through it, as an unlinked file's do.
+
 How an entry is mapped (``mode``):
 
 - ``"copy-on-write"`` (the default, what every reader gets): ``MAP_PRIVATE`` with
@@ -36,10 +43,12 @@ from __future__ import annotations
 
 import copyreg
 import errno
+import math
 import mmap
 import os
 import resource
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -47,7 +56,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CorruptEntryError, KeyNotFoundError, MappingRefusedError, TooManyOpenFilesError
-from .layout import MANIFEST_FILE, object_path, packed_range
+from .layout import ARRAY_FILE, MANIFEST_FILE, object_path, packed_range
 from .npy import header_length, parse_header_bytes
 
 __all__ = [
@@ -56,11 +65,13 @@ __all__ = [
     "WRITABLE",
     "MapMode",
     "MappedFile",
+    "SharedManifest",
     "attach_array",
     "install_pickle_by_reference",
     "is_shared_read_only",
     "map_entry_file",
     "mapped_base",
+    "origin_of",
     "overcommit_is_strict",
     "private_view",
 ]
@@ -87,6 +98,46 @@ class MappedFile(mmap.mmap):
             self._start = int(np.frombuffer(self, dtype=np.uint8, count=1).ctypes.data)
         return self._start
 
+    def origin_at(self, offset: int) -> tuple[str, str, str, str] | None:
+        """``origin`` of the entry whose bytes hold byte ``offset`` of the mapping."""
+        return self.origin
+
+
+class SharedManifest(MappedFile):
+    """The one mapping of a whole batch manifest that every packed entry of that batch
+    opened copy-on-write in this process is a view into: one descriptor (Python < 3.13)
+    and one VMA per batch, not per key (``vm.max_map_count`` and ``ulimit -n`` would
+    otherwise cap a process at a few thousand keys). It lives while any array over it
+    does (:data:`_MANIFESTS` holds it weakly)."""
+
+    ident: tuple[int, int]
+    """``(st_dev, st_ino)`` of the file mapped: while this mapping lives the file's inode
+    cannot be freed, so no other file has them; a path that stats to them is this file."""
+    entries: dict[int, tuple[str, str, int]]
+    """Packed offset -> ``(version, key, length)`` of each entry opened over it (for the
+    ``origin`` of an array: pickling by reference, ``private_view``, ``pin``)."""
+    longest: int = 0
+
+    def origin_at(self, offset: int) -> tuple[str, str, str, str] | None:
+        entries = self.entries
+        start = offset - offset % _PACK_ALIGN
+        lowest = max(_DATA_START, offset - self.longest)
+        while start >= lowest:  # entries are 64-byte aligned, at most ``longest`` bytes
+            found = entries.get(start)
+            if found is not None:
+                version, key, length = found
+                if offset < start + length:
+                    return self.origin[0], version, ARRAY_FILE, key
+                return None
+            start -= _PACK_ALIGN
+        return None
+
+    def record(self, offset: int, version: str, key: str, length: int) -> None:
+        """Remember that entry ``version`` (``key``) is bytes ``offset..+length``."""
+        self.entries[offset] = (version, key, length)
+        if length > self.longest:
+            self.longest = length
+
 
 # Python 3.13+ can map without keeping a duplicate descriptor per mapping.
 _MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
@@ -94,6 +145,9 @@ _HEADER_READ = 256  # numpy pads headers to 64 bytes; nearly all fit in 128
 _MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
     weakref.WeakValueDictionary()
 )
+_MANIFESTS: weakref.WeakValueDictionary[tuple[str, str], SharedManifest] = weakref.WeakValueDictionary()
+"""(root, batch) -> this process's shared mapping of the batch's manifest, while it lives."""
+_TOUCH_EVERY_S = 1.0  # a batch used again within this is not touched again (LRU: seconds)
 _PROT_COPY = mmap.PROT_READ | mmap.PROT_WRITE
 # MAP_NORESERVE: older Pythons' mmap module has no constant; Linux's is 0x4000 on x86,
 # ARM, RISC-V and s390 (other architectures go without: only the accounting differs).
@@ -157,18 +211,20 @@ def attach_array(
     """
     if huge_pages and mode != WRITABLE:
         raise ValueError("huge_pages=True maps a private writable array: mode='writable'")
-    mapping, head, end, shift = _map(root, version, filename, key, True, mode, huge_pages)
+    mapping, head, end, shift, stop = _map(root, version, filename, key, True, mode, huge_pages)
     dtype, shape, fortran_order, offset = parse_header_bytes(head, end, f"entry {key!r}")
     offset += shift  # a packed entry's .npy starts inside its mapping
     try:
+        if stop is not None and offset + dtype.itemsize * math.prod(shape) > stop:
+            raise TypeError("buffer is too small for requested array")  # its neighbours' bytes
         if fortran_order:
             array = np.ndarray(shape, dtype, mapping, offset, order="F")
         else:
             array = np.ndarray(shape, dtype, mapping, offset)
     except TypeError as exc:  # "buffer is too small for requested array"
         raise CorruptEntryError(
-            f"entry {key!r} ({filename}) is truncated: {len(mapping) - shift} bytes, fewer than its "
-            f"header promises ({shape} of {dtype}); evict it and put it again"
+            f"entry {key!r} ({filename}) is truncated: {(stop or len(mapping)) - shift} bytes, "
+            f"fewer than its header promises ({shape} of {dtype}); evict it and put it again"
         ) from exc
     if mode != WRITABLE:
         array.setflags(write=False)
@@ -190,10 +246,10 @@ def _map(
     read_header: bool,
     mode: MapMode = COPY_ON_WRITE,
     huge: bool = False,
-) -> tuple[Any, bytes, int, int]:
+) -> tuple[Any, bytes, int, int, int | None]:
     """A mapping of a published entry file, its header's first bytes and length (when
-    ``read_header``), and where its ``.npy`` starts in the mapping (0 but for a packed
-    entry)."""
+    ``read_header``), where its ``.npy`` starts in the mapping (0 but for a packed
+    entry), and where it ends (None: with the mapping)."""
     if mode != COPY_ON_WRITE and mode != SHARED and mode != WRITABLE:
         raise ValueError(f"unknown mapping mode {mode!r}: one of 'copy-on-write', 'shared', 'writable'")
     if "." in version.partition("/")[2]:  # an entry packed into its batch's manifest
@@ -217,7 +273,7 @@ def _map(
             raise CorruptEntryError(f"entry {key!r}: {path} is empty; evict it and put it again") from exc
     finally:
         os.close(fd)
-    return _owned(mapping, (root, version, filename, key)), head, end, 0
+    return _owned(mapping, (root, version, filename, key)), head, end, 0, None
 
 
 def _map_packed(
@@ -228,28 +284,36 @@ def _map_packed(
     packed: tuple[str, int, int, int],
     read_header: bool,
     mode: MapMode,
-) -> tuple[Any, bytes, int, int]:
+) -> tuple[Any, bytes, int, int, int | None]:
     """:func:`_map` of a packed entry: bytes ``offset..offset+length`` of its batch's
-    manifest, mapped from the page below ``offset`` (``mmap`` offsets are page aligned);
-    returns the entry's header as :func:`_map` does, and where its ``.npy`` starts in the
-    mapping. A range beyond the file's end (a damaged or truncated manifest) is
+    manifest. Copy-on-write (every reader): a view into this process's one mapping of the
+    whole manifest (:func:`_shared_manifest`); ``"shared"`` (``pin``): a whole-manifest
+    mapping of its own (a registration of its own; offsets as in the shared one);
+    ``"writable"``: a mapping of just its range, from the page below ``offset``. Returns
+    the entry's header as :func:`_map` does, and where its ``.npy`` starts in the mapping.
+    A range beyond the file's end (a damaged or truncated manifest) is
     :class:`CorruptEntryError`, never a mapping that faults. No huge pages (tiny)."""
-    batch, _, offset, length = packed
+    batch, index, offset, length = packed
     path = object_path(root, batch, MANIFEST_FILE)
+    if mode == COPY_ON_WRITE:
+        shared, size = _shared_manifest(root, batch, path, key, offset, length)
+        if not read_header and not _live_in(shared, size, index):
+            raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
+        shared.record(offset, version, key, length)
+        head, end = b"", 0
+        if read_header:
+            head, end = _packed_header(shared, key, path, offset, length)
+        return shared, head, end, offset, offset + length
     fd = _open_entry_file(path, key)
     try:
-        if offset < _DATA_START or offset + length > os.fstat(fd).st_size:
-            raise CorruptEntryError(
-                f"entry {key!r}: {path} is truncated or damaged (it does not hold the entry's "
-                f"bytes {offset}..{offset + length}); evict it and put it again"
-            )
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        _check_range(key, path, offset, length, os.fstat(fd).st_size)
+        start = 0 if mode == SHARED else offset - offset % mmap.ALLOCATIONGRANULARITY
         shift = offset - start
-        head, end = b"", 0
-        if not read_header and not _packed_live(fd, packed[1]):
-            # a second mapping of an array already out (unpickled, private_view): refused
-            # once the entry is evicted, as a removed file of its own would be
+        if not read_header and not _packed_live(fd, index):
+            # a second mapping of an array already out (private_view): refused once the
+            # entry is evicted, as a removed file of its own would be
             raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
+        head, end = b"", 0
         if read_header:
             head = os.pread(fd, min(_HEADER_READ, length), offset)
             end = header_length(head, f"entry {key!r}")
@@ -257,10 +321,84 @@ def _map_packed(
                 head = os.pread(fd, min(end, length), offset)
                 if end > len(head):
                     raise CorruptEntryError(f"entry {key!r}: its bytes in {path} end inside its header")
-        mapping = _map_and_touch(fd, key, mode, False, shift + length, start)
+        mapping = _map_and_touch(fd, key, mode, False, 0 if mode == SHARED else shift + length, start)
     finally:
         os.close(fd)
-    return _owned(mapping, (root, version, filename, key)), head, end, shift
+    return _owned(mapping, (root, version, filename, key)), head, end, shift, shift + length
+
+
+def _check_range(key: str, path: str, offset: int, length: int, size: int) -> None:
+    if offset < _DATA_START or offset + length > size:
+        raise CorruptEntryError(
+            f"entry {key!r}: {path} is truncated or damaged (it does not hold the entry's "
+            f"bytes {offset}..{offset + length}); evict it and put it again"
+        )
+
+
+def _shared_manifest(
+    root: str, batch: str, path: str, key: str, offset: int, length: int
+) -> tuple[SharedManifest, int]:
+    """This process's mapping of ``batch``'s whole manifest (made on the first open of
+    one of its entries) and the file's size now; later opens of its other entries cost
+    one ``stat`` (the file's identity and size; the LRU touch at most once a second), no
+    open, fstat nor mmap.
+
+    The mapping is reused only for the same file: the ``stat`` of ``path`` must give the
+    ``(device, inode)`` it was made from, which no other file can have while it lives (it
+    holds the inode), so a batch removed and a new one at the same path (a re-put, a root
+    wiped and recreated) always get a mapping of their own. ``stat``'s size is checked as
+    an ``fstat``'s would be: a manifest truncated after it was mapped is
+    :class:`CorruptEntryError`, never a read past its end (SIGBUS)."""
+    cached = _MANIFESTS.get((root, batch))
+    if cached is not None:
+        try:
+            st = os.stat(path)
+        except OSError as exc:  # gone: evicted or replaced, as a failed open says
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise _too_many_open(key) from exc
+            raise
+        if (st.st_dev, st.st_ino) == cached.ident:
+            _check_range(key, path, offset, length, st.st_size)
+            if time.time() - st.st_atime >= _TOUCH_EVERY_S:  # when last used (LRU eviction)
+                try:
+                    os.utime(path)
+                except OSError:
+                    pass
+            return cached, st.st_size
+    fd = _open_entry_file(path, key)
+    try:
+        st = os.fstat(fd)
+        _check_range(key, path, offset, length, st.st_size)
+        mapping = _map_and_touch(fd, key, COPY_ON_WRITE, False, kind=SharedManifest)
+    finally:
+        os.close(fd)
+    mapping.ident = (st.st_dev, st.st_ino)
+    mapping.entries = {}
+    _owned(mapping, (root, batch, MANIFEST_FILE, ""))
+    _MANIFESTS[(root, batch)] = mapping
+    return mapping, st.st_size
+
+
+def _packed_header(
+    mapping: SharedManifest, key: str, path: str, offset: int, length: int
+) -> tuple[bytes, int]:
+    """A packed entry's header bytes and length, read through the shared mapping (a page
+    the array's first read would fault in anyway; no descriptor to ``pread``)."""
+    head = mapping[offset : offset + min(_HEADER_READ, length)]
+    end = header_length(head, f"entry {key!r}")
+    if end > len(head):
+        head = mapping[offset : offset + min(end, length)]
+        if end > len(head):
+            raise CorruptEntryError(f"entry {key!r}: its bytes in {path} end inside its header")
+    return head, end
+
+
+def _live_in(mapping: SharedManifest, size: int, index: int) -> bool:
+    """:func:`_packed_live` read through the shared mapping (an evict's ``pwrite`` of the
+    live byte shows in every mapping of the file, unlinked or not); ``size``: the file's
+    now (never a read past its end: SIGBUS)."""
+    at = int.from_bytes(mapping[_LIVE_AT], "little") + index
+    return 0 <= at < min(size, len(mapping)) and mapping[at] == 1
 
 
 def _open_entry_file(path: str, key: str) -> int:
@@ -273,11 +411,19 @@ def _open_entry_file(path: str, key: str) -> int:
         raise
 
 
-def _map_and_touch(fd: int, key: str, mode: MapMode, huge: bool, length: int = 0, offset: int = 0) -> Any:
+def _map_and_touch(
+    fd: int,
+    key: str,
+    mode: MapMode,
+    huge: bool,
+    length: int = 0,
+    offset: int = 0,
+    kind: type[MappedFile] = MappedFile,
+) -> Any:
     """:func:`_mmap` (out of descriptors typed), then the file's time stamps touched: when
     it was last used, for least-recently-used eviction."""
     try:
-        mapping = _mmap(fd, key, mode, huge, length, offset)
+        mapping = _mmap(fd, key, mode, huge, length, offset, kind)
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise _too_many_open(key) from exc
@@ -299,6 +445,7 @@ def _owned(mapping: Any, origin: tuple[str, str, str, str]) -> Any:
 
 
 _DATA_START = 64  # a packed entry starts after the manifest's head (format 2)
+_PACK_ALIGN = 64  # and at a multiple of this (manifest.PACK_ALIGN)
 _LIVE_AT = slice(32, 40)  # where a format 2 manifest's head says its live bitmap starts
 
 
@@ -312,7 +459,13 @@ def _packed_live(fd: int, index: int) -> bool:
 
 
 def _mmap(
-    fd: int, key: str, mode: MapMode, huge: bool = False, length: int = 0, offset: int = 0
+    fd: int,
+    key: str,
+    mode: MapMode,
+    huge: bool = False,
+    length: int = 0,
+    offset: int = 0,
+    kind: type[MappedFile] = MappedFile,
 ) -> Any:
     """One mapping of ``fd`` in ``mode`` (an ``mmap``, or with ``huge`` a ``huge_map``
     buffer where one can be made); a copy-on-write one is a shared read-only one
@@ -320,7 +473,7 @@ def _mmap(
     if mode == COPY_ON_WRITE:
         if not _STRICT_OVERCOMMIT:
             try:
-                return MappedFile(
+                return kind(
                     fd, length, flags=_FLAGS_COPY, prot=_PROT_COPY, offset=offset, **_MMAP_OPTIONS
                 )
             except OSError as exc:
@@ -335,7 +488,7 @@ def _mmap(
             )
         mode = SHARED  # the fallback: a shared read-only mapping, below
     if mode == SHARED:
-        mapping = MappedFile(fd, length, prot=mmap.PROT_READ, offset=offset, **_MMAP_OPTIONS)
+        mapping = kind(fd, length, prot=mmap.PROT_READ, offset=offset, **_MMAP_OPTIONS)
         mapping.shared = True
         return mapping
     if huge and not _STRICT_OVERCOMMIT:
@@ -385,7 +538,8 @@ def _too_many_open(key: str) -> TooManyOpenFilesError:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return TooManyOpenFilesError(
         f"cannot attach entry {key!r}: this process has too many open files (limit {soft}; "
-        f"on Python < 3.13 each attached entry holds a descriptor). Raise `ulimit -n` (hard limit "
+        f"on Python < 3.13 each attached entry holds a descriptor, the small entries of one directory put "
+        f"one together). Raise `ulimit -n` (hard limit "
         f"{hard}), or open fewer distinct entries (e.g. one array instead of many small ones)"
     )
 
@@ -411,18 +565,32 @@ def private_view(array: np.ndarray) -> np.ndarray:
     original. Raises ValueError for arrays that do not live in the cache,
     :class:`MappingRefusedError` if the kernel refuses the mapping.
     """
-    base = mapped_base(array)
-    if not isinstance(base, MappedFile):
+    found = origin_of(array)
+    if found is None:
         raise ValueError("array does not live in the shmcache (open it with shmcache.open_array)")
-    root, version, filename, key = base.origin
-    offset = int(array.__array_interface__["data"][0]) - base.start_address()
+    (root, version, filename, key), offset = found
     try:
-        private = _map(root, version, filename, key, False, WRITABLE)[0]
+        private, _, _, shift, _ = _map(root, version, filename, key, False, WRITABLE)
     except FileNotFoundError:
         raise KeyNotFoundError(
             f"entry {key!r} (version {version}) was replaced or evicted; open the key again"
         ) from None
+    packed = packed_range(version) if shift else None
+    if packed is not None:  # ``offset`` is in the whole manifest; ``private`` maps its range
+        offset -= packed[2] - shift
     return np.ndarray(array.shape, array.dtype, buffer=private, offset=offset, strides=array.strides)
+
+
+def origin_of(array: np.ndarray) -> tuple[tuple[str, str, str, str], int] | None:
+    """``((root, version, filename, key), offset)`` of the entry a shared array (or a view
+    of one) lies in, ``offset`` being where its data starts in the entry's mapping (for a
+    packed entry: in its whole manifest); None for any other array."""
+    base = mapped_base(array)
+    if not isinstance(base, MappedFile) or not array.size:
+        return None
+    offset = int(array.__array_interface__["data"][0]) - base.start_address()
+    origin = base.origin_at(offset)
+    return None if origin is None else (origin, offset)
 
 
 def _reattach(
@@ -470,11 +638,11 @@ def mapped_base(array: np.ndarray) -> Any:
 
 
 def _reduce_ndarray(array: np.ndarray) -> Any:
-    base = mapped_base(array)
-    if isinstance(base, MappedFile) and array.size:
-        offset = int(array.__array_interface__["data"][0]) - base.start_address()
+    found = origin_of(array)
+    if found is not None:
+        origin, offset = found
         return _reattach, (
-            *base.origin,
+            *origin,
             offset,
             array.shape,
             array.strides,

@@ -285,7 +285,9 @@ class Reader:
         self.check_root_identity()
         for cache in (self._arrays, self._handles):
             for key, hit in list(cache.items()):
-                if self.layout.entry_version(key) != hit[3]:
+                # an unchanged slot: still current, as the warm open trusts (no readlink:
+                # a process holding 100,000 keys would pay 100,000 of them every sweep)
+                if hit[1][hit[2]] != hit[0] and self.layout.entry_version(key) != hit[3]:
                     cache.pop(key, None)
 
 

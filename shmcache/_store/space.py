@@ -122,13 +122,14 @@ def _make_room_in_budget(
         kept = {e.version for e in candidates}  # a victim order leaves out what a lease probe found in use
         probed = [e for e in evictable if e.version not in kept]
         busy = [e.key for e in entries if e.version in mapped] + [e.key for e in probed]
-        whole = any(packed_batch(e.version) is not None for e in probed)
+        whole = any(packed_batch(v) for v in mapped) or any(packed_batch(e.version) for e in probed)
         raise CacheFullError(
             f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}), "
             f"{human_bytes(used)} used; only {human_bytes(_freed_by(candidates, members, held))} could be "
             f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}"
-            + (" (the daemon probes a directory put's manifest as one file: while a process maps an "
-               "entry packed in it, every entry packed there counts as mapped)" if whole else "")
+            + (" (a process that opens an entry packed in a directory put's manifest maps the whole "
+               "manifest, and the daemon probes it as one file: every entry packed there counts as "
+               "mapped)" if whole else "")
             + ". Evict some "
             "(`shmcache evict KEY`), let the processes that map them exit, or raise the budget "
             "(`shmcache budget set SIZE`)"

@@ -1,0 +1,276 @@
+"""Packed entries of one batch opened in one process share ONE mapping of the whole
+manifest (``_disk/attach.SharedManifest``): one descriptor and one VMA per batch, not per
+key, so a process opens 100,000 small keys of a folder under ``ulimit -n 256`` and below
+``vm.max_map_count``. The mapping lives while any array of it does; a file replaced at the
+same path is never confused with it; eviction, replacement and damage behave as before.
+Real files on the tmpfs, real subprocesses under a real descriptor limit."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dataloader_datasets import PackedKeysDataset
+from torch.utils.data import DataLoader
+
+import shmcache
+from shmcache import CorruptEntryError, KeyNotFoundError, Store
+from shmcache._disk.attach import private_view
+from shmcache._disk.layout import packed_range
+
+WAIT_S = 900.0  # bound on every wait, so a broken build fails instead of hanging
+LIMIT = 256
+ITEMS = 224  # int32: a 1 KiB .npy (128-byte header)
+
+pytestmark = pytest.mark.skipif(
+    resource.getrlimit(resource.RLIMIT_NOFILE)[1] not in (resource.RLIM_INFINITY,)
+    and resource.getrlimit(resource.RLIMIT_NOFILE)[1] < LIMIT,
+    reason=f"hard descriptor limit below {LIMIT}",
+)
+
+
+def _folder(path: Path, count: int, fill: int = 0) -> Path:
+    """``count`` 1 KiB ``.npy`` files; file ``f<i>`` holds ``ITEMS`` int32 ``i + fill``."""
+    path.mkdir(parents=True)
+    header = _npy_header()
+    for i in range(count):
+        (path / f"f{i}.npy").write_bytes(header + np.full(ITEMS, i + fill, np.int32).tobytes())
+    return path
+
+
+def _npy_header() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(ITEMS, np.int32))
+    return buffer.getvalue()[: -4 * ITEMS]
+
+
+def _manifest_maps(root: Path) -> list[str]:
+    """This process's /proc/self/maps lines of manifests under ``root``."""
+    objects = os.path.realpath(root / "objects") + "/"
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if objects in line and "/manifest" in line]
+
+
+def _manifest_fds(root: Path) -> int:
+    """This process's descriptors open on manifests under ``root``."""
+    objects = os.path.realpath(root / "objects") + "/"
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        count += target.startswith(objects) and "/manifest" in target
+    return count
+
+
+OPEN_ALL = textwrap.dedent(
+    """
+    import os, resource, sys
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[3]), int(sys.argv[3])))
+    import shmcache
+    root, count = sys.argv[1], int(sys.argv[2])
+    arrays = [shmcache.open_array(f"d/f{i}", root=root) for i in range(count)]
+    wrong = [i for i, a in enumerate(arrays) if a.shape != (224,) or (a != i).any()]
+    objects = os.path.realpath(os.path.join(root, "objects"))
+    with open("/proc/self/maps") as maps:
+        mapped = sum(1 for line in maps if objects in line)
+    print(len(arrays), len(wrong), mapped, len(os.listdir("/proc/self/fd")), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("count", [3000, pytest.param(100_000, marks=pytest.mark.slow)])
+def test_every_packed_key_of_a_put_opens_under_a_low_descriptor_limit(
+    root: Path, tmp_path: Path, count: int
+) -> None:
+    """Before: one mapping (and on Python < 3.13 one descriptor) per key, so
+    TooManyOpenFilesError after ~250 keys under ``ulimit -n 256``."""
+    Store(root).put_file("d", _folder(tmp_path / "src", count))
+    proc = subprocess.run(
+        [sys.executable, "-c", OPEN_ALL, str(root), str(count), str(LIMIT)],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    opened, wrong, mapped, fds = (int(x) for x in proc.stdout.split())
+    assert (opened, wrong) == (count, 0)
+    assert mapped == 1  # the one manifest, once (one VMA)
+    assert fds < LIMIT
+
+
+def test_views_of_one_batch_share_one_mapping_that_goes_with_the_last(root: Path, tmp_path: Path) -> None:
+    Store(root).put_file("d", _folder(tmp_path / "src", 50))
+    store = Store(root)  # a reader of its own: dropping the store drops its cached arrays
+    before = _manifest_fds(root)
+    arrays = [store.open_array(f"d/f{i}") for i in range(50)]
+    assert all(int(a[0]) == i for i, a in enumerate(arrays))
+    assert len(_manifest_maps(root)) == 1
+    assert _manifest_fds(root) - before <= 1  # Python < 3.13: the mapping's own descriptor
+    view = arrays[7][3:9]
+    del arrays, store
+    gc.collect()
+    assert len(_manifest_maps(root)) == 1 and list(view) == [7] * 6  # a view keeps it
+    del view
+    gc.collect()
+    assert _manifest_maps(root) == [] and _manifest_fds(root) == before
+
+
+def test_evict_replace_and_batch_removal_leave_live_views_reading(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    store.put_file("d", _folder(tmp_path / "a", 6))
+    reader = Store(root)
+    held = [reader.open_array(f"d/f{i}") for i in range(3)]
+    store.evict("d/f1")
+    with pytest.raises(KeyNotFoundError):
+        reader.open_array("d/f1")
+    with pytest.raises(KeyNotFoundError):  # a new mapping of an evicted packed entry is refused
+        pickle.loads(pickle.dumps(held[1]))
+    with pytest.raises(KeyNotFoundError):
+        private_view(held[1])
+    assert int(pickle.loads(pickle.dumps(held[2][5:]))[0]) == 2  # a live one unpickles
+    store.put_file("d", _folder(tmp_path / "b", 6, fill=100), overwrite=True)  # the old batch goes
+    assert [int(reader.open_array(f"d/f{i}")[0]) for i in range(6)] == [100 + i for i in range(6)]
+    assert [int(a[-1]) for a in held] == [0, 1, 2]  # the old bytes, from the unlinked manifest
+    assert len(_manifest_maps(root)) == 2 and any(
+        m.rstrip().endswith("(deleted)") for m in _manifest_maps(root)
+    )
+    del held, reader  # the arrays, and the reader's cached ones
+    gc.collect()
+    assert not any(m.rstrip().endswith("(deleted)") for m in _manifest_maps(root))
+
+
+def test_a_manifest_replaced_at_the_same_path_is_never_mistaken_for_the_mapped_one(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """The shared mapping is reused only for the file it was made from (``(device, inode)``,
+    which no other file can have while the mapping holds the inode): a new file at the same
+    path (a batch removed and one of the same name made, a root restored from a copy) gets
+    a mapping of its own."""
+    store.put_file("d", _folder(tmp_path / "a", 4))
+    reader = Store(root)
+    first = reader.open_array("d/f0")
+    version = store.info("d/f2").version
+    batch, _, offset, length = packed_range(version) or ("", 0, 0, 0)
+    path = root / "objects" / batch / "manifest"
+    data = bytearray(path.read_bytes())
+    data[offset + 128 : offset + length] = np.full(ITEMS, 77, np.int32).tobytes()
+    (root / "objects" / batch / "manifest.new").write_bytes(data)
+    os.replace(root / "objects" / batch / "manifest.new", path)
+    assert int(reader.open_array("d/f2")[0]) == 77  # the file now at the path, not the cached one
+    assert int(first[0]) == 0 and len(_manifest_maps(root)) == 2
+
+
+DAMAGED_OPEN = textwrap.dedent(
+    """
+    import os, sys, shmcache
+    from shmcache import CorruptEntryError
+    root, path, cut = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    first = shmcache.open_array("d/f0", root=root)  # the manifest mapped whole, before the damage
+    os.truncate(path, cut)
+    try:
+        shmcache.open_array("d/f150", root=root)
+    except CorruptEntryError as exc:
+        print("typed", exc, flush=True)
+    """
+)
+
+
+def test_a_manifest_truncated_after_it_was_mapped_is_a_typed_error_not_sigbus(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    store.put_file("d", _folder(tmp_path / "src", 200))
+    packed = packed_range(store.info("d/f150").version)
+    assert packed is not None
+    path = root / "objects" / packed[0] / "manifest"
+    proc = subprocess.run(
+        [sys.executable, "-c", DAMAGED_OPEN, str(root), str(path), str(packed[2] + 16)],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("typed"), (proc.returncode, proc.stderr[-2000:])
+    assert "truncated or damaged" in proc.stdout
+
+
+def test_a_header_promising_more_than_its_packed_bytes_is_corrupt(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """The whole manifest is mapped: an entry whose header promises more than its range
+    must not read its neighbours' bytes."""
+    store.put_file("d", _folder(tmp_path / "src", 4))
+    packed = packed_range(store.info("d/f1").version)
+    assert packed is not None
+    path = root / "objects" / packed[0] / "manifest"
+    data = bytearray(path.read_bytes())
+    header = bytes(data[packed[2] : packed[2] + 128])
+    grown = header.replace(b"(224,)", b"(448,)")
+    assert grown != header and len(grown) == len(header)
+    data[packed[2] : packed[2] + 128] = grown
+    with open(path, "r+b") as fp:  # in place: the same file
+        fp.write(data)
+    with pytest.raises(CorruptEntryError, match="truncated"):
+        Store(root).open_array("d/f1")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers_open_many_packed_keys_over_one_mapping(
+    store: Store, root: Path, tmp_path: Path, method: str
+) -> None:
+    count = 600
+    store.put_file("d", _folder(tmp_path / "src", count))
+    assert int(shmcache.open_array("d/f3", root=str(root))[0]) == 3  # mapped before fork: inherited
+    dataset = PackedKeysDataset(str(root), "d", count)
+    loader = DataLoader(
+        dataset, batch_size=50, num_workers=2, multiprocessing_context=method, timeout=120, shuffle=True
+    )
+    values, manifests, pids = (torch.cat(parts) for parts in zip(*loader, strict=True))
+    assert sorted(values.tolist()) == list(range(count))
+    assert set(pids.tolist()) != {os.getpid()} and len(set(pids.tolist())) == 2
+    assert manifests.max().item() == 1  # each worker: one mapping of the manifest, for 300 keys
+
+
+def test_a_cold_open_through_the_shared_mapping_still_marks_the_batch_used(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """The LRU touch stays: a cold open of another key of a mapped batch (no open, no
+    mmap) still sets the manifest's use time, at most once a second per batch."""
+    store.put_file("d", _folder(tmp_path / "src", 3))
+    reader = Store(root)
+    reader.open_array("d/f0")
+    packed = packed_range(store.info("d/f1").version)
+    assert packed is not None
+    path = root / "objects" / packed[0] / "manifest"
+    os.utime(path, (1_000_000, 1_000_000))  # an hour-old use, as LRU eviction reads it
+    assert int(reader.open_array("d/f1")[0]) == 1
+    assert os.stat(path).st_atime > 1_000_000 + 3600
+
+
+def test_a_packed_view_held_for_a_device_is_its_own_whole_manifest_mapping(
+    store: Store, root: Path, tmp_path: Path
+) -> None:
+    """``pin``'s bookkeeping (``_cuda.hold``; mapped, not registered, on a CPU) of a view of
+    a packed entry: the view's origin is found by its offset in the shared mapping, and
+    the held array is the same bytes over a mapping of its own."""
+    from shmcache import _cuda
+
+    store.put_file("d", _folder(tmp_path / "src", 8))
+    array = Store(root).open_array("d/f5")
+    view = array[10:20]
+    with _cuda.hold(view, str(root), torch.device("cpu"), register=False) as held:
+        assert held.key == "d/f5" and held.version == store.info("d/f5").version
+        assert list(held.array) == [5] * 10
+        assert held.array.base is not array.base and not held.array.flags.writeable
