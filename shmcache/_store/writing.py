@@ -32,7 +32,7 @@ from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
 from .._sources.files import read_planned
 from .._sources.planned import Planned
-from .._sources.source_files import check_unchanged, check_unchanged_path, reopen
+from .._sources.source_files import check_unchanged, reopen
 from ..errors import KeyExistsError
 from .copy_pool import copy_threads, run_copies
 from .locks import key_locks, publish_lock
@@ -205,9 +205,8 @@ def _pack_small(
             apart.append(index)
             continue
         data = item.data
-        if data is not None:  # read whole when checked (read_planned, inline)
+        if data is not None:  # read whole when checked, a snapshot (read_planned, inline)
             item.data = None
-            check_unchanged_path(item.file)
             crc = crc32(data)
             advance(len(data))
         else:
