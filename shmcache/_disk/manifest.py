@@ -68,6 +68,7 @@ PACK_ALIGN = 64
 array data stays 64-byte aligned, as in a file of its own)."""
 _FLUSH = 4 << 20  # the data region is written in pieces of about this size
 _ZEROS = bytes(PACK_ALIGN)
+_PADS = tuple(bytes(n) for n in range(PACK_ALIGN))  # the padding before an entry, by its length
 _HEAD = struct.Struct("<8sQQ")  # format 1's head, and the first 24 bytes of format 2's
 _HEAD2 = struct.Struct("<8sQQQQ24x")
 _PAIR = struct.Struct("<QQ")
@@ -116,6 +117,30 @@ class ManifestWriter:
         if len(buffer) >= _FLUSH:
             self._flush()
         return f"{index}.{offset}.{length}"
+
+    def add_all(self, indices: Sequence[int], datas: Sequence[bytes]) -> list[str]:
+        """:meth:`add` of each ``(indices[i], datas[i])``, in one pass and one copy into
+        the buffer (a directory put packs 100,000 entries: a call and a concatenation
+        each cost more than the arithmetic); returns their versions' tails."""
+        offset = self._end
+        pieces: list[bytes] = []
+        tails: list[str] = []
+        append, tail, live, pads = pieces.append, tails.append, self.live, _PADS
+        for index, data in zip(indices, datas, strict=True):
+            pad = -offset % PACK_ALIGN
+            if pad:
+                append(pads[pad])
+                offset += pad
+            append(data)
+            length = len(data)
+            tail(f"{index}.{offset}.{length}")
+            offset += length
+            live[index] = 1
+        self._buffer += b"".join(pieces)
+        self._end = offset
+        if len(self._buffer) >= _FLUSH:
+            self._flush()
+        return tails
 
     def _flush(self) -> None:
         self._write_all(self.fd, self._buffer, self.path)

@@ -16,7 +16,7 @@ from .._disk.checksum import crc32, format_checksums
 from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
-from .._disk.generations import bump_generations, mark_changing
+from .._disk.generations import bump_generations, key_generation_slots, mark_changing
 from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, PACKED_GUARD, Layout, packed_range
 from .._disk.manifest import (
     PACK_MAX,
@@ -192,11 +192,16 @@ def _pack_small(
     advance: Callable[[int], None],
 ) -> list[int]:
     """Pack the plan's small byte copies into ``manifest`` (their versions and manifest
-    lines set); returns the indices of the others, written apart. One loop with little
-    Python per file: at 100,000 files each attribute and call counts."""
+    lines set); returns the indices of the others, written apart. Little Python per file
+    (at 100,000 files each attribute and call counts): the entries are gathered, then
+    packed and described a few MiB at a time (:func:`_pack_chunk`), progress reported so."""
     apart: list[int] = []
     last, small = None, False
-    add, prefix = manifest.add, f"{batch}/"
+    indices: list[int] = []
+    items: list[Planned] = []
+    datas: list[bytes] = []
+    crcs: list[int] = []
+    gathered = 0
     for index, item in enumerate(plan):
         header = item.header
         if header is not last:  # a directory's files share a few header objects
@@ -208,12 +213,69 @@ def _pack_small(
         if data is not None:  # read whole when checked, a snapshot (read_planned, inline)
             item.data = None
             crc = crc32(data)
-            advance(len(data))
+            gathered += len(data)
         else:
             data, crc = read_planned(item, advance)
-        item.version = prefix + add(index, data)
-        lines[index] = array_line(item.key, header, crc, item.source, item.file.fingerprint_json)
+        indices.append(index)
+        items.append(item)
+        datas.append(data)
+        crcs.append(crc)
+        if len(datas) >= _PACK_CHUNK:
+            _pack_chunk(manifest, batch, lines, indices, items, datas, crcs)
+            indices, items, datas, crcs = [], [], [], []
+            advance(gathered)
+            gathered = 0
+    if datas:
+        _pack_chunk(manifest, batch, lines, indices, items, datas, crcs)
+    if gathered:
+        advance(gathered)
     return apart
+
+
+_PACK_CHUNK = 4096
+"""Entries :func:`_pack_small` packs and describes at a time (4 MiB of 1 KiB files)."""
+
+
+def _pack_chunk(
+    manifest: ManifestWriter,
+    batch: str,
+    lines: list[bytes],
+    indices: list[int],
+    items: list[Planned],
+    datas: list[bytes],
+    crcs: list[int],
+) -> None:
+    """Pack ``datas`` (entries ``indices`` of the plan, ``items``) into ``manifest``, set
+    their versions and their manifest lines (what :func:`array_line` writes, formatted
+    here with the parts that depend on the header alone found once per header, and the
+    sources escaped only if one of them needs it)."""
+    tails = manifest.add_all(indices, datas)
+    prefix = f"{batch}/"
+    plain = _plain_json("".join([item.source for item in items]))
+    last: NpyHeader | None = None
+    described = ""
+    for index, item, tail, crc in zip(indices, items, tails, crcs, strict=True):
+        item.version = prefix + tail
+        header, file, source = item.header, item.file, item.source
+        if header is not last:
+            last, described = header, _described(header)
+        if not plain:
+            source = _json_text(source)
+        lines[index] = (
+            f'{{"key":"{item.key}",{described}{crc:08x}","source":"{source}",'
+            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}}}}}\n'
+        ).encode()
+
+
+def _plain_json(text: str) -> bool:
+    """Whether ``text`` goes into a JSON string as it is (printable ASCII, no quote or
+    backslash)."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
+def _json_text(text: str) -> str:
+    """``text`` escaped for a JSON string (between its quotes)."""
+    return text if _plain_json(text) else json.dumps(text)[1:-1]
 
 
 def _write_apart(
@@ -280,17 +342,18 @@ def publish_batch(
             raise KeyExistsError(f"entry {min(found)!r} was published by another process meanwhile")
 
     ensure_tree_format(layout)
+    slots = key_generation_slots(keys)  # once: marked, then bumped
     try:
         with key_locks(layout, keys, lock_timeout):
             writer.promote(batch)
             crash_point("batch-promoted")
             with publish_lock(layout, shared=False):
-                mark_changing(layout, keys)
+                mark_changing(layout, keys, slots)
                 changing = True
                 replaced = writer.swap_tree(common_prefix(keys), versions, refuse)
             published = True
     finally:
-        _settle(layout, writer, keys, changing, published, replaced)
+        _settle(layout, writer, keys, changing, published, replaced, slots)
 
 
 def _settle(
@@ -300,13 +363,15 @@ def _settle(
     changing: bool,
     published: bool,
     replaced: Mapping[str, str],
+    slots: frozenset[int] | None = None,
 ) -> None:
     """After a publish, whatever its outcome: settle the keys' generations if any link may
     have moved (or their slots were marked changing); once published, remove the old tree
     copies and the versions the keys held before (``replaced``: key -> version), those
-    that record these keys only (:func:`versions_of`)."""
+    that record these keys only (:func:`versions_of`). ``slots``: the keys' generation
+    slots, if computed already."""
     if published or changing:
-        bump_generations(layout, keys)
+        bump_generations(layout, keys, slots)
     if published:
         writer.remove_old_trees()
         remove_versions(layout, versions_of(layout, replaced))
@@ -419,14 +484,18 @@ def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: 
     if last is not None and last[0] is header:
         described = last[1]
     else:
-        known = _DESCRIBED.get(header)
-        described = _describe(header) if known is None else known
+        described = _described(header)
         _LAST_DESCRIBED = (header, described)
-    if not (source.isascii() and source.isprintable() and '"' not in source and "\\" not in source):
-        source = json.dumps(source)[1:-1]
+    source = _json_text(source)
     return (
         f'{{"key":"{key}",{described}{crc:08x}","source":"{source}","source_fingerprint":{{{fingerprint}}}}}\n'
     ).encode()
+
+
+def _described(header: NpyHeader) -> str:
+    """:func:`_describe` of ``header``, remembered."""
+    known = _DESCRIBED.get(header)
+    return _describe(header) if known is None else known
 
 
 def _describe(header: NpyHeader) -> str:
