@@ -68,20 +68,26 @@ def _scan(
     files: list[tuple[str, str]] = []
     dirs: list[str] = []
     named = others = 0
+    append = files.append
     for entry in entries:  # a directory's type is in its entry: no stat but for a link
         name = entry.name
         dot = name.rfind(".")
         try:
-            if entry.is_dir(follow_symlinks=False):
+            if entry.is_file():  # a regular file (one call, nearly always), or a link to one
+                if dot > 0 and (lower := name[dot:].lower()) in suffixes:
+                    named += 1
+                    append((name, lower))
+                else:
+                    others += 1
+            elif entry.is_dir(follow_symlinks=False):
                 dirs.append(name)
-            elif dot > 0 and (lower := name[dot:].lower()) in suffixes:
-                named += 1
-                if entry.is_file():
-                    files.append((name, lower))
+            elif dot > 0 and name[dot:].lower() in suffixes:
+                named += 1  # not a file (a FIFO, a broken link): counted, not taken
             elif not (entry.is_symlink() and entry.is_dir()):
                 others += 1
-        except OSError:
-            others += 1  # a link that cannot be followed: not an array file
+        except OSError:  # a link that cannot be followed: not an array file (named, if so named)
+            named += dot > 0 and name[dot:].lower() in suffixes
+            others += 1
     return files, dirs, (named, others)
 
 

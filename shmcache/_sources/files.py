@@ -54,6 +54,7 @@ __all__ = [
     "copy_planned",
     "list_array_files",
     "plan_sources",
+    "planned_bytes",
     "read_planned",
     "release_planned",
 ]
@@ -134,6 +135,20 @@ def plan_sources(
         release_planned(plan)
         raise
     return plan
+
+
+def planned_bytes(plan: Sequence[Planned]) -> int:
+    """The bytes ``plan``'s entries will take (``header.file_size`` of each): each header
+    object's size computed once (a directory's files share a few; computing one is a
+    product over its shape)."""
+    last: NpyHeader | None = None
+    size = total = 0
+    for item in plan:
+        header = item.header
+        if header is not last:
+            last, size = header, header.file_size
+        total += size
+    return total
 
 
 def release_planned(plan: Sequence[Planned]) -> None:
@@ -264,6 +279,8 @@ def _plan_plain(
     new = tuple.__new__  # a SourceFile without its keyword-taking __new__: ~4x cheaper
     append = plan.append
     limit = min(keep, _KEEP)  # the largest file read whole now
+    most = _KEEP
+    last_raw, last = b"", None  # the header bytes the last file began with, and what they say
     for (relative, lower), child in zip(found, children, strict=True):
         path = base + relative  # absolute and normal: names from a walk
         if lower != ".npy":
@@ -291,12 +308,20 @@ def _plan_plain(
         whole = size <= limit
         try:
             head = pread(fd, size if whole else min(size, _HEAD), 0)
-            # bytes equal to a header parsed already (format 1.0: its length at 8-9) are valid
-            v1 = len(head) >= 12 and head[6] == 1
-            known = headers.get(head[: 10 + (head[8] | head[9] << 8)]) if v1 else None
-            if known is None or size < known[1]:
-                known = _npy_header(fd, head, size, path, headers)
-            header, file_size = known
+            # bytes equal to a header parsed already (format 1.0: its length at 8-9) are valid:
+            # those the last file began with (nearly always: one test, no slice), or any
+            if last is not None and head.startswith(last_raw) and size >= last[1]:
+                header, file_size = last
+            else:
+                known = None
+                if len(head) >= 12 and head[6] == 1:
+                    raw = head[: 10 + (head[8] | head[9] << 8)]
+                    known = headers.get(raw)
+                    if known is not None:
+                        last_raw, last = raw, known
+                if known is None or size < known[1]:
+                    known = _npy_header(fd, head, size, path, headers)
+                header, file_size = known
             if whole:
                 if len(head) != file_size:
                     head = _whole_file(head, file_size, file)
@@ -311,7 +336,7 @@ def _plan_plain(
         if whole:
             close(fd)
             keep -= file_size
-            limit = keep if keep < _KEEP else _KEEP
+            limit = keep if keep < most else most
             append(Planned(child, header, path, file, 0, None, "", None, None, None, None, head))
         elif budget > 0:
             budget -= 1

@@ -350,7 +350,7 @@ def publish_batch(
             with publish_lock(layout, shared=False):
                 mark_changing(layout, keys, slots)
                 changing = True
-                replaced = writer.swap_tree(common_prefix(keys), versions, refuse)
+                replaced = writer.swap_tree(common_prefix(keys), versions, refuse, batch)
             published = True
     finally:
         _settle(layout, writer, keys, changing, published, replaced, slots)
