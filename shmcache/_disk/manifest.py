@@ -118,10 +118,11 @@ class ManifestWriter:
             self._flush()
         return f"{index}.{offset}.{length}"
 
-    def add_all(self, indices: Sequence[int], datas: Sequence[bytes]) -> list[str]:
+    def add_all(self, indices: Sequence[int], datas: Sequence[bytes], prefix: str = "") -> list[str]:
         """:meth:`add` of each ``(indices[i], datas[i])``, in one pass and one copy into
         the buffer (a directory put packs 100,000 entries: a call and a concatenation
-        each cost more than the arithmetic); returns their versions' tails."""
+        each cost more than the arithmetic); returns their versions' tails, each after
+        ``prefix`` (the batch and a slash: their whole versions)."""
         offset = self._end
         pieces: list[bytes] = []
         tails: list[str] = []
@@ -133,7 +134,7 @@ class ManifestWriter:
                 offset += pad
             append(data)
             length = len(data)
-            tail(f"{index}.{offset}.{length}")
+            tail(f"{prefix}{index}.{offset}.{length}")
             offset += length
             live[index] = 1
         self._buffer += b"".join(pieces)

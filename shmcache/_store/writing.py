@@ -193,10 +193,13 @@ def _pack_small(
 ) -> list[int]:
     """Pack the plan's small byte copies into ``manifest`` (their versions and manifest
     lines set); returns the indices of the others, written apart. Little Python per file
-    (at 100,000 files each attribute and call counts): the entries are gathered, then
-    packed and described a few MiB at a time (:func:`_pack_chunk`), progress reported so."""
+    (at 100,000 files each attribute and call counts): each entry's line formatted here
+    (what :func:`array_line` writes, what depends on the header alone found once per
+    header), its bytes packed a few MiB at a time (:func:`_pack_chunk`), progress
+    reported so."""
     apart: list[int] = []
-    last, small = None, False
+    last, small, described = None, False, ""
+    prefix = f"{batch}/"
     indices: list[int] = []
     items: list[Planned] = []
     datas: list[bytes] = []
@@ -206,6 +209,7 @@ def _pack_small(
         header = item.header
         if header is not last:  # a directory's files share a few header objects
             last, small = header, header.file_size <= PACK_MAX
+            described = _described(header) if small else ""
         if not small or item.container is not None or item.write is not None or item.copy_offset is None:
             apart.append(index)
             continue
@@ -216,55 +220,49 @@ def _pack_small(
             gathered += len(data)
         else:
             data, crc = read_planned(item, advance)
+        file = item.file
+        lines[index] = (  # the source escaped after, if one of the chunk's needs it
+            f'{{"key":"{item.key}",{described}{crc:08x}","source":"{item.source}",'
+            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}}}}}\n'
+        ).encode()
         indices.append(index)
         items.append(item)
         datas.append(data)
         crcs.append(crc)
         if len(datas) >= _PACK_CHUNK:
-            _pack_chunk(manifest, batch, lines, indices, items, datas, crcs)
+            _pack_chunk(manifest, prefix, lines, indices, items, datas, crcs)
             indices, items, datas, crcs = [], [], [], []
             advance(gathered)
             gathered = 0
     if datas:
-        _pack_chunk(manifest, batch, lines, indices, items, datas, crcs)
+        _pack_chunk(manifest, prefix, lines, indices, items, datas, crcs)
     if gathered:
         advance(gathered)
     return apart
 
 
 _PACK_CHUNK = 4096
-"""Entries :func:`_pack_small` packs and describes at a time (4 MiB of 1 KiB files)."""
+"""Entries :func:`_pack_small` packs at a time (4 MiB of 1 KiB files)."""
 
 
 def _pack_chunk(
     manifest: ManifestWriter,
-    batch: str,
+    prefix: str,
     lines: list[bytes],
     indices: list[int],
     items: list[Planned],
     datas: list[bytes],
     crcs: list[int],
 ) -> None:
-    """Pack ``datas`` (entries ``indices`` of the plan, ``items``) into ``manifest``, set
-    their versions and their manifest lines (what :func:`array_line` writes, formatted
-    here with the parts that depend on the header alone found once per header, and the
-    sources escaped only if one of them needs it)."""
-    tails = manifest.add_all(indices, datas)
-    prefix = f"{batch}/"
-    plain = _plain_json("".join([item.source for item in items]))
-    last: NpyHeader | None = None
-    described = ""
-    for index, item, tail, crc in zip(indices, items, tails, crcs, strict=True):
-        item.version = prefix + tail
-        header, file, source = item.header, item.file, item.source
-        if header is not last:
-            last, described = header, _described(header)
-        if not plain:
-            source = _json_text(source)
-        lines[index] = (
-            f'{{"key":"{item.key}",{described}{crc:08x}","source":"{source}",'
-            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}}}}}\n'
-        ).encode()
+    """Pack ``datas`` (entries ``indices`` of the plan, ``items``) into ``manifest`` and
+    set their versions (``prefix`` is the batch's, with its slash); their lines again with
+    their sources escaped if one of them needs it (a quote, a backslash, not printable
+    ASCII: rare)."""
+    for item, version in zip(items, manifest.add_all(indices, datas, prefix), strict=True):
+        item.version = version
+    if not _plain_json("".join([item.source for item in items])):
+        for index, item, crc in zip(indices, items, crcs, strict=True):
+            lines[index] = array_line(item.key, item.header, crc, item.source, item.file.fingerprint_json)
 
 
 def _plain_json(text: str) -> bool:
