@@ -39,6 +39,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 from .layout import MANIFEST_FILE, object_path, packed_range
@@ -157,11 +158,8 @@ class ManifestWriter:
             self._buffer += bytes(pad)
         table = self._end + pad
         head = json.dumps(common).encode() + b"\n"
-        start = table + 8 * (self.count + 1) + len(head)
-        offsets = [start]
-        for line in entries:
-            start += len(line)
-            offsets.append(start)
+        offsets = list(accumulate(map(len, entries), initial=table + 8 * (self.count + 1) + len(head)))
+        start = offsets[-1]
         self._buffer += struct.pack(f"<{self.count + 1}Q", *offsets)
         self._buffer += head
         self._buffer += b"".join(entries)

@@ -199,8 +199,13 @@ class VersionWriter:
         entry of (a directory put), marked published once."""
         self._count += 1
         staging = f"{self._tmp}/{self.writer_id}.{self._count}.tree"
-        # Layout.link_target of each, without a call each (a directory put links 100,000)
-        links = [(key, "../" * (key.count("/") + 1) + "objects/" + version) for key, version in versions]
+        # Layout.link_target of each, without a call each (a directory put links 100,000):
+        # what climbs out of the key's prefix directories, made once per depth
+        climbs = {depth: "../" * (depth + 1) + "objects/" for depth in range(8)}
+        links = [
+            (key, (climbs.get(key.count("/")) or self.layout.link_target("", key)) + version)
+            for key, version in versions
+        ]
         try:
             replaced = build_tree(self.layout, prefix, staging, links)
             if check is not None:
