@@ -96,6 +96,26 @@ def test_packed_entries_round_trip_bit_identically(store: Store, root: Path, tmp
     assert stats.used - stats.packed_held == sum(store.info(f"d/{name}").size for name in arrays)
 
 
+@pytest.mark.parametrize("folder", ['plain', 'q"uote', "back\\slash", "n\u00e9e", "tab\tname"])
+def test_packed_entries_record_their_sources_whatever_the_path(
+    store: Store, tmp_path: Path, folder: str
+) -> None:
+    """A packed entry's manifest line holds its source's path as JSON, escaped when the
+    path holds a quote, a backslash or a character that is not printable ASCII (the lines
+    are formatted without ``json.dumps`` when none needs it)."""
+    arrays = {"a": np.arange(3), "b": np.arange(4.0)}
+    source = _save(tmp_path / folder, arrays)
+    store.put_file("d", source)
+    for name in arrays:
+        info = store.info(f"d/{name}")
+        assert info.source == str(source / f"{name}.npy")
+        assert info.source_fingerprint == {
+            "size": (source / f"{name}.npy").stat().st_size,
+            "mtime_ns": (source / f"{name}.npy").stat().st_mtime_ns,
+        }
+        assert _is_packed(store, f"d/{name}") and store.verify(f"d/{name}")
+
+
 def test_evicting_packed_keys_one_by_one(store: Store, root: Path, tmp_path: Path) -> None:
     keys = store.put_file("d", _small(tmp_path / "src", 6))
     batch = _batch(root)

@@ -161,13 +161,14 @@ def test_a_progress_error_cancels_the_pooled_put(
     _nothing_left(store, root, mixed_folder)
 
 
-@pytest.mark.parametrize("victim", ["f063.npy", "f061.npy"], ids=["held", "read-whole"])
+@pytest.mark.parametrize("victim", ["f063.npy", "f116.npy"], ids=["held", "small-held"])
 def test_a_file_changed_in_the_middle_fails_the_pooled_put(
     store: Store, root: Path, mixed_folder: Path, pooled: list[int], victim: str
 ) -> None:
-    """A middle file rewritten after its check (held open, or read whole): the pool raises
-    the copy's own error, publishes nothing, leaves nothing in ``tmp/`` and closes every
-    source."""
+    """A middle file rewritten after its check (held open: a big one, or a small one
+    beyond what is read whole): the pool raises the copy's own error, publishes nothing,
+    leaves nothing in ``tmp/`` and closes every source. (One read whole is a snapshot:
+    ``test_dir_put_sources``.)"""
     path = mixed_folder / victim
     changed: list[bool] = []
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from shmcache import Store
 from shmcache._disk.entry_tree import common_prefix
-from shmcache._disk.generations import _slots_of
+from shmcache._disk.generations import key_generation_slots
 from shmcache._disk.layout import generation_slot
 from shmcache._sources import files
 from shmcache._sources.dispatch import classify_source
@@ -226,4 +226,4 @@ def test_common_prefix_of_tricky_keys() -> None:
 
 def test_the_batch_generation_slots_are_each_keys_slot() -> None:
     keys = [f"d/f{i:05d}" for i in range(5000)] + ["x", "a/b/c", "é-not-a-key-but-hashed"]
-    assert _slots_of(keys) == {generation_slot(key) for key in keys}
+    assert key_generation_slots(keys) == {generation_slot(key) for key in keys}

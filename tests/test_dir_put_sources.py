@@ -156,16 +156,65 @@ def _rewrite(path: Path) -> Callable[[], None]:
 
 @pytest.mark.parametrize("change", [_replace, _rewrite], ids=["replaced", "rewritten"])
 def test_a_held_file_changed_before_its_copy_publishes_nothing(
-    store: Store, root: Path, any_folder: Path, change: Callable[[Path], Callable[[], None]]
+    store: Store, root: Path, folder: Path, change: Callable[[Path], Callable[[], None]]
 ) -> None:
-    """Held open or read whole when checked: changed before its copy, it fails the put."""
-    folder = any_folder
+    """Held open when checked (bigger than what is read whole): changed before its copy,
+    it fails the put."""
     victim = folder / "f030.npy"
     with pytest.raises(CorruptSourceError, match="changed while loading") as info:
         store.put_file("d", folder, progress=_at_first_progress(change(victim)))
     assert str(victim) in str(info.value)
     _nothing_published(store, root)
     assert _open_under(folder) == 0
+
+
+def _replace_with_other(path: Path) -> Callable[[], None]:
+    def replace() -> None:
+        np.save(path.with_suffix(".new.npy"), np.full((2, 8), -1, np.int32))  # another size
+        os.replace(path.with_suffix(".new.npy"), path)
+
+    return replace
+
+
+@pytest.mark.parametrize("change", [_replace_with_other, _rewrite], ids=["replaced", "rewritten"])
+def test_a_file_read_whole_is_published_as_it_was_read(
+    store: Store, small_folder: Path, change: Callable[[Path], Callable[[], None]]
+) -> None:
+    """Read whole when checked, a small file is a snapshot (as ``cp`` takes one): changed
+    after that read, before the copy, the put publishes the bytes read, checksummed, and
+    records the fingerprint of the file as it was read (which tells it from the new one)."""
+    victim = small_folder / "f030.npy"
+    before = victim.stat()
+    store.put_file("d", small_folder, progress=_at_first_progress(change(victim)))
+    assert np.array_equal(store.open_array("d/f030"), np.full(SMALL, 30, np.int32))
+    assert not np.array_equal(np.load(victim), np.full(SMALL, 30, np.int32))
+    assert store.verify("d/f030") is True
+    recorded = store.info("d/f030").source_fingerprint
+    assert recorded == {"size": before.st_size, "mtime_ns": before.st_mtime_ns}
+    assert recorded != {"size": victim.stat().st_size, "mtime_ns": victim.stat().st_mtime_ns}
+
+
+def test_a_file_written_to_while_read_whole_publishes_nothing(
+    store: Store, root: Path, small_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that begins between a small file's ``fstat`` and the end of its whole read
+    (here: just before the read) moves its time stamps: the read may mix two states of
+    the file, and the put fails naming it, with nothing published."""
+    victim = str(small_folder / "f030.npy")
+    pread = os.pread
+
+    def written_meanwhile(fd: int, count: int, offset: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}") == victim:
+            _rewrite(Path(victim))()
+        return pread(fd, count, offset)
+
+    monkeypatch.setattr(os, "pread", written_meanwhile)
+    with pytest.raises(CorruptSourceError, match="written to while read") as info:
+        store.put_file("d", small_folder)
+    assert victim in str(info.value)
+    monkeypatch.undo()
+    _nothing_published(store, root)
+    assert _open_under(small_folder) == 0
 
 
 def test_a_shared_header_is_parsed_once_but_each_size_is_checked(

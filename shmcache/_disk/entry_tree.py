@@ -82,7 +82,7 @@ def build_tree(
     Running out of inodes is a :class:`~shmcache.errors.CacheFullError`."""
     live = layout.prefix_dir(prefix)
     start = len(prefix) + 1 if prefix else 0
-    links = [(key[start:], target) for key, target in links]
+    links = [(key[start:], target) for key, target in links] if start else list(links)
     found: dict[str, str] = {}
     try:
         mode = layout.dir_mode
@@ -90,23 +90,30 @@ def build_tree(
         paths = {entry_path(name): name for name, _ in links} if os.path.isdir(live) else {}
         _copy_tree(live, staging, paths, mode, found)
         made = {staging}  # prefix directories made so far
+        below: set[str] = set()  # the same, relative to ``staging``
         symlink = os.symlink
-        for count, (name, target) in enumerate(links):
-            if "/" in name:  # below a prefix directory of its own
-                directory, _, leaf = name.rpartition("/")
-                directory = f"{staging}/{entry_path(directory)}{DIR_MARK}"
-                if directory not in made:
-                    _make_dirs(staging, directory, mode, made)
-                path = f"{directory}/{leaf}"
-            else:
-                path = f"{staging}/{name}"
-            try:
-                symlink(target, path)
-            except FileExistsError:
-                os.unlink(path)
-                symlink(target, path)
-            if not count:
-                crash_point("tree-first-link")
+        # links made relative to the copy's descriptor: no walk of the root's path per link
+        at = os.open(staging, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for count, (name, target) in enumerate(links):
+                if "/" in name:  # below a prefix directory of its own
+                    directory, _, leaf = name.rpartition("/")
+                    directory = f"{entry_path(directory)}{DIR_MARK}"
+                    if directory not in below:
+                        _make_dirs(staging, f"{staging}/{directory}", mode, made)
+                        below.add(directory)
+                    path = f"{directory}/{leaf}"
+                else:
+                    path = name
+                try:
+                    symlink(target, path, dir_fd=at)
+                except FileExistsError:
+                    os.unlink(path, dir_fd=at)
+                    symlink(target, path, dir_fd=at)
+                if not count:
+                    crash_point("tree-first-link")
+        finally:
+            os.close(at)
     except OSError as exc:
         raise_if_full(staging, exc)
         raise

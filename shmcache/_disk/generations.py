@@ -16,7 +16,14 @@ from collections.abc import Iterable
 
 from .layout import GENERATION_SLOTS, Layout
 
-__all__ = ["CHANGING", "bump_all_generations", "bump_generations", "map_generations", "mark_changing"]
+__all__ = [
+    "CHANGING",
+    "bump_all_generations",
+    "bump_generations",
+    "key_generation_slots",
+    "map_generations",
+    "mark_changing",
+]
 
 CHANGING = 1 << 63
 """A slot value at or above this: a directory put is switching the key (``mark_changing``);
@@ -41,27 +48,28 @@ def map_generations(layout: Layout) -> tuple[memoryview, int] | None:
         os.close(fd)
 
 
-def bump_generations(layout: Layout, keys: Iterable[str]) -> None:
-    """Record that ``keys`` changed (and so the root did)."""
-    _write_slots(layout, {0, *_slots_of(keys)}, 0)
+def bump_generations(layout: Layout, keys: Iterable[str], slots: frozenset[int] | None = None) -> None:
+    """Record that ``keys`` changed (and so the root did); ``slots``: theirs, computed
+    already (:func:`key_generation_slots`: a directory put marks and bumps the same ones)."""
+    _write_slots(layout, {0, *(key_generation_slots(keys) if slots is None else slots)}, 0)
 
 
-def mark_changing(layout: Layout, keys: Iterable[str]) -> None:
+def mark_changing(layout: Layout, keys: Iterable[str], slots: frozenset[int] | None = None) -> None:
     """Record that ``keys`` are about to switch together: until ``bump_generations``
     settles their slots, a reader opens them from the disk and keeps nothing, so a writer
     that dies between switching and bumping leaves no process with some of them warm and
-    old while it opens the others new."""
-    _write_slots(layout, _slots_of(keys), CHANGING)
+    old while it opens the others new. ``slots``: as for :func:`bump_generations`."""
+    _write_slots(layout, set(key_generation_slots(keys) if slots is None else slots), CHANGING)
 
 
-def _slots_of(keys: Iterable[str]) -> set[int]:
+def key_generation_slots(keys: Iterable[str]) -> frozenset[int]:
     """``{generation_slot(key) for key in keys}`` without a call per key (a directory put
     marks and bumps 100,000 keys)."""
     crc, modulo = zlib.crc32, GENERATION_SLOTS - 1
-    return {1 + crc(key.encode("utf-8", "surrogatepass")) % modulo for key in keys}
+    return frozenset({1 + crc(key.encode("utf-8", "surrogatepass")) % modulo for key in keys})
 
 
-def _write_slots(layout: Layout, slots: set[int], flag: int) -> None:
+def _write_slots(layout: Layout, slots: set[int] | frozenset[int], flag: int) -> None:
     """Fresh random values (with ``flag``) in ``slots``: one ``pwrite`` per run of adjacent
     slots (a directory put of thousands of keys touches nearly every slot: a few writes)."""
     ordered = sorted(slots)

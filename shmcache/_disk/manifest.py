@@ -39,6 +39,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 from .layout import MANIFEST_FILE, object_path, packed_range
@@ -68,6 +69,7 @@ PACK_ALIGN = 64
 array data stays 64-byte aligned, as in a file of its own)."""
 _FLUSH = 4 << 20  # the data region is written in pieces of about this size
 _ZEROS = bytes(PACK_ALIGN)
+_PADS = tuple(bytes(n) for n in range(PACK_ALIGN))  # the padding before an entry, by its length
 _HEAD = struct.Struct("<8sQQ")  # format 1's head, and the first 24 bytes of format 2's
 _HEAD2 = struct.Struct("<8sQQQQ24x")
 _PAIR = struct.Struct("<QQ")
@@ -117,6 +119,31 @@ class ManifestWriter:
             self._flush()
         return f"{index}.{offset}.{length}"
 
+    def add_all(self, indices: Sequence[int], datas: Sequence[bytes], prefix: str = "") -> list[str]:
+        """:meth:`add` of each ``(indices[i], datas[i])``, in one pass and one copy into
+        the buffer (a directory put packs 100,000 entries: a call and a concatenation
+        each cost more than the arithmetic); returns their versions' tails, each after
+        ``prefix`` (the batch and a slash: their whole versions)."""
+        offset = self._end
+        pieces: list[bytes] = []
+        tails: list[str] = []
+        append, tail, live, pads = pieces.append, tails.append, self.live, _PADS
+        for index, data in zip(indices, datas, strict=True):
+            pad = -offset % PACK_ALIGN
+            if pad:
+                append(pads[pad])
+                offset += pad
+            append(data)
+            length = len(data)
+            tail(f"{prefix}{index}.{offset}.{length}")
+            offset += length
+            live[index] = 1
+        self._buffer += b"".join(pieces)
+        self._end = offset
+        if len(self._buffer) >= _FLUSH:
+            self._flush()
+        return tails
+
     def _flush(self) -> None:
         self._write_all(self.fd, self._buffer, self.path)
         self._buffer = bytearray()
@@ -131,11 +158,8 @@ class ManifestWriter:
             self._buffer += bytes(pad)
         table = self._end + pad
         head = json.dumps(common).encode() + b"\n"
-        start = table + 8 * (self.count + 1) + len(head)
-        offsets = [start]
-        for line in entries:
-            start += len(line)
-            offsets.append(start)
+        offsets = list(accumulate(map(len, entries), initial=table + 8 * (self.count + 1) + len(head)))
+        start = offsets[-1]
         self._buffer += struct.pack(f"<{self.count + 1}Q", *offsets)
         self._buffer += head
         self._buffer += b"".join(entries)

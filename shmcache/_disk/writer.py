@@ -187,6 +187,7 @@ class VersionWriter:
         prefix: str,
         versions: Sequence[tuple[str, str]],
         check: Callable[[dict[str, str]], None] | None = None,
+        batch: str | None = None,
     ) -> dict[str, str]:
         """Make every ``(key, version)`` under ``prefix`` current at one instant: copy the
         prefix's directory into ``tmp/`` with the new links, exchange it with the live one
@@ -194,10 +195,17 @@ class VersionWriter:
         link replaced (keys that had an entry). ``check(replaced)`` runs before the
         exchange; what it raises publishes nothing. The caller holds the publish lock
         exclusive until this returns; a crash leaves the old tree or the new one whole, and
-        the copy in ``tmp/`` for ``cleanup``."""
+        the copy in ``tmp/`` for ``cleanup``. ``batch``: the one batch every version is an
+        entry of (a directory put), marked published once."""
         self._count += 1
         staging = f"{self._tmp}/{self.writer_id}.{self._count}.tree"
-        links = ((key, self.layout.link_target(version, key)) for key, version in versions)
+        # Layout.link_target of each, without a call each (a directory put links 100,000):
+        # what climbs out of the key's prefix directories, made once per depth
+        climbs = {depth: "../" * (depth + 1) + "objects/" for depth in range(8)}
+        links = [
+            (key, (climbs.get(key.count("/")) or self.layout.link_target("", key)) + version)
+            for key, version in versions
+        ]
         try:
             replaced = build_tree(self.layout, prefix, staging, links)
             if check is not None:
@@ -206,7 +214,7 @@ class VersionWriter:
         except BaseException:
             remove_tree(Path(staging))
             raise
-        for _, version in versions:
+        for version in [batch] if batch is not None else [version for _, version in versions]:
             self.mark_published(version)
         self._old_trees.append(staging)
         return replaced

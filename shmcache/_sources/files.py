@@ -1,9 +1,9 @@
 """Sources of ``put_file``: every file is checked before any byte is copied (a regular file,
 beneath the allowed directories if any are given, a valid header), then copied from the
 same file (held open since, or reopened and compared; a directory's small ``.npy`` files
-are read whole by the check) through a buffer that the CRC-32 recorded for ``verify`` is
-computed on (one pass, as ``cp`` reads and writes); a file that changes meanwhile fails the
-load. Compressed ``.npz`` members
+are read whole by the check, a snapshot, as ``cp`` takes one) through a buffer that the
+CRC-32 recorded for ``verify`` is computed on (one pass, as ``cp`` reads and writes); a
+file that changes while it is read fails the load. Compressed ``.npz`` members
 are inflated. Which suffixes are taken, and what each file becomes, is :data:`PLANNERS`
 (``array_files`` adds safetensors, torch checkpoints and HDF5)."""
 
@@ -37,7 +37,6 @@ from .source_files import (
     READ_FLAGS,
     SourceFile,
     check_unchanged,
-    check_unchanged_path,
     descriptors_to_hold,
     open_checked,
     open_plain,
@@ -55,6 +54,7 @@ __all__ = [
     "copy_planned",
     "list_array_files",
     "plan_sources",
+    "planned_bytes",
     "read_planned",
     "release_planned",
 ]
@@ -64,7 +64,8 @@ _HEAD = 4096  # a planned .npy's first read: its whole header, nearly always
 _MAGIC = b"\x93NUMPY"
 _KEEP = 64 << 10
 """A directory put's ``.npy`` files up to this size are read whole when checked and their
-descriptors closed (``Planned.data``): the copy is one ``write`` after one ``stat``."""
+descriptors closed (``Planned.data``), a snapshot checked by one more ``fstat`` after
+that read: the copy is one ``write`` (no second look at the file)."""
 _KEEP_TOTAL = 128 << 20
 """At most this many bytes of such files are kept per put (memory stays bounded whatever
 the file count: the files beyond are held open, or reopened, as bigger ones are). 128 MiB:
@@ -134,6 +135,20 @@ def plan_sources(
         release_planned(plan)
         raise
     return plan
+
+
+def planned_bytes(plan: Sequence[Planned]) -> int:
+    """The bytes ``plan``'s entries will take (``header.file_size`` of each): each header
+    object's size computed once (a directory's files share a few; computing one is a
+    product over its shape)."""
+    last: NpyHeader | None = None
+    size = total = 0
+    for item in plan:
+        header = item.header
+        if header is not last:
+            last, size = header, header.file_size
+        total += size
+    return total
 
 
 def release_planned(plan: Sequence[Planned]) -> None:
@@ -254,7 +269,8 @@ def _plan_plain(
     """Plan the files ``found`` under ``base`` (no allowed directories): each ``.npy`` is
     checked as :func:`_plan_npy_fd` checks one, then held open while ``budget`` descriptors
     last, or read whole while ``keep`` bytes last (``Planned.fd``, ``Planned.data``): one
-    ``open``, ``fstat``, ``pread`` and ``close`` (no ``close`` if held) and a look-up of its
+    ``open``, ``fstat``, ``pread`` (and, read whole, an ``fstat`` showing the same size
+    and time stamps: no write began meanwhile) and ``close`` (no ``close`` if held) and a look-up of its
     header bytes among those parsed already; anything unusual (not a regular file, an
     unseen header, a short read) goes through the checked calls, which raise the typed
     errors. Other suffixes: their planner."""
@@ -263,6 +279,8 @@ def _plan_plain(
     new = tuple.__new__  # a SourceFile without its keyword-taking __new__: ~4x cheaper
     append = plan.append
     limit = min(keep, _KEEP)  # the largest file read whole now
+    most = _KEEP
+    last_raw, last = b"", None  # the header bytes the last file began with, and what they say
     for (relative, lower), child in zip(found, children, strict=True):
         path = base + relative  # absolute and normal: names from a walk
         if lower != ".npy":
@@ -290,21 +308,35 @@ def _plan_plain(
         whole = size <= limit
         try:
             head = pread(fd, size if whole else min(size, _HEAD), 0)
-            # bytes equal to a header parsed already (format 1.0: its length at 8-9) are valid
-            v1 = len(head) >= 12 and head[6] == 1
-            known = headers.get(head[: 10 + (head[8] | head[9] << 8)]) if v1 else None
-            if known is None or size < known[1]:
-                known = _npy_header(fd, head, size, path, headers)
-            header, file_size = known
-            if whole and len(head) != file_size:
-                head = _whole_file(head, file_size, file)
+            # bytes equal to a header parsed already (format 1.0: its length at 8-9) are valid:
+            # those the last file began with (nearly always: one test, no slice), or any
+            if last is not None and head.startswith(last_raw) and size >= last[1]:
+                header, file_size = last
+            else:
+                known = None
+                if len(head) >= 12 and head[6] == 1:
+                    raw = head[: 10 + (head[8] | head[9] << 8)]
+                    known = headers.get(raw)
+                    if known is not None:
+                        last_raw, last = raw, known
+                if known is None or size < known[1]:
+                    known = _npy_header(fd, head, size, path, headers)
+                header, file_size = known
+            if whole:
+                if len(head) != file_size:
+                    head = _whole_file(head, file_size, file)
+                after = fstat(fd)  # the read saw one state of the file: no write began since the fstat
+                if after.st_mtime_ns != file.mtime_ns or after.st_ctime_ns != file.ctime_ns:
+                    raise _changed_while_read(file)
+                if after.st_size != size:
+                    raise _changed_while_read(file)
         except BaseException:
             close(fd)
             raise
         if whole:
             close(fd)
             keep -= file_size
-            limit = keep if keep < _KEEP else _KEEP
+            limit = keep if keep < most else most
             append(Planned(child, header, path, file, 0, None, "", None, None, None, None, head))
         elif budget > 0:
             budget -= 1
@@ -312,6 +344,13 @@ def _plan_plain(
         else:
             close(fd)
             append(Planned(child, header, path, file, 0))
+
+
+def _changed_while_read(file: SourceFile) -> CorruptSourceError:
+    return CorruptSourceError(
+        f"{file.path} changed while loading (it was written to while read); nothing was "
+        "published, load it again"
+    )
 
 
 def _whole_file(head: bytes, size: int, file: SourceFile) -> bytes:
@@ -391,12 +430,12 @@ def copy_planned(
     :class:`CorruptSourceError`. ``check_header=False``: the writer cannot read ``target``
     back (a team member fills a daemon's file, which the daemon checks itself). A
     descriptor the plan held (``item.fd``) is copied from and closed; its file is the one
-    checked by construction. Bytes the plan read whole (``item.data``) are written after
-    one ``stat`` of the path shows the file unchanged since (their header was parsed from
-    these very bytes)."""
-    if item.data is not None:
+    checked by construction. Bytes the plan read whole (``item.data``) are written as they
+    are: a snapshot of the file (its header parsed from these very bytes, its size and time
+    stamps the same before and after that one read); a later change of the file does not
+    alter the entry, whose recorded fingerprint is that of the snapshot."""
+    if item.data is not None:  # read whole and checked when planned (``_plan_plain``)
         data, item.data = item.data, None
-        check_unchanged_path(item.file)
         crc = crc32(data)
         _write_small(dst, data, target)
         advance(len(data))
@@ -427,9 +466,8 @@ def read_planned(item: Planned, advance: Callable[[int], None]) -> tuple[bytes, 
     their CRC-32 (what :func:`copy_planned` would write, for a directory put that packs
     them into its manifest). ``item`` is a byte copy (``copy_offset`` set, no ``write``)
     of at most a few MiB; the same checks as :func:`copy_planned`'s."""
-    if item.data is not None:
+    if item.data is not None:  # read whole and checked when planned (``_plan_plain``)
         data, item.data = item.data, None
-        check_unchanged_path(item.file)
     else:
         held, item.fd = item.fd, None
         src = reopen(item.file) if held is None else held

@@ -76,8 +76,10 @@ class Planned:
     data: bytes | None = None
     """The whole ``.npy`` (``header.file_size`` bytes), read when the file was checked (a
     directory put's small files, within a total cap: ``files._KEEP_TOTAL``), its descriptor
-    closed then: the copy writes these bytes after one ``stat`` shows the file unchanged,
-    with no reopen and no second read. Dropped by the copy or by ``files.release_planned``."""
+    closed then, after an ``fstat`` showed the same size and time stamps as before that
+    read (a snapshot of the file: what it held when checked): the copy writes these bytes,
+    with no reopen, no ``stat`` and no second read. Dropped by the copy or by
+    ``files.release_planned``."""
 
     @property
     def fingerprint(self) -> dict[str, int]:

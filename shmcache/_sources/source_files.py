@@ -32,7 +32,6 @@ __all__ = [
     "READ_FLAGS",
     "SourceFile",
     "check_unchanged",
-    "check_unchanged_path",
     "descriptors_to_hold",
     "open_checked",
     "open_plain",
@@ -185,29 +184,6 @@ def check_unchanged(fd: int, source: SourceFile, same_path: bool = True) -> None
             os.close(again)
     if (st.st_dev, st.st_ino) != (source.dev, source.ino):
         raise _changed(source, "while loading (it was replaced)")
-
-
-def check_unchanged_path(source: SourceFile) -> None:
-    """After a copy from bytes read whole when ``source`` was checked (and its descriptor
-    closed): one ``stat`` of its path shows the same file, size and time stamps, so the
-    bytes read are the file's whole content as checked and its path still names it (what
-    :func:`check_unchanged` proves of a descriptor). Not for a confined source."""
-    assert source.top is None, "a confined source is checked through a descriptor"
-    try:
-        st = os.stat(source.target)
-    except OSError:
-        raise _changed(source, "while loading (it was removed or replaced)") from None
-    if (  # one test of the five fields (a directory put makes 100,000 of these checks)
-        st.st_mtime_ns == source.mtime_ns
-        and st.st_ino == source.ino
-        and st.st_size == source.size
-        and st.st_ctime_ns == source.ctime_ns
-        and st.st_dev == source.dev
-    ):
-        return
-    if (st.st_dev, st.st_ino) != (source.dev, source.ino):
-        raise _changed(source, "while loading (it was replaced)")
-    raise _changed(source, "while loading")
 
 
 def _changed(source: SourceFile, when: str) -> CorruptSourceError:

@@ -30,7 +30,7 @@ from .._disk.trust import describe_uid
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.dispatch import classify_source, plan_source
-from .._sources.files import copy_planned, plan_sources, release_planned
+from .._sources.files import copy_planned, plan_sources, planned_bytes, release_planned
 from .._sources.hf_datasets import arrow_of_dataset, open_hf_split, plan_hf_folder
 from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
@@ -315,7 +315,7 @@ class Putting:
         """``put_file`` of planned ``.npy`` sources: one batch version for several."""
         keys = [item.key for item in plan]
         self._refuse_existing(keys, overwrite)
-        total = sum(item.header.file_size for item in plan)
+        total = planned_bytes(plan)
         advance = _progress_counter(progress, total)
         with self._writer() as writer:
             self._reserve(writer, total + _PAGE * len(plan), keys if overwrite else ())

@@ -16,7 +16,7 @@ from .._disk.checksum import crc32, format_checksums
 from .._disk.dtypes import dtype_name
 from .._disk.entry_tree import common_prefix, crash_point, migrate_flat_links
 from .._disk.fs import remove_tree
-from .._disk.generations import bump_generations, mark_changing
+from .._disk.generations import bump_generations, key_generation_slots, mark_changing
 from .._disk.layout import ARRAY_FILE, MANIFEST_FILE, PACKED_GUARD, Layout, packed_range
 from .._disk.manifest import (
     PACK_MAX,
@@ -32,7 +32,7 @@ from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
 from .._sources.files import read_planned
 from .._sources.planned import Planned
-from .._sources.source_files import check_unchanged, check_unchanged_path, reopen
+from .._sources.source_files import check_unchanged, reopen
 from ..errors import KeyExistsError
 from .copy_pool import copy_threads, run_copies
 from .locks import key_locks, publish_lock
@@ -192,29 +192,88 @@ def _pack_small(
     advance: Callable[[int], None],
 ) -> list[int]:
     """Pack the plan's small byte copies into ``manifest`` (their versions and manifest
-    lines set); returns the indices of the others, written apart. One loop with little
-    Python per file: at 100,000 files each attribute and call counts."""
+    lines set); returns the indices of the others, written apart. Little Python per file
+    (at 100,000 files each attribute and call counts): each entry's line formatted here
+    (what :func:`array_line` writes, what depends on the header alone found once per
+    header), its bytes packed a few MiB at a time (:func:`_pack_chunk`), progress
+    reported so."""
     apart: list[int] = []
-    last, small = None, False
-    add, prefix = manifest.add, f"{batch}/"
+    last, small, described = None, False, ""
+    prefix = f"{batch}/"
+    indices: list[int] = []
+    items: list[Planned] = []
+    datas: list[bytes] = []
+    crcs: list[int] = []
+    gathered = 0
     for index, item in enumerate(plan):
         header = item.header
         if header is not last:  # a directory's files share a few header objects
             last, small = header, header.file_size <= PACK_MAX
+            described = _described(header) if small else ""
         if not small or item.container is not None or item.write is not None or item.copy_offset is None:
             apart.append(index)
             continue
         data = item.data
-        if data is not None:  # read whole when checked (read_planned, inline)
+        if data is not None:  # read whole when checked, a snapshot (read_planned, inline)
             item.data = None
-            check_unchanged_path(item.file)
             crc = crc32(data)
-            advance(len(data))
+            gathered += len(data)
         else:
             data, crc = read_planned(item, advance)
-        item.version = prefix + add(index, data)
-        lines[index] = array_line(item.key, header, crc, item.source, item.file.fingerprint_json)
+        file = item.file
+        lines[index] = (  # the source escaped after, if one of the chunk's needs it
+            f'{{"key":"{item.key}",{described}{crc:08x}","source":"{item.source}",'
+            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}}}}}\n'
+        ).encode()
+        indices.append(index)
+        items.append(item)
+        datas.append(data)
+        crcs.append(crc)
+        if len(datas) >= _PACK_CHUNK:
+            _pack_chunk(manifest, prefix, lines, indices, items, datas, crcs)
+            indices, items, datas, crcs = [], [], [], []
+            advance(gathered)
+            gathered = 0
+    if datas:
+        _pack_chunk(manifest, prefix, lines, indices, items, datas, crcs)
+    if gathered:
+        advance(gathered)
     return apart
+
+
+_PACK_CHUNK = 4096
+"""Entries :func:`_pack_small` packs at a time (4 MiB of 1 KiB files)."""
+
+
+def _pack_chunk(
+    manifest: ManifestWriter,
+    prefix: str,
+    lines: list[bytes],
+    indices: list[int],
+    items: list[Planned],
+    datas: list[bytes],
+    crcs: list[int],
+) -> None:
+    """Pack ``datas`` (entries ``indices`` of the plan, ``items``) into ``manifest`` and
+    set their versions (``prefix`` is the batch's, with its slash); their lines again with
+    their sources escaped if one of them needs it (a quote, a backslash, not printable
+    ASCII: rare)."""
+    for item, version in zip(items, manifest.add_all(indices, datas, prefix), strict=True):
+        item.version = version
+    if not _plain_json("".join([item.source for item in items])):
+        for index, item, crc in zip(indices, items, crcs, strict=True):
+            lines[index] = array_line(item.key, item.header, crc, item.source, item.file.fingerprint_json)
+
+
+def _plain_json(text: str) -> bool:
+    """Whether ``text`` goes into a JSON string as it is (printable ASCII, no quote or
+    backslash)."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
+def _json_text(text: str) -> str:
+    """``text`` escaped for a JSON string (between its quotes)."""
+    return text if _plain_json(text) else json.dumps(text)[1:-1]
 
 
 def _write_apart(
@@ -281,17 +340,18 @@ def publish_batch(
             raise KeyExistsError(f"entry {min(found)!r} was published by another process meanwhile")
 
     ensure_tree_format(layout)
+    slots = key_generation_slots(keys)  # once: marked, then bumped
     try:
         with key_locks(layout, keys, lock_timeout):
             writer.promote(batch)
             crash_point("batch-promoted")
             with publish_lock(layout, shared=False):
-                mark_changing(layout, keys)
+                mark_changing(layout, keys, slots)
                 changing = True
-                replaced = writer.swap_tree(common_prefix(keys), versions, refuse)
+                replaced = writer.swap_tree(common_prefix(keys), versions, refuse, batch)
             published = True
     finally:
-        _settle(layout, writer, keys, changing, published, replaced)
+        _settle(layout, writer, keys, changing, published, replaced, slots)
 
 
 def _settle(
@@ -301,13 +361,15 @@ def _settle(
     changing: bool,
     published: bool,
     replaced: Mapping[str, str],
+    slots: frozenset[int] | None = None,
 ) -> None:
     """After a publish, whatever its outcome: settle the keys' generations if any link may
     have moved (or their slots were marked changing); once published, remove the old tree
     copies and the versions the keys held before (``replaced``: key -> version), those
-    that record these keys only (:func:`versions_of`)."""
+    that record these keys only (:func:`versions_of`). ``slots``: the keys' generation
+    slots, if computed already."""
     if published or changing:
-        bump_generations(layout, keys)
+        bump_generations(layout, keys, slots)
     if published:
         writer.remove_old_trees()
         remove_versions(layout, versions_of(layout, replaced))
@@ -420,14 +482,18 @@ def array_line(key: str, header: NpyHeader, crc: int, source: str, fingerprint: 
     if last is not None and last[0] is header:
         described = last[1]
     else:
-        known = _DESCRIBED.get(header)
-        described = _describe(header) if known is None else known
+        described = _described(header)
         _LAST_DESCRIBED = (header, described)
-    if not (source.isascii() and source.isprintable() and '"' not in source and "\\" not in source):
-        source = json.dumps(source)[1:-1]
+    source = _json_text(source)
     return (
         f'{{"key":"{key}",{described}{crc:08x}","source":"{source}","source_fingerprint":{{{fingerprint}}}}}\n'
     ).encode()
+
+
+def _described(header: NpyHeader) -> str:
+    """:func:`_describe` of ``header``, remembered."""
+    known = _DESCRIBED.get(header)
+    return _describe(header) if known is None else known
 
 
 def _describe(header: NpyHeader) -> str:
