@@ -40,6 +40,7 @@ WRITE_SIDE = [
     "shmcache._store.loading", "shmcache._store.remote", "shmcache._store.blobs", "shmcache._store.tables",
     "shmcache._store.hdf5", "shmcache._store.array_files", "shmcache._store.space", "shmcache._store.budget",
     "shmcache._store.locks", "shmcache._store.maintenance", "shmcache._store.catalog",
+    "shmcache._store.putting", "shmcache._store.putting_files",
     "shmcache._disk.writer", "shmcache._disk.fs", "shmcache._disk.checksum", "shmcache._disk.source_files",
     "shmcache._disk.urls", "shmcache._disk.entry_tree", "shmcache._disk.procmaps",
     "shmcache._disk.safetensors",

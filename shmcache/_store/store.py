@@ -1,6 +1,6 @@
 """The store: one cache root's public operations, as a thin facade over the modules that
-do the work (``reading``, ``putting`` and ``writing``, ``_sources``, ``space``, ``catalog``,
-``maintenance``). The on-disk format is ``_disk/layout``'s.
+do the work (``reading``, ``putting``, ``putting_files`` and ``writing``, ``_sources``, ``space``,
+``catalog``, ``maintenance``). The on-disk format is ``_disk/layout``'s.
 
 Publishing renames a finished version into ``objects/`` and then swaps the entry's
 symlink in one ``rename``: a reader sees the old version or the new one, never a
@@ -43,7 +43,8 @@ from .catalog import info_of, iter_infos, store_stats
 from .loading import CacheVersion, cache_version_token, last_failure, recording_failure
 from .locks import DEFAULT_LOCK_TIMEOUT, STORE_TIMEOUT, StoreTimeout, snapshot_lock
 from .maintenance import remove_dead_writers_leftovers, verify_entry
-from .putting import Putting, _as_storable_array
+from .putting import _as_storable_array
+from .putting_files import PuttingFiles
 from .reading import Reader
 from .records import EntryInfo, StoreStats
 from .space import budget_in_force
@@ -53,7 +54,7 @@ __all__ = ["Store"]
 logger = logging.getLogger(__name__)
 
 
-class Store(Putting):
+class Store(PuttingFiles):
     """A cache root: put, open, evict, list, stats, cleanup.
 
     Nothing is read from, or written to, a root that is a symlink, another user's, or
