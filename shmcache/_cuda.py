@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from ._api import get_store
-from ._disk.attach import SHARED, attach_array, mapped_base, origin_of
+from ._disk.attach import SHARED, attach_array
 from ._disk.layout import ARRAY_FILE
+from ._disk.mapped import mapped_base, origin_of
 from ._disk.pin_records import PinnedEntry, PinRecord
 from .errors import GPUUnavailableError, KeyNotFoundError, UnsupportedDataError
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 import shmcache
-from shmcache._disk.attach import MappedFile
+from shmcache._disk.mapped import MappedFile
 
 __all__ = ["PackedKeysDataset", "SharedRowsDataset", "WorkerView", "describe_array"]
 

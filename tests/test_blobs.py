@@ -22,7 +22,7 @@ from shmcache import (
     Store,
     UnsupportedDataError,
 )
-from shmcache._disk.attach import MappedFile, mapped_base
+from shmcache._disk.mapped import MappedFile, mapped_base
 from shmcache._sources import blobs as blobs_module
 from tests.container_datasets import BlobsDataset
 

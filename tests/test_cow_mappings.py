@@ -21,15 +21,9 @@ import pytest
 from service_helpers import clean_env
 
 import shmcache
-from shmcache._disk.attach import (
-    SHARED,
-    MappedFile,
-    attach_array,
-    is_shared_read_only,
-    map_entry_file,
-    overcommit_is_strict,
-)
+from shmcache._disk.attach import SHARED, attach_array, map_entry_file, overcommit_is_strict
 from shmcache._disk.layout import ARRAY_FILE, ENV_ROOT, Layout
+from shmcache._disk.mapped import MappedFile, is_shared_read_only
 
 pytestmark = pytest.mark.skipif(
     overcommit_is_strict(),
@@ -212,7 +206,7 @@ import re, resource, sys, warnings
 import numpy as np
 import torch
 import shmcache, shmcache.torch
-from shmcache._disk.attach import is_shared_read_only
+from shmcache._disk.mapped import is_shared_read_only
 
 def perms(key):
     version = shmcache.get_store().info(key).version
@@ -264,12 +258,12 @@ def test_a_refused_private_mapping_falls_back_to_shared_read_only_said_once(stor
 _STRICT = """
 import numpy as np
 import shmcache
-from shmcache._disk import attach
+from shmcache._disk import attach, mapped
 
 assert attach._STRICT_OVERCOMMIT is False  # this machine's policy (the test checks it first)
 attach._STRICT_OVERCOMMIT = True  # what reading vm.overcommit_memory=2 sets
 first, second = shmcache.open_array("a"), shmcache.open_array("b")
-assert attach.is_shared_read_only(first) and attach.is_shared_read_only(second)
+assert mapped.is_shared_read_only(first) and mapped.is_shared_read_only(second)
 assert not first.flags.writeable and first.tolist() == [0, 1, 2]
 print("ok")
 """

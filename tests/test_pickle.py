@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import shmcache
-from shmcache._disk.attach import MappedFile
+from shmcache._disk.mapped import MappedFile
 
 REFERENCE_LIMIT = 1024
 """A pickled reference must stay under 1 KiB, whatever the array's size."""
@@ -307,7 +307,7 @@ _CHILD = textwrap.dedent(
     import hashlib, json, pickle, sys
     import numpy as np
     import shmcache
-    from shmcache._disk.attach import MappedFile
+    from shmcache._disk.mapped import MappedFile
 
     def status(field):
         with open("/proc/self/status") as fp:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from service_helpers import Daemon, load, unique
 
 import shmcache
-from shmcache._disk.attach import MappedFile, mapped_base
+from shmcache._disk.mapped import MappedFile, mapped_base
 
 pa = pytest.importorskip("pyarrow")
 pd = pytest.importorskip("pandas")

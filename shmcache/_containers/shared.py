@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 import numpy as np
 
-from .._disk.attach import MappedFile, attach_array, mapped_base
+from .._disk.attach import attach_array
 from .._disk.layout import Layout
+from .._disk.mapped import MappedFile, mapped_base
 from .._disk.meta import EntryMeta, read_meta
 from ..errors import KeyNotFoundError, UnsupportedDataError
 

@@ -1,0 +1,153 @@
+"""What an entry's mapping is, and what is read through one without mapping anything:
+:class:`MappedFile` (one published entry file, knowing where it came from) and
+:class:`SharedManifest` (one mapping per packed batch, shared by its entries); which
+entry an array lies in (:func:`mapped_base`, :func:`origin_of`); and a packed entry's
+range, header and live byte in its batch's manifest (format 2). ``attach`` makes the
+mappings and holds the mmap policy (modes, strict overcommit, the fallbacks, which tests
+patch there); this module lies below it and imports none of that."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptEntryError
+from .layout import ARRAY_FILE
+from .npy import header_length
+
+__all__ = ["MappedFile", "SharedManifest", "is_shared_read_only", "mapped_base", "origin_of"]
+
+_HEADER_READ = 256  # numpy pads headers to 64 bytes; nearly all fit in 128
+_DATA_START = 64  # a packed entry starts after the manifest's head (format 2)
+_PACK_ALIGN = 64  # and at a multiple of this (manifest.PACK_ALIGN)
+_LIVE_AT = slice(32, 40)  # where a format 2 manifest's head says its live bitmap starts
+
+
+class MappedFile(mmap.mmap):
+    """A mapping of one published entry file that knows where it came from."""
+
+    origin: tuple[str, str, str, str]
+    """``(root, version, filename, key)`` of the mapped file."""
+    shared: bool = False
+    """True for a ``MAP_SHARED`` read-only mapping (mode ``"shared"``, or the fallback
+    when the kernel refused a copy-on-write one): a write through it is a SIGSEGV."""
+    _start: int | None = None
+
+    def start_address(self) -> int:
+        """Virtual address of the first byte of the mapping (for view offsets)."""
+        if self._start is None:
+            self._start = int(np.frombuffer(self, dtype=np.uint8, count=1).ctypes.data)
+        return self._start
+
+    def origin_at(self, offset: int) -> tuple[str, str, str, str] | None:
+        """``origin`` of the entry whose bytes hold byte ``offset`` of the mapping."""
+        return self.origin
+
+
+class SharedManifest(MappedFile):
+    """The one mapping of a whole batch manifest that every packed entry of that batch
+    opened copy-on-write in this process is a view into: one descriptor (Python < 3.13)
+    and one VMA per batch, not per key (``vm.max_map_count`` and ``ulimit -n`` would
+    otherwise cap a process at a few thousand keys). It lives while any array over it
+    does (:data:`_MANIFESTS` holds it weakly)."""
+
+    ident: tuple[int, int]
+    """``(st_dev, st_ino)`` of the file mapped: while this mapping lives the file's inode
+    cannot be freed, so no other file has them; a path that stats to them is this file."""
+    entries: dict[int, tuple[str, str, int]]
+    """Packed offset -> ``(version, key, length)`` of each entry opened over it (for the
+    ``origin`` of an array: pickling by reference, ``private_view``, ``pin``)."""
+    longest: int = 0
+
+    def origin_at(self, offset: int) -> tuple[str, str, str, str] | None:
+        entries = self.entries
+        start = offset - offset % _PACK_ALIGN
+        lowest = max(_DATA_START, offset - self.longest)
+        while start >= lowest:  # entries are 64-byte aligned, at most ``longest`` bytes
+            found = entries.get(start)
+            if found is not None:
+                version, key, length = found
+                if offset < start + length:
+                    return self.origin[0], version, ARRAY_FILE, key
+                return None
+            start -= _PACK_ALIGN
+        return None
+
+    def record(self, offset: int, version: str, key: str, length: int) -> None:
+        """Remember that entry ``version`` (``key``) is bytes ``offset..+length``."""
+        self.entries[offset] = (version, key, length)
+        if length > self.longest:
+            self.longest = length
+
+
+def is_shared_read_only(array: np.ndarray) -> bool:
+    """Whether ``array`` lies on a ``MAP_SHARED`` read-only mapping of an entry, where a
+    write that gets past numpy's flag (a torch tensor's in-place op) is a SIGSEGV."""
+    base = mapped_base(array)
+    return isinstance(base, MappedFile) and base.shared
+
+
+def _check_range(key: str, path: str, offset: int, length: int, size: int) -> None:
+    if offset < _DATA_START or offset + length > size:
+        raise CorruptEntryError(
+            f"entry {key!r}: {path} is truncated or damaged (it does not hold the entry's "
+            f"bytes {offset}..{offset + length}); evict it and put it again"
+        )
+
+
+def _packed_header(
+    mapping: SharedManifest, key: str, path: str, offset: int, length: int
+) -> tuple[bytes, int]:
+    """A packed entry's header bytes and length, read through the shared mapping (a page
+    the array's first read would fault in anyway; no descriptor to ``pread``)."""
+    head = mapping[offset : offset + min(_HEADER_READ, length)]
+    end = header_length(head, f"entry {key!r}")
+    if end > len(head):
+        head = mapping[offset : offset + min(end, length)]
+        if end > len(head):
+            raise CorruptEntryError(f"entry {key!r}: its bytes in {path} end inside its header")
+    return head, end
+
+
+def _live_in(mapping: SharedManifest, size: int, index: int) -> bool:
+    """:func:`_packed_live` read through the shared mapping (an evict's ``pwrite`` of the
+    live byte shows in every mapping of the file, unlinked or not); ``size``: the file's
+    now (never a read past its end: SIGBUS)."""
+    at = int.from_bytes(mapping[_LIVE_AT], "little") + index
+    return 0 <= at < min(size, len(mapping)) and mapping[at] == 1
+
+
+def _packed_live(fd: int, index: int) -> bool:
+    """Whether packed entry ``index``'s live byte in the manifest at ``fd`` is still 1
+    (``manifest``'s format 2; two ``pread``s)."""
+    head = os.pread(fd, 40, 0)
+    if len(head) < 40:
+        return False
+    return os.pread(fd, 1, int.from_bytes(head[_LIVE_AT], "little") + index) == b"\x01"
+
+
+def origin_of(array: np.ndarray) -> tuple[tuple[str, str, str, str], int] | None:
+    """``((root, version, filename, key), offset)`` of the entry a shared array (or a view
+    of one) lies in, ``offset`` being where its data starts in the entry's mapping (for a
+    packed entry: in its whole manifest); None for any other array."""
+    base = mapped_base(array)
+    if not isinstance(base, MappedFile) or not array.size:
+        return None
+    offset = int(array.__array_interface__["data"][0]) - base.start_address()
+    origin = base.origin_at(offset)
+    return None if origin is None else (origin, offset)
+
+
+def mapped_base(array: np.ndarray) -> Any:
+    """The object at the end of ``array``'s base chain, looking through ndarrays and
+    wrappers such as the one ``as_strided``/``sliding_window_view`` put in between."""
+    base = array.base
+    while base is not None and not isinstance(base, MappedFile):
+        parent = getattr(base, "base", None)
+        if parent is None:
+            break
+        base = parent
+    return base
