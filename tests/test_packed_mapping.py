@@ -1,5 +1,5 @@
 """Packed entries of one batch opened in one process share ONE mapping of the whole
-manifest (``_disk/attach.SharedManifest``): one descriptor and one VMA per batch, not per
+manifest (``_disk/mapped.SharedManifest``): one descriptor and one VMA per batch, not per
 key, so a process opens 100,000 small keys of a folder under ``ulimit -n 256`` and below
 ``vm.max_map_count``. The mapping lives while any array of it does; a file replaced at the
 same path is never confused with it; eviction, replacement and damage behave as before.
