@@ -52,7 +52,7 @@ class SharedManifest(MappedFile):
     opened copy-on-write in this process is a view into: one descriptor (Python < 3.13)
     and one VMA per batch, not per key (``vm.max_map_count`` and ``ulimit -n`` would
     otherwise cap a process at a few thousand keys). It lives while any array over it
-    does (:data:`_MANIFESTS` holds it weakly)."""
+    does (``attach._MANIFESTS`` holds it weakly)."""
 
     ident: tuple[int, int]
     """``(st_dev, st_ino)`` of the file mapped: while this mapping lives the file's inode
