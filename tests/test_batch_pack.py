@@ -96,13 +96,16 @@ def test_packed_entries_round_trip_bit_identically(store: Store, root: Path, tmp
     assert stats.used - stats.packed_held == sum(store.info(f"d/{name}").size for name in arrays)
 
 
-@pytest.mark.parametrize("folder", ['plain', 'q"uote', "back\\slash", "n\u00e9e", "tab\tname"])
+@pytest.mark.parametrize(
+    "folder", ['plain', 'q"uote', "back\\slash", "n\u00e9e", "tab\tname", os.fsdecode(b"caf\xe9")]
+)
 def test_packed_entries_record_their_sources_whatever_the_path(
     store: Store, tmp_path: Path, folder: str
 ) -> None:
     """A packed entry's manifest line holds its source's path as JSON, escaped when the
     path holds a quote, a backslash or a character that is not printable ASCII (the lines
-    are formatted without ``json.dumps`` when none needs it)."""
+    are formatted without ``json.dumps`` when none needs it); a name that is not UTF-8
+    (``caf\\xe9``: a lone surrogate in Python) is recorded as ``json.dumps`` escapes it."""
     arrays = {"a": np.arange(3), "b": np.arange(4.0)}
     source = _save(tmp_path / folder, arrays)
     store.put_file("d", source)

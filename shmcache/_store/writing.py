@@ -224,7 +224,7 @@ def _pack_small(
         lines[index] = (  # the source escaped after, if one of the chunk's needs it
             f'{{"key":"{item.key}",{described}{crc:08x}","source":"{item.source}",'
             f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}}}}}\n'
-        ).encode()
+        ).encode("utf-8", "surrogatepass")  # a path not UTF-8 (a lone surrogate): escaped below
         indices.append(index)
         items.append(item)
         datas.append(data)
