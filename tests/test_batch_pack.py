@@ -97,7 +97,7 @@ def test_packed_entries_round_trip_bit_identically(store: Store, root: Path, tmp
 
 
 @pytest.mark.parametrize(
-    "folder", ['plain', 'q"uote', "back\\slash", "n\u00e9e", "tab\tname", os.fsdecode(b"caf\xe9")]
+    "folder", ["plain", 'q"uote', "back\\slash", "n\u00e9e", "tab\tname", os.fsdecode(b"caf\xe9")]
 )
 def test_packed_entries_record_their_sources_whatever_the_path(
     store: Store, tmp_path: Path, folder: str
