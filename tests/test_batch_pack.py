@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from source_times import age
 from torch.utils.data import DataLoader
 
 import shmcache
@@ -108,6 +109,7 @@ def test_packed_entries_record_their_sources_whatever_the_path(
     (``caf\\xe9``: a lone surrogate in Python) is recorded as ``json.dumps`` escapes it."""
     arrays = {"a": np.arange(3), "b": np.arange(4.0)}
     source = _save(tmp_path / folder, arrays)
+    age(source)  # else racily clean (source_files.RACY_NS): a fingerprint that says so
     store.put_file("d", source)
     for name in arrays:
         info = store.info(f"d/{name}")

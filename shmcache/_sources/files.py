@@ -40,6 +40,7 @@ from .source_files import (
     descriptors_to_hold,
     open_checked,
     open_plain,
+    racy_after,
     reopen,
 )
 from .tables import is_table_file
@@ -278,6 +279,7 @@ def _plan_plain(
     open_, fstat, pread, close, is_reg = os.open, os.fstat, os.pread, os.close, stat.S_ISREG
     new = tuple.__new__  # a SourceFile without its keyword-taking __new__: ~4x cheaper
     append = plan.append
+    racy = racy_after()  # once for all: earlier than any file's read (SourceFile.racy)
     limit = min(keep, _KEEP)  # the largest file read whole now
     most = _KEEP
     last_raw, last = b"", None  # the header bytes the last file began with, and what they say
@@ -302,7 +304,8 @@ def _plan_plain(
                 close(fd)
                 fd, file = open_checked(path, absolute=True)
             else:
-                fields = (path, path, None, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                mt = st.st_mtime_ns
+                fields = (path, path, None, st.st_dev, st.st_ino, st.st_size, mt, st.st_ctime_ns, mt > racy)
                 file = new(SourceFile, fields)
         size = file.size
         whole = size <= limit

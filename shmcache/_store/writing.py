@@ -32,7 +32,7 @@ from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
 from .._sources.files import read_planned
 from .._sources.planned import Planned
-from .._sources.source_files import check_unchanged, reopen
+from .._sources.source_files import RACY_JSON, check_unchanged, reopen
 from ..errors import KeyExistsError
 from .copy_pool import copy_threads, run_copies
 from .locks import key_locks, publish_lock
@@ -221,9 +221,10 @@ def _pack_small(
         else:
             data, crc = read_planned(item, advance)
         file = item.file
+        racy = RACY_JSON if file.racy else ""  # changed just before it was read: never current
         lines[index] = (  # the source escaped after, if one of the chunk's needs it
             f'{{"key":"{item.key}",{described}{crc:08x}","source":"{item.source}",'
-            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}}}}}\n'
+            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}{racy}}}}}\n'
         ).encode("utf-8", "surrogatepass")  # a path not UTF-8 (a lone surrogate): escaped below
         indices.append(index)
         items.append(item)
