@@ -66,7 +66,8 @@ _MAGIC = b"\x93NUMPY"
 _KEEP = 64 << 10
 """A directory put's ``.npy`` files up to this size are read whole when checked and their
 descriptors closed (``Planned.data``), a snapshot checked by one more ``fstat`` after
-that read: the copy is one ``write`` (no second look at the file)."""
+that read (no write began meanwhile; one already under way: ``SourceFile.racy``): the
+copy is one ``write`` (no second look at the file)."""
 _KEEP_TOTAL = 128 << 20
 """At most this many bytes of such files are kept per put (memory stays bounded whatever
 the file count: the files beyond are held open, or reopened, as bigger ones are). 128 MiB:
@@ -328,7 +329,7 @@ def _plan_plain(
             if whole:
                 if len(head) != file_size:
                     head = _whole_file(head, file_size, file)
-                after = fstat(fd)  # the read saw one state of the file: no write began since the fstat
+                after = fstat(fd)  # no write began since the fstat (one under way: file.racy)
                 if after.st_mtime_ns != file.mtime_ns or after.st_ctime_ns != file.ctime_ns:
                     raise _changed_while_read(file)
                 if after.st_size != size:
@@ -435,8 +436,10 @@ def copy_planned(
     descriptor the plan held (``item.fd``) is copied from and closed; its file is the one
     checked by construction. Bytes the plan read whole (``item.data``) are written as they
     are: a snapshot of the file (its header parsed from these very bytes, its size and time
-    stamps the same before and after that one read); a later change of the file does not
-    alter the entry, whose recorded fingerprint is that of the snapshot."""
+    stamps the same before and after that one read: no write began meanwhile; one already
+    under way is caught by the racily-clean rule, ``SourceFile.racy``, at the next
+    up-to-date check); a later change of the file does not alter the entry, whose
+    recorded fingerprint is that of the snapshot."""
     if item.data is not None:  # read whole and checked when planned (``_plan_plain``)
         data, item.data = item.data, None
         crc = crc32(data)
