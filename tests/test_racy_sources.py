@@ -20,6 +20,7 @@ import pytest
 from source_times import age
 
 from shmcache import Store
+from shmcache._sources.source_files import RACY_NS
 
 pytest.importorskip("fastapi")
 from shmcache.service.sources import is_up_to_date
@@ -94,3 +95,31 @@ def test_a_packed_directory_with_one_file_modified_just_before_its_read_is_never
     store.put_file("imgs", top, overwrite=True)
     assert "racy" not in (store.info("imgs").source_fingerprint or {})
     assert is_up_to_date(store, "imgs", top)
+
+
+def test_cache_versioned_by_a_file_modified_just_before_the_load_loads_again_once_it_is_old(
+    store: Store, tmp_path: Path
+) -> None:
+    """``cache(version=path)``: a load made while the file was racily clean is taken by the
+    calls of the next 2 s (one load across processes, as ever), and loaded again by the
+    first call after it: the same file, now old, is another version. (This test waits
+    those ~2 s; it bounds no duration.)"""
+    source = tmp_path / "vocab.txt"
+    source.write_text("a b")
+    soon = time.time_ns() + 1_000_000_000  # racy for the next 3 s, however slow the machine is
+    os.utime(source, ns=(soon, soon))
+    calls: list[int] = []
+
+    def load() -> np.ndarray:
+        calls.append(1)
+        return np.array(source.read_text().split())
+
+    assert store.cache("words", load, version=source).tolist() == ["a", "b"]
+    assert store.cache("words", load, version=source).tolist() == ["a", "b"]
+    assert len(calls) == 1
+    while time.time_ns() <= soon + RACY_NS:
+        time.sleep(0.1)
+    assert store.cache("words", load, version=source).tolist() == ["a", "b"]
+    assert len(calls) == 2  # loaded again: it may have read the file mid-write
+    assert store.cache("words", load, version=source).tolist() == ["a", "b"]
+    assert len(calls) == 2  # then current, as any old file
