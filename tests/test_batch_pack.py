@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from source_times import age
 from torch.utils.data import DataLoader
 
 import shmcache
@@ -96,15 +97,19 @@ def test_packed_entries_round_trip_bit_identically(store: Store, root: Path, tmp
     assert stats.used - stats.packed_held == sum(store.info(f"d/{name}").size for name in arrays)
 
 
-@pytest.mark.parametrize("folder", ['plain', 'q"uote', "back\\slash", "n\u00e9e", "tab\tname"])
+@pytest.mark.parametrize(
+    "folder", ["plain", 'q"uote', "back\\slash", "n\u00e9e", "tab\tname", os.fsdecode(b"caf\xe9")]
+)
 def test_packed_entries_record_their_sources_whatever_the_path(
     store: Store, tmp_path: Path, folder: str
 ) -> None:
     """A packed entry's manifest line holds its source's path as JSON, escaped when the
     path holds a quote, a backslash or a character that is not printable ASCII (the lines
-    are formatted without ``json.dumps`` when none needs it)."""
+    are formatted without ``json.dumps`` when none needs it); a name that is not UTF-8
+    (``caf\\xe9``: a lone surrogate in Python) is recorded as ``json.dumps`` escapes it."""
     arrays = {"a": np.arange(3), "b": np.arange(4.0)}
     source = _save(tmp_path / folder, arrays)
+    age(source)  # else racily clean (source_files.RACY_NS): a fingerprint that says so
     store.put_file("d", source)
     for name in arrays:
         info = store.info(f"d/{name}")
@@ -434,3 +439,49 @@ def test_a_live_bitmap_offset_damaged_into_data_is_refused_and_writes_nothing(
     assert np.array_equal(reader, before)
     with pytest.raises(CorruptEntryError):
         store.info("d/f2")
+
+
+def _files_of_60_kib(folder: Path, count: int) -> Path:
+    folder.mkdir(parents=True)
+    array = np.zeros((60 << 10) // 8, np.int64)
+    for i in range(count):
+        array[0] = i
+        np.save(folder / f"f{i:05d}.npy", array)
+    return folder
+
+
+def test_packing_holds_a_few_mib_not_the_whole_put(root: Path, tmp_path: Path) -> None:
+    """Entries are packed a chunk at a time, a chunk closing at 4,096 entries or ~4 MiB:
+    2,000 files of 60 KiB (117 MiB) are never all held at once (before: up to 4,096 such
+    files gathered, joined, then copied into the writer's buffer; 767 MiB peak RSS for
+    8,192 of them). The child caps what planning keeps (``files._KEEP_TOTAL``, its own
+    bound) so that the peak measured is packing's; ``ru_maxrss`` in the child itself."""
+    source = _files_of_60_kib(tmp_path / "src", 2000)
+    code = textwrap.dedent(
+        f"""
+        import resource, shmcache
+        from shmcache._sources import files
+        files._KEEP_TOTAL = 8 << 20
+        store = shmcache.Store({str(root)!r})
+        store.prepare()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        keys = store.put_file("d", {str(source)!r})
+        assert len(keys) == 2000 and int(store.open_array("d/f01999")[0]) == 1999
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr
+    grown_mib = int(proc.stdout.split()[-1]) / 1024  # ru_maxrss: KiB on Linux
+    assert grown_mib < 48, f"peak RSS grew {grown_mib:.0f} MiB for a put of 117 MiB"
+
+
+def test_progress_of_packed_entries_comes_every_few_mib(store: Store, tmp_path: Path) -> None:
+    """Progress (where a daemon paces a put, ``--max-load-rate``, and cancels it) is called
+    at least every ~4 MiB of packed entries, not once per chunk of 4,096 of them."""
+    source = _files_of_60_kib(tmp_path / "src", 300)  # 17.6 MiB, read whole when planned
+    seen: list[int] = []
+    store.put_file("d", source, progress=lambda done, total: seen.append(done))
+    steps = [b - a for a, b in zip([0, *seen], seen, strict=False)]
+    assert seen[-1] == sum(f.stat().st_size for f in source.iterdir())
+    assert max(steps) <= (4 << 20) + manifest.PACK_MAX, steps

@@ -25,6 +25,7 @@ from shmcache import (
 from shmcache._disk.mapped import MappedFile, mapped_base
 from shmcache._sources import blobs as blobs_module
 from tests.container_datasets import BlobsDataset
+from tests.source_times import age
 
 FILES = {
     "b.bin": bytes(range(256)) * 5,
@@ -296,10 +297,12 @@ def test_preload_sees_a_packed_directory_unchanged_until_a_file_changes(store: S
     from shmcache.service.sources import is_up_to_date
 
     top = _tree(tmp_path / "images")
+    age(top)  # else racily clean (source_files.RACY_NS): never current
     store.put_file("imgs", top)
     assert store.info("imgs").kind == "blobs" and is_up_to_date(store, "imgs", top)
     (top / "b.bin").write_bytes(b"changed, and shorter")
     assert not is_up_to_date(store, "imgs", top)
+    age(top)
     store.put_file("imgs", top, overwrite=True)
     assert is_up_to_date(store, "imgs", top)
     (top / "new.jpg").write_bytes(b"")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from service_helpers import Daemon, unique
+from source_times import age
 
 import shmcache
 from shmcache import EntryInfo, StoreStats
@@ -132,6 +133,7 @@ class ControlContract:
     def test_info_describes_the_entry(self, backend: CacheControl, sources: Path, prefix: str) -> None:
         array = np.arange(24, dtype="<f4").reshape(2, 3, 4)
         source = self.npy(sources, "cube", array)
+        age(source)  # else racily clean (source_files.RACY_NS): its fingerprint says so
         backend.put_file(f"{prefix}/cube", source)
         info = backend.info(f"{prefix}/cube")
         assert isinstance(info, EntryInfo)

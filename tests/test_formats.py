@@ -28,6 +28,7 @@ from shmcache.errors import (
     SourceNotAllowedError,
     UnsupportedDataError,
 )
+from tests.source_times import age
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 torch = pytest.importorskip("torch")
@@ -581,6 +582,7 @@ def test_preload_sees_a_multi_tensor_file_unchanged_until_it_changes(store: Stor
     path = folder / "m.safetensors"
     safetensors_numpy.save_file({"a": np.zeros(2), "b": np.ones(3)}, str(path))
     torch.save({"c": torch.zeros(2)}, folder / "n.pt")
+    age(folder)  # else racily clean (source_files.RACY_NS): never current
     store.put_file("w", folder)
     assert is_up_to_date(store, "w", folder)
     store.put_file("f", path)

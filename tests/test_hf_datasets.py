@@ -13,6 +13,7 @@ import pytest
 import shmcache
 from shmcache import CorruptSourceError, InvalidSourceError, Store, UnsupportedDataError
 from tests.cli_helpers import cli
+from tests.source_times import age
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
@@ -136,6 +137,7 @@ def test_cli_puts_a_saved_folder_and_a_preload_sees_it_current(root: Path, tmp_p
     from shmcache.service.sources import is_up_to_date
 
     folder = _saved(tmp_path)
+    age(folder)  # else racily clean (source_files.RACY_NS): never current
     code, out, err = cli("put", str(folder), "--key", "hfds", "--local")
     assert code == 0, err
     assert out.split() == ["hfds"]

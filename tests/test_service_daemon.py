@@ -42,6 +42,7 @@ from service_helpers import (
     write_big_npy,
 )
 from shmcache.service import SettingsError, load_settings
+from source_times import age
 from typer.testing import CliRunner
 
 import shmcache
@@ -478,6 +479,7 @@ def test_config_file_preloads_datasets_and_flags_override_it(
         '[[datasets]]\nkey = "labels"\nsource = "labels.npy"\npin = true\n\n'
         '[[datasets]]\nkey = "feats"\nsource = "feats"\n'
     )
+    age(data / "labels.npy", data / "feats")  # else racily clean: loaded again at the next start
     with app_client(root, config_file=config, max_bytes="2GiB") as client:
         assert client.get("/v1/stats").json()["budget"] == 2 << 30  # the flag wins
         jobs = client.get("/v1/jobs").json()

@@ -13,6 +13,7 @@ from shmcache.service.sources import is_up_to_date
 
 from shmcache import Store
 from shmcache._sources.dispatch import classify_source, plan_source
+from tests.source_times import age
 
 
 def test_each_kind_of_source_is_told_apart(tmp_path: Path) -> None:
@@ -48,10 +49,12 @@ def test_a_directory_of_array_files_is_current_until_a_file_is_added_or_changed(
     np.save(top / "a.npy", np.arange(3))
     np.savez(top / "sub" / "b.npz", x=np.zeros(2))
     (top / "notes.txt").write_text("not an array file: never loaded, never compared")
+    age(top)  # else racily clean: never current
     store.put_file("feats", top, as_="arrays")
     assert is_up_to_date(store, "feats", top)
     np.save(top / "sub" / "c.npy", np.arange(4))  # a file the entries do not hold yet
     assert not is_up_to_date(store, "feats", top)
+    age(top)
     store.put_file("feats", top, as_="arrays", overwrite=True)
     assert is_up_to_date(store, "feats", top)
     os.utime(top / "a.npy", ns=(1, 1))

@@ -21,6 +21,7 @@ from shmcache._sources import blobs
 from shmcache._sources.tar_shards import MAX_EXPANSIONS, expand_braces, shard_paths
 from tests.cli_helpers import cli
 from tests.service_helpers import load
+from tests.source_times import age
 
 LONG = "long/" + "n" * 120  # a GNU long name (over tar's 100 bytes)
 
@@ -280,6 +281,7 @@ def test_preload_sees_shards_unchanged_until_one_changes(store: Store, tmp_path:
 
     make_shards(tmp_path / "s", count=2)
     pattern = tmp_path / "s" / "shard-{000..001}.tar"  # a path, as a preload's source is
+    age(tmp_path / "s")  # else racily clean (source_files.RACY_NS): never current
     store.put_file("ds", pattern)
     assert is_up_to_date(store, "ds", pattern)
     write_shard(tmp_path / "s" / "shard-001.tar", {"other.jpg": b"changed"})

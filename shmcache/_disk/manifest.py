@@ -89,9 +89,10 @@ def split_batch_version(version: str) -> tuple[str, int] | None:
 
 class ManifestWriter:
     """Writes a format 2 manifest to ``fd`` (a new, empty file; ``path`` names it in
-    errors): packed entries first (:meth:`add`, in any order of their numbers; streamed,
-    a few MiB buffered at most), then :meth:`finish` writes the tables, the bitmap and
-    the head."""
+    errors): packed entries first (:meth:`add`, :meth:`add_all`, in any order of their
+    numbers; streamed: what is buffered is flushed once it reaches 4 MiB, so it stays a
+    few MiB while each :meth:`add_all` is given a few MiB), then :meth:`finish` writes
+    the tables, the bitmap and the head."""
 
     def __init__(self, fd: int, path: str, count: int) -> None:
         from .fs import write_all  # deferred: the read side (meta, the open path) loads no write side
@@ -123,7 +124,9 @@ class ManifestWriter:
         """:meth:`add` of each ``(indices[i], datas[i])``, in one pass and one copy into
         the buffer (a directory put packs 100,000 entries: a call and a concatenation
         each cost more than the arithmetic); returns their versions' tails, each after
-        ``prefix`` (the batch and a slash: their whole versions)."""
+        ``prefix`` (the batch and a slash: their whole versions). ``datas`` are joined,
+        then copied into the buffer: give it a few MiB at a time
+        (``_store.writing._pack_small`` does)."""
         offset = self._end
         pieces: list[bytes] = []
         tails: list[str] = []

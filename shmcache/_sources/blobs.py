@@ -156,13 +156,17 @@ def plan_blobs(source: BlobSource, what: str, allowed: Sequence[str | os.PathLik
 
 def tree_fingerprint(files: Iterable[SourceFile]) -> dict[str, int]:
     """What ``meta.json`` records of a packed directory so a preload can tell it unchanged:
-    how many files, their total size and the latest modification time."""
+    how many files, their total size and the latest modification time (and ``"racy": 1``
+    if one of them was racily clean: ``source_files.RACY_NS``)."""
     listed = list(files)
-    return {
+    fingerprint = {
         "files": len(listed),
         "size": sum(f.size for f in listed),
         "mtime_ns": max((f.mtime_ns for f in listed), default=0),
     }
+    if any(f.racy for f in listed):
+        fingerprint["racy"] = 1
+    return fingerprint
 
 
 def directory_fingerprint(path: Path) -> dict[str, int] | None:

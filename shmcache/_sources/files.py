@@ -40,6 +40,7 @@ from .source_files import (
     descriptors_to_hold,
     open_checked,
     open_plain,
+    racy_after,
     reopen,
 )
 from .tables import is_table_file
@@ -65,7 +66,8 @@ _MAGIC = b"\x93NUMPY"
 _KEEP = 64 << 10
 """A directory put's ``.npy`` files up to this size are read whole when checked and their
 descriptors closed (``Planned.data``), a snapshot checked by one more ``fstat`` after
-that read: the copy is one ``write`` (no second look at the file)."""
+that read (no write began meanwhile; one already under way: ``SourceFile.racy``): the
+copy is one ``write`` (no second look at the file)."""
 _KEEP_TOTAL = 128 << 20
 """At most this many bytes of such files are kept per put (memory stays bounded whatever
 the file count: the files beyond are held open, or reopened, as bigger ones are). 128 MiB:
@@ -278,6 +280,7 @@ def _plan_plain(
     open_, fstat, pread, close, is_reg = os.open, os.fstat, os.pread, os.close, stat.S_ISREG
     new = tuple.__new__  # a SourceFile without its keyword-taking __new__: ~4x cheaper
     append = plan.append
+    racy = racy_after()  # once for all: earlier than any file's read (SourceFile.racy)
     limit = min(keep, _KEEP)  # the largest file read whole now
     most = _KEEP
     last_raw, last = b"", None  # the header bytes the last file began with, and what they say
@@ -302,7 +305,8 @@ def _plan_plain(
                 close(fd)
                 fd, file = open_checked(path, absolute=True)
             else:
-                fields = (path, path, None, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                mt = st.st_mtime_ns
+                fields = (path, path, None, st.st_dev, st.st_ino, st.st_size, mt, st.st_ctime_ns, mt > racy)
                 file = new(SourceFile, fields)
         size = file.size
         whole = size <= limit
@@ -325,7 +329,7 @@ def _plan_plain(
             if whole:
                 if len(head) != file_size:
                     head = _whole_file(head, file_size, file)
-                after = fstat(fd)  # the read saw one state of the file: no write began since the fstat
+                after = fstat(fd)  # no write began since the fstat (one under way: file.racy)
                 if after.st_mtime_ns != file.mtime_ns or after.st_ctime_ns != file.ctime_ns:
                     raise _changed_while_read(file)
                 if after.st_size != size:
@@ -432,8 +436,10 @@ def copy_planned(
     descriptor the plan held (``item.fd``) is copied from and closed; its file is the one
     checked by construction. Bytes the plan read whole (``item.data``) are written as they
     are: a snapshot of the file (its header parsed from these very bytes, its size and time
-    stamps the same before and after that one read); a later change of the file does not
-    alter the entry, whose recorded fingerprint is that of the snapshot."""
+    stamps the same before and after that one read: no write began meanwhile; one already
+    under way is caught by the racily-clean rule, ``SourceFile.racy``, at the next
+    up-to-date check); a later change of the file does not alter the entry, whose
+    recorded fingerprint is that of the snapshot."""
     if item.data is not None:  # read whole and checked when planned (``_plan_plain``)
         data, item.data = item.data, None
         crc = crc32(data)

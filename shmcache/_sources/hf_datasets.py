@@ -35,6 +35,7 @@ from ..errors import (
     SourceNotFoundError,
     UnsupportedDataError,
 )
+from .blobs import tree_fingerprint
 from .planned import PlannedEntry
 from .source_files import SourceFile, check_unchanged, open_checked
 
@@ -164,12 +165,7 @@ def open_hf_split(
         except pa.ArrowInvalid as exc:
             raise CorruptSourceError(f"{what}: its data files differ in schema ({exc})") from None
         files, meta = encode_arrow_parts(table, what)
-        sources = [file for _, file in checked]
-        fingerprint = {
-            "files": len(sources),
-            "size": sum(f.size for f in sources),
-            "mtime_ns": max(f.mtime_ns for f in sources),
-        }
+        fingerprint = tree_fingerprint(file for _, file in checked)  # "racy": see source_files
         yield files, meta | {"source": str(split.folder), "source_fingerprint": fingerprint}
         for fd, file in checked:
             check_unchanged(fd, file)

@@ -77,7 +77,8 @@ class Planned:
     """The whole ``.npy`` (``header.file_size`` bytes), read when the file was checked (a
     directory put's small files, within a total cap: ``files._KEEP_TOTAL``), its descriptor
     closed then, after an ``fstat`` showed the same size and time stamps as before that
-    read (a snapshot of the file: what it held when checked): the copy writes these bytes,
+    read (a snapshot of the file: no write began during the read; one already under way
+    then makes the file racily clean, ``SourceFile.racy``): the copy writes these bytes,
     with no reopen, no ``stat`` and no second read. Dropped by the copy or by
     ``files.release_planned``."""
 

@@ -12,7 +12,15 @@ compares them again after the copy, so a file rewritten or replaced meanwhile fa
 load instead of being published mixed.
 
 What no check sees: writes through a shared mapping of a tmpfs file update no time
-stamp. The checksum recorded is then still that of the bytes published.
+stamp. The checksum recorded is then still that of the bytes published. Nor a write that
+BEGAN before the first ``fstat`` and still copies its bytes during the read: Linux moves
+mtime and ctime when a ``write`` begins, so both ``fstat`` calls agree and the bytes read
+may be torn, while the file's time stamps already are its final ones (the fingerprint
+recorded would match the file forever). Such a file is *racily clean* (git's word): its
+mtime lies within :data:`RACY_NS` of when it was read (or after). Its fingerprint then says
+so (``"racy": 1``), which no file's fingerprint as it is now (:func:`stat_fingerprint`)
+equals: an up-to-date check (config preloads) loads it again later, once its time stamps
+are old, rather than trust this copy forever. This put still publishes what it read.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import errno
 import os
 import resource
 import stat
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +38,8 @@ from .._disk.fs import out_of_descriptors, too_many_open_files
 from ..errors import CorruptSourceError, InvalidSourceError, SourceNotAllowedError, SourceNotFoundError
 
 __all__ = [
+    "RACY_JSON",
+    "RACY_NS",
     "READ_FLAGS",
     "SourceFile",
     "check_unchanged",
@@ -36,6 +47,7 @@ __all__ = [
     "open_checked",
     "open_plain",
     "openat2_available",
+    "racy_after",
     "reopen",
     "stat_fingerprint",
 ]
@@ -51,6 +63,17 @@ _RESOLVE_BENEATH = 0x08
 _RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
 _LINK_ERRNOS = (errno.ELOOP, errno.EXDEV, errno.ENOTDIR)  # a link met, or a way out
 _RETRIES = 8  # openat2 answers EAGAIN when a rename raced its path walk
+RACY_NS = 2_000_000_000
+"""A source whose mtime is later than this many nanoseconds before it was opened is
+racily clean (the module's docstring): a write that began then may still have been copying
+its bytes during the read. 2 s covers a write of a small file many times over, time stamps
+taken from a coarse clock (a tick behind, ~4 ms, before Linux 6.13) or truncated to the
+second (a write of up to ~1 s then), and a clock stepped back a little (an mtime in the
+future is racy too). mtime, not ctime: the write that matters set both when it began, before
+the ``fstat`` that saw them; ctime would also call racy a tree whose old times were just
+restored (``cp -p``, ``tar x``), whose bytes were complete before that ``utime``. Missed: a
+write copying for longer than this, a clock stepped forward past it meanwhile, or another
+thread's ``utime`` setting mtime back while a write still copies."""
 
 
 class _OpenHow(ctypes.Structure):
@@ -77,17 +100,34 @@ class SourceFile(NamedTuple):
     size: int
     mtime_ns: int
     ctime_ns: int
+    racy: bool
+    """Modified within :data:`RACY_NS` of its opening (racily clean): the bytes read may be
+    torn by a write in progress, and the fingerprint recorded says so."""
 
     @property
     def fingerprint(self) -> dict[str, int]:
-        """What ``meta.json`` records to tell later whether the source changed."""
+        """What ``meta.json`` records to tell later whether the source changed (``"racy": 1``:
+        never judged unchanged, as no :func:`stat_fingerprint` has that member)."""
+        if self.racy:
+            return {"size": self.size, "mtime_ns": self.mtime_ns, "racy": 1}
         return {"size": self.size, "mtime_ns": self.mtime_ns}
 
     @property
     def fingerprint_json(self) -> str:
         """:attr:`fingerprint`'s members as JSON (``"size":N,"mtime_ns":M``), for a manifest
         line formatted without a dict per file."""
-        return f'"size":{self.size},"mtime_ns":{self.mtime_ns}'
+        return f'"size":{self.size},"mtime_ns":{self.mtime_ns}{RACY_JSON if self.racy else ""}'
+
+
+RACY_JSON = ',"racy":1'
+"""What a racily-clean source's fingerprint adds to its JSON members."""
+
+
+def racy_after() -> int:
+    """The mtime (ns) after which a source opened from now on is racily clean: taken
+    before the files are opened, and so before they are read (a time taken earlier only
+    calls more files racy), once for many files if need be."""
+    return time.time_ns() - RACY_NS
 
 
 def descriptors_to_hold() -> int:
@@ -112,6 +152,7 @@ def open_checked(path: str, allowed: Sequence[str] = (), *, absolute: bool = Fal
     """Open a regular file for reading, beneath one of ``allowed`` (real paths) if any
     are given; returns the descriptor and what was opened. ``absolute``: ``path`` is
     absolute and normal already (a directory walk's: no ``abspath`` per file)."""
+    racy = racy_after()
     target = os.path.realpath(path) if allowed else path if absolute else os.path.abspath(path)
     top = None
     if allowed:
@@ -119,13 +160,15 @@ def open_checked(path: str, allowed: Sequence[str] = (), *, absolute: bool = Fal
         if top is None:
             raise SourceNotAllowedError(f"source {path} is outside the directories it may be loaded from")
     fd, st = _open_stat(path, target, top)
-    return fd, SourceFile(path, target, top, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    mt = st.st_mtime_ns
+    return fd, SourceFile(path, target, top, st.st_dev, st.st_ino, st.st_size, mt, st.st_ctime_ns, mt > racy)
 
 
 def open_plain(path: str) -> tuple[int, SourceFile]:
     """:func:`open_checked` of an absolute, normal ``path`` with no allowed directories,
     in a few calls for the files of a directory walk; a failure is retried through
     :func:`open_checked`, which raises its typed error."""
+    racy = racy_after()
     try:
         fd = os.open(path, _READ)
     except OSError:
@@ -138,7 +181,8 @@ def open_plain(path: str) -> tuple[int, SourceFile]:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         return open_checked(path, absolute=True)
-    return fd, SourceFile(path, path, None, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    mt = st.st_mtime_ns
+    return fd, SourceFile(path, path, None, st.st_dev, st.st_ino, st.st_size, mt, st.st_ctime_ns, mt > racy)
 
 
 def reopen(source: SourceFile) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._disk.layout import Layout
+from .._sources.source_files import racy_after
 from ..errors import ShmCacheError, SourceNotFoundError, UnsupportedDataError
 
 __all__ = ["CacheVersion", "LoadFailure", "cache_version_token", "last_failure", "recording_failure"]
@@ -32,7 +33,8 @@ _TOKEN_MAX = 200  # longer version tokens are recorded as their hash
 
 CacheVersion = Any
 """What ``cache(..., version=)`` takes: a str, an int, a path (its size and mtime are the
-version: a loader that reads it reloads when the file changes), or a tuple/list of those."""
+version: a loader that reads it reloads when the file changes, and once more after a load
+within 2 s of its modification: ``source_files.RACY_NS``), or a tuple/list of those."""
 
 
 def cache_version_token(version: CacheVersion) -> str:
@@ -62,7 +64,10 @@ def _token(version: CacheVersion, depth: int) -> str:
                 f"cache() version names the file {path!r}, which cannot be read ({exc.strerror}): "
                 "pass the path of a file that the loader reads"
             ) from None
-        return f"f:{path}:{st.st_size}:{st.st_mtime_ns}"
+        # modified within RACY_NS (a write may still have been copying when the loader read
+        # it): a token no later call makes once the file is old, which then loads it again
+        racy = ":racy" if st.st_mtime_ns > racy_after() else ""
+        return f"f:{path}:{st.st_size}:{st.st_mtime_ns}{racy}"
     if isinstance(version, (tuple, list)):
         return "(" + ",".join(_token(v, depth + 1) for v in version) + ")"
     raise _not_a_version(version)

@@ -32,7 +32,7 @@ from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSources, Progress, tree_fingerprint, write_bytes
 from .._sources.files import read_planned
 from .._sources.planned import Planned
-from .._sources.source_files import check_unchanged, reopen
+from .._sources.source_files import RACY_JSON, check_unchanged, reopen
 from ..errors import KeyExistsError
 from .copy_pool import copy_threads, run_copies
 from .locks import key_locks, publish_lock
@@ -195,8 +195,8 @@ def _pack_small(
     lines set); returns the indices of the others, written apart. Little Python per file
     (at 100,000 files each attribute and call counts): each entry's line formatted here
     (what :func:`array_line` writes, what depends on the header alone found once per
-    header), its bytes packed a few MiB at a time (:func:`_pack_chunk`), progress
-    reported so."""
+    header), its bytes packed a chunk at a time (:func:`_pack_chunk`: at most
+    :data:`_PACK_CHUNK` entries, about :data:`_PACK_BYTES` bytes), progress reported so."""
     apart: list[int] = []
     last, small, described = None, False, ""
     prefix = f"{batch}/"
@@ -204,7 +204,7 @@ def _pack_small(
     items: list[Planned] = []
     datas: list[bytes] = []
     crcs: list[int] = []
-    gathered = 0
+    gathered = held = 0
     for index, item in enumerate(plan):
         header = item.header
         if header is not last:  # a directory's files share a few header objects
@@ -221,19 +221,21 @@ def _pack_small(
         else:
             data, crc = read_planned(item, advance)
         file = item.file
+        racy = RACY_JSON if file.racy else ""  # changed just before it was read: never current
         lines[index] = (  # the source escaped after, if one of the chunk's needs it
             f'{{"key":"{item.key}",{described}{crc:08x}","source":"{item.source}",'
-            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}}}}}\n'
-        ).encode()
+            f'"source_fingerprint":{{"size":{file.size},"mtime_ns":{file.mtime_ns}{racy}}}}}\n'
+        ).encode("utf-8", "surrogatepass")  # a path not UTF-8 (a lone surrogate): escaped below
         indices.append(index)
         items.append(item)
         datas.append(data)
         crcs.append(crc)
-        if len(datas) >= _PACK_CHUNK:
+        held += len(data)
+        if held >= _PACK_BYTES or len(datas) >= _PACK_CHUNK:
             _pack_chunk(manifest, prefix, lines, indices, items, datas, crcs)
             indices, items, datas, crcs = [], [], [], []
             advance(gathered)
-            gathered = 0
+            gathered = held = 0
     if datas:
         _pack_chunk(manifest, prefix, lines, indices, items, datas, crcs)
     if gathered:
@@ -242,7 +244,11 @@ def _pack_small(
 
 
 _PACK_CHUNK = 4096
-"""Entries :func:`_pack_small` packs at a time (4 MiB of 1 KiB files)."""
+"""Entries :func:`_pack_small` packs at a time at most (4 MiB of 1 KiB files) ..."""
+_PACK_BYTES = 4 << 20
+"""... or fewer, once they hold this many bytes: what a chunk holds stays a few MiB (its
+bytes, their join, the writer's buffer: 4,096 files of 60 KiB held 767 MiB at once), and
+progress, where a daemon paces a put and cancels it, comes every few MiB."""
 
 
 def _pack_chunk(
