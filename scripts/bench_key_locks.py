@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 
 from shmcache import Store
-from shmcache._store import locks
+from shmcache._store import key_slots, lock_batches, locks
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
         store.prepare()
         layout = store.layout
         keys = [f"d/f{i:06d}.npy" for i in range(args.keys)]
-        threshold = locks.WHOLE_FILE_KEYS
+        threshold = lock_batches.WHOLE_FILE_KEYS
 
         def batch() -> tuple[float, float]:
             start = time.perf_counter()
@@ -56,14 +56,14 @@ def main() -> None:
             return taken - start, time.perf_counter() - taken
 
         def by_bytes() -> tuple[float, float]:
-            locks.WHOLE_FILE_KEYS = 1 << 62
+            lock_batches.WHOLE_FILE_KEYS = 1 << 62
             try:
                 return batch()
             finally:
-                locks.WHOLE_FILE_KEYS = threshold
+                lock_batches.WHOLE_FILE_KEYS = threshold
 
         # another process holds a byte of one lock file that no key of the batch maps to
-        path = locks._slot_files(layout)[0]
+        path = key_slots.slot_files(layout)[0]
         holder = subprocess.Popen(
             [sys.executable, "-c", _BYTE_HOLDER, path],
             stdin=subprocess.PIPE,

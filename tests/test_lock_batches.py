@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from shmcache import LockTimeoutError, Store
-from shmcache._store import locks
+from shmcache._store import key_slots, lock_batches, lock_table
 from shmcache._store.locks import WHOLE_FILE_KEYS, key_lock, key_locks
 
 WAIT_S = 60.0  # bound on every wait, so a broken build fails instead of hanging
@@ -53,18 +53,18 @@ def _holders(path: str, *offsets: int) -> list[int | None]:
 
 def _keys_by_file(store: Store, count: int) -> dict[int, list[str]]:
     """At least ``count`` keys for each lock file, by file index."""
-    files = locks._slot_files(store.layout)
+    files = key_slots.slot_files(store.layout)
     found: dict[int, list[str]] = {i: [] for i in range(len(files))}
     n = 0
     while min(map(len, found.values())) < count:
         key = f"d/f{n:06d}"
-        found[files.index(locks._key_slot(store.layout, key)[0])].append(key)
+        found[files.index(key_slots.key_slot(store.layout, key)[0])].append(key)
         n += 1
     return found
 
 
 def _slot(store: Store, key: str) -> tuple[str, int]:
-    return locks._key_slot(store.layout, key)
+    return key_slots.key_slot(store.layout, key)
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ class AuditedBatch:
 
 def test_a_batch_with_many_keys_in_a_file_locks_it_whole_then_unlocks_the_gaps(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 10)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     many, few, outside = keys[0][:WHOLE_FILE_KEYS], keys[1][:10], keys[0][WHOLE_FILE_KEYS]
     with AuditedBatch(store, many + few) as batch:
         calls = batch.calls
@@ -139,7 +139,7 @@ def test_a_batch_with_many_keys_in_a_file_locks_it_whole_then_unlocks_the_gaps(s
 
 def test_a_file_another_process_holds_a_byte_of_is_taken_byte_by_byte(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     holder = subprocess.Popen(
         [sys.executable, "-c", _BYTE_HOLDER, path0, str(FAR)],
         stdin=subprocess.PIPE,
@@ -202,7 +202,7 @@ def test_a_batch_holds_no_whole_file_while_it_waits(store: Store) -> None:
         assert other.stdout is not None and other.stdout.readline() == "held\n"
         thread.start()
         deadline = time.monotonic() + WAIT_S
-        while _slot(store, batch[0]) not in locks._slots:  # it got file 0 and now waits for A
+        while _slot(store, batch[0]) not in lock_table.TABLE.slots:  # it got file 0 and now waits for A
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.01)
         out, err = other.communicate("\n", timeout=WAIT_S)
@@ -217,9 +217,9 @@ def test_a_batch_holds_no_whole_file_while_it_waits(store: Store) -> None:
 _BATCHES = """
 import random, sys
 from shmcache import Store
-from shmcache._store import locks
+from shmcache._store import lock_batches, locks
 if sys.argv[2] == "bytes":  # as a version before whole files does
-    locks.WHOLE_FILE_KEYS = 1 << 62
+    lock_batches.WHOLE_FILE_KEYS = 1 << 62
 layout = Store(sys.argv[1]).layout
 keys = [f"d/f{i:06d}" for i in range(12000)]
 rng = random.Random(sys.argv[2])
@@ -248,7 +248,7 @@ def test_a_whole_file_batch_and_a_byte_batch_of_an_older_process_never_deadlock(
 
 def test_other_threads_wait_for_the_batchs_keys_get_the_files_others_and_keep_them(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 2)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     batch, outside, later = keys[0][:WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS + 1]
     me = os.getpid()
     got, release, done = threading.Event(), threading.Event(), threading.Event()
@@ -291,7 +291,7 @@ def test_other_threads_wait_for_the_batchs_keys_get_the_files_others_and_keep_th
 
 def test_a_thread_nests_key_locks_and_a_batch_either_way(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 1)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     batch, outside = keys[0][:WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS]
     me = os.getpid()
     byte = {key: _slot(store, key)[1] for key in (batch[3], batch[9], outside)}
@@ -314,7 +314,7 @@ def test_a_thread_nests_key_locks_and_a_batch_either_way(store: Store) -> None:
             pass
         assert _holders(path0, byte[batch[3]], byte[outside]) == [me, None]
     assert _holders(path0, byte[batch[3]], byte[outside]) == [None, None]
-    assert locks._slots == {} and locks._files == {}
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
 
 
 _WHOLE_FILE_HOLDER = """
@@ -361,16 +361,16 @@ def test_an_interrupted_whole_file_take_leaves_nothing_locked(
     of the process."""
     keys = _keys_by_file(store, WHOLE_FILE_KEYS)[0][:WHOLE_FILE_KEYS]
     path = _slot(store, keys[0])[0]
-    real_unlock = locks.unlock_ranges
+    real_unlock = lock_batches.unlock_ranges
 
     def failing_unlock(fd: int, ranges: list[tuple[int, int]]) -> None:
         real_unlock(fd, ranges[:10])  # some gaps unlocked, then Ctrl+C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(locks, "unlock_ranges", failing_unlock)
+    monkeypatch.setattr(lock_batches, "unlock_ranges", failing_unlock)
     with pytest.raises(KeyboardInterrupt), key_locks(store.layout, keys, 0):
         pass
-    monkeypatch.setattr(locks, "unlock_ranges", real_unlock)
-    assert path not in locks._files
-    assert not [slot for slot in locks._slots if slot[0] == path]
+    monkeypatch.setattr(lock_batches, "unlock_ranges", real_unlock)
+    assert path not in lock_table.TABLE.files
+    assert not [slot for slot in lock_table.TABLE.slots if slot[0] == path]
     assert _holders(path, *(_slot(store, k)[1] for k in keys[:20]), FAR) == [None] * 21
