@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shmcache import LockTimeoutError, Store
@@ -202,7 +203,7 @@ def test_a_batch_holds_no_whole_file_while_it_waits(store: Store) -> None:
         assert other.stdout is not None and other.stdout.readline() == "held\n"
         thread.start()
         deadline = time.monotonic() + WAIT_S
-        while _slot(store, batch[0]) not in lock_table.TABLE.slots:  # it got file 0 and now waits for A
+        while not lock_table.holds(*_slot(store, batch[0])):  # it got file 0 and now waits for A
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.01)
         out, err = other.communicate("\n", timeout=WAIT_S)
@@ -361,16 +362,84 @@ def test_an_interrupted_whole_file_take_leaves_nothing_locked(
     of the process."""
     keys = _keys_by_file(store, WHOLE_FILE_KEYS)[0][:WHOLE_FILE_KEYS]
     path = _slot(store, keys[0])[0]
-    real_unlock = lock_batches.unlock_ranges
+    real_unlock = lock_batches.unlock_all_but
 
-    def failing_unlock(fd: int, ranges: list[tuple[int, int]]) -> None:
-        real_unlock(fd, ranges[:10])  # some gaps unlocked, then Ctrl+C
+    def failing_unlock(fd: int, keep: np.ndarray) -> None:
+        real_unlock(fd, keep[-10:])  # some gaps unlocked, then Ctrl+C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lock_batches, "unlock_ranges", failing_unlock)
+    monkeypatch.setattr(lock_batches, "unlock_all_but", failing_unlock)
     with pytest.raises(KeyboardInterrupt), key_locks(store.layout, keys, 0):
         pass
-    monkeypatch.setattr(lock_batches, "unlock_ranges", real_unlock)
+    monkeypatch.setattr(lock_batches, "unlock_all_but", real_unlock)
     assert path not in lock_table.TABLE.files
     assert not [slot for slot in lock_table.TABLE.slots if slot[0] == path]
     assert _holders(path, *(_slot(store, k)[1] for k in keys[:20]), FAR) == [None] * 21
+
+
+def test_a_batchs_bytes_through_a_whole_file_are_one_record(store: Store) -> None:
+    """The bytes a batch takes through a whole file are one record of this process (their
+    sorted offsets), not one per byte: 100,000 keys cost 32 records, not 100,000."""
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS + 40)
+    path0, path1 = (key_slots.slot_files(store.layout)[i] for i in (0, 1))
+    batch = keys[0][: WHOLE_FILE_KEYS + 40] + keys[1][:WHOLE_FILE_KEYS]
+    with key_locks(store.layout, batch, 0):
+        table = lock_table.TABLE
+        assert table.slots == {}
+        runs = [table.files[path].run for path in (path0, path1)]
+        assert [len(r.offsets) for r in runs if r is not None] == [WHOLE_FILE_KEYS + 40, WHOLE_FILE_KEYS]
+        assert [table.files[path].users for path in (path0, path1)] == [1, 1]
+        assert lock_table.holds(*_slot(store, batch[7])) and not lock_table.holds(path0, FAR)
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+def test_a_nested_take_that_outlives_the_batch_keeps_its_byte(store: Store) -> None:
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS)[0][:WHOLE_FILE_KEYS]
+    path0 = key_slots.slot_files(store.layout)[0]
+    mine, other = _slot(store, keys[3])[1], _slot(store, keys[9])[1]
+    inner = key_lock(store.layout, keys[3], 0)
+    with key_locks(store.layout, keys, 0):
+        inner.__enter__()  # not nested as a with block: it outlives the batch
+    assert _holders(path0, mine, other, FAR) == [os.getpid(), None, None]
+    inner.__exit__(None, None, None)
+    assert _holders(path0, mine) == [None]
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+@pytest.mark.parametrize("others", [1, WHOLE_FILE_KEYS + 20])
+def test_a_released_batch_leaves_other_threads_bytes_of_its_files_held(store: Store, others: int) -> None:
+    """Another thread holds bytes of a file the batch took whole (byte by byte: the file is
+    open): releasing the batch unlocks all of the file but those (few: one call a gap; many:
+    one a batch byte), which stay this process's."""
+    keys = _keys_by_file(store, 2 * WHOLE_FILE_KEYS + 20)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
+    batch, theirs = keys[:WHOLE_FILE_KEYS], keys[WHOLE_FILE_KEYS : WHOLE_FILE_KEYS + others]
+    probed = [_slot(store, key)[1] for key in (batch[0], batch[-1], theirs[0], theirs[-1])]
+    held, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with key_locks(store.layout, theirs, 0):
+                held.set()
+                release.wait(WAIT_S)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            held.set()
+
+    thread = threading.Thread(target=other)
+    me = os.getpid()
+    try:
+        with key_locks(store.layout, batch, 0):
+            thread.start()
+            assert held.wait(WAIT_S) and errors == []
+            assert lock_table.TABLE.files[path0].run is not None
+            assert _holders(path0, *probed, FAR) == [me, me, me, me, None]
+        assert _holders(path0, *probed, FAR) == [None, None, me, me, None]
+        assert not lock_table.holds(path0, probed[0]) and lock_table.holds(path0, probed[2])
+    finally:
+        release.set()
+        thread.join(WAIT_S)
+    assert errors == [] and _holders(path0, *probed) == [None] * 4
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}

@@ -38,7 +38,8 @@ def key_slots(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """:func:`key_slot` of each key as (file index, byte), sorted and each once (two keys
     may share a lock): a hash per key, the rest in numpy (a dict per key cost ~2x more)."""
     blake2b = hashlib.blake2b
-    digests = np.frombuffer(b"".join([blake2b(key.encode(), digest_size=8).digest() for key in keys]), "<u8")
+    hasher = functools.partial(blake2b, digest_size=8)  # maps without a Python frame per key
+    digests = np.frombuffer(b"".join(map(blake2b.digest, map(hasher, map(str.encode, keys)))), "<u8")
     files, offsets = digests % np.uint64(KEY_LOCK_FILES), digests >> np.uint64(6)
     order = np.lexsort((offsets, files))
     files, offsets = files[order], offsets[order]

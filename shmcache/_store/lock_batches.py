@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
 
-from .._disk.fs import try_lock_range, unlock_ranges
+from .._disk.fs import try_lock_range, unlock_all_but, unlock_ranges
 from .._disk.layout import Layout
 from .key_slots import KEY_LOCK_FILES, key_slot, key_slots, slot_files
-from .lock_table import TABLE, Hold, Opener, Waiting, creating, drop_file, enter, use_file, wake
+from .lock_table import TABLE, Hold, Opener, Run, Waiting, creating, drop_file, enter, holds, use_file, wake
 
 __all__ = ["WHOLE_FILE_KEYS", "key_locks"]
 
@@ -69,14 +68,20 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
       fcntl would succeed on any byte: locks of one process never conflict). A file this
       process already holds a byte of, or is taking one (another thread, or this one
       around the batch: ``share()`` publishes under its key's lock), is taken byte by
-      byte: locking it whole then narrowing would release that byte too."""
+      byte: locking it whole then narrowing would release that byte too. The bytes a
+      batch took through a whole file are one record (:class:`.lock_table.Run`), which
+      other threads look up by bisection.
+
+    **Released together.** A lock file this process then no longer needs is closed (which
+    releases all its bytes at once); one it still holds other bytes of has everything
+    else unlocked, one call per byte it keeps (or per byte released, where fewer)."""
     batch = _Batch(layout, list(keys))
     try:
-        while batch.next < len(batch.slots):
+        while batch.next < batch.count:
             batch.take_free()  # a directory put's thousands of keys: one pass, whole files
-            if batch.next == len(batch.slots):
+            if batch.next == batch.count:
                 break
-            path, offset = batch.slots[batch.next]  # busy: wait for it, in order
+            path, offset = batch.slot(batch.next)  # busy: wait for it, in order
             wait = Waiting(timeout, f"the lock of key {batch.key(path, offset)!r}")
             epoch = enter(path, offset, False, wait, creating(path, layout))
             assert epoch is not None
@@ -88,23 +93,27 @@ def key_locks(layout: Layout, keys: Iterable[str], timeout: float | None) -> Ite
 
 
 class _Batch:
-    """The key locks of one :func:`key_locks` call: its sorted slots, how far it got and
-    what it holds."""
+    """The key locks of one :func:`key_locks` call: its sorted slots (arrays: no Python
+    object per key unless a file is taken byte by byte), how far it got and what it holds."""
 
     def __init__(self, layout: Layout, keys: list[str]) -> None:
         self.layout, self.keys, self.next = layout, keys, 0
-        files, offsets = key_slots(keys)
-        paths = slot_files(layout)
-        # sorted: by file (their names sort as their numbers), byte
-        pairs = zip(files.tolist(), offsets.tolist(), strict=True)
-        self.slots: list[tuple[str, int]] = [(paths[f], o) for f, o in pairs]
+        files, offsets = key_slots(keys)  # sorted: by file (their names sort as their numbers), byte
+        self.files, self.offsets = files, offsets.astype(np.int64)  # 58-bit: int64 compares with ints
+        self.count = len(files)
+        self.paths = slot_files(layout)
         self.taken: list[tuple[str, int, int]] = []  # (path, offset, epoch), in order
-        self.whole: list[_Whole] = []
-        self.runs: dict[str, tuple[int, int]] = {}  # file with enough keys -> their range in slots
+        self.whole: list[tuple[str, Run]] = []
+        self._listed: tuple[list[int], list[int]] | None = None
         ends = np.cumsum(np.bincount(files, minlength=KEY_LOCK_FILES)).tolist()
-        for path, start, end in zip(paths, [0, *ends[:-1]], ends, strict=True):
-            if end - start >= WHOLE_FILE_KEYS:
-                self.runs[path] = start, end
+        self.ranges = list(zip([0, *ends[:-1]], ends, strict=True))  # each file's slots: [start, end)
+
+    def slot(self, i: int) -> tuple[str, int]:
+        """The ``i``-th slot in order: (lock file, byte)."""
+        if self._listed is None:
+            self._listed = self.files.tolist(), self.offsets.tolist()
+        files, offsets = self._listed
+        return self.paths[files[i]], offsets[i]
 
     def key(self, path: str, offset: int) -> str:
         """The key of one of the batch's slots (for a wait's messages)."""
@@ -113,21 +122,23 @@ class _Batch:
     def take_free(self) -> None:
         """Take the locks from ``next`` on, in order, while each is free in this process and
         in every other (no wait): a file with enough keys through the whole file where it
-        can be, else byte by byte; stops at the first that is not free. What ``_enter``
+        can be, else byte by byte; stops at the first that is not free. What ``enter``
         does for one lock, for many under one hold of ``TABLE.cond``."""
         me = threading.get_ident()
         openers: dict[str, Opener] = {}  # one per lock file, not one per key
-        slots, i = self.slots, self.next
+        i = self.next
         with TABLE.cond:
             try:
-                while i < len(slots):
-                    path, offset = slots[i]
-                    run = self.runs.get(path)
-                    whole = run is not None and run[0] == i and path not in TABLE.files
-                    if whole and run is not None and self._take_whole(path, run):
-                        i = run[1]
-                        continue
-                    if (path, offset) in TABLE.slots:
+                while i < self.count:
+                    index = int(self.files[i])
+                    start, end = self.ranges[index]
+                    if i == start and end - start >= WHOLE_FILE_KEYS:
+                        path = self.paths[index]
+                        if path not in TABLE.files and self._take_whole(path, start, end):
+                            i = end
+                            continue
+                    path, offset = self.slot(i)
+                    if holds(path, offset):
                         return
                     opener = openers.get(path)
                     if opener is None:
@@ -148,10 +159,10 @@ class _Batch:
             finally:
                 self.next = i
 
-    def _take_whole(self, path: str, run: tuple[int, int]) -> bool:
-        """Lock the bytes of ``slots[run[0]:run[1]]`` through the whole of ``path``, if no
+    def _take_whole(self, path: str, start: int, end: int) -> bool:
+        """Lock the bytes of slots ``start`` to ``end`` through the whole of ``path``, if no
         other process holds a byte of it (holding ``TABLE.cond``; this process holds none)."""
-        fd = use_file(path, True, creating(path, self.layout))
+        fd = use_file(path, True, creating(path, self.layout))  # the run's one use of the file
         assert fd is not None
         try:
             free = try_lock_range(fd, 0, False, 0)
@@ -161,83 +172,87 @@ class _Batch:
         if not free:
             drop_file(path, None)
             return False
-        mine = self.slots[run[0] : run[1]]
-        hold = Hold(False, {threading.get_ident(): 1}, False, batch=True)  # one for them all
+        run = Run(self.offsets[start:end], threading.get_ident(), TABLE.epoch)
+        file = TABLE.files[path]
+        file.run = run
+        self.whole.append((path, run))
         try:
-            TABLE.files[path].users += len(mine) - 1
-            TABLE.slots.update(dict.fromkeys(mine, hold))
-            self.whole.append((path, mine, hold, TABLE.epoch))
-            _unlock_gaps(fd, [offset for _, offset in mine])
-        except BaseException:  # Ctrl+C, MemoryError: forget it all and close the file, which
-            for slot in mine:  # releases every lock on it (this process held none before)
-                TABLE.slots.pop(slot, None)
-            if self.whole and self.whole[-1][2] is hold:
-                self.whole.pop()
-            for held in TABLE.files.pop(path).fds.values():
+            unlock_all_but(fd, run.offsets)
+        except BaseException:  # Ctrl+C, MemoryError: forget it and close the file, which
+            self.whole.pop()  # releases every lock on it (this process held none before)
+            del TABLE.files[path]
+            for held in file.fds.values():
                 os.close(held)
             raise
         return True
 
 
-def _unlock_gaps(fd: int, keep: list[int]) -> None:
-    """Unlock all of the file but the bytes ``keep`` (sorted), highest gap first: each
-    unlock then splits the process's first lock of the file and the kernel walks no
-    further, where lowest first would walk every byte already kept."""
-    if not keep:
-        unlock_ranges(fd, [(0, 0)])
-        return
-    gaps = [(keep[-1] + 1, 0)]  # (offset, length; 0: to the end of the file)
-    pairs = zip(keep[-2::-1], keep[:0:-1], strict=True)  # (byte, next byte kept), highest first
-    gaps += [(low + 1, high - low - 1) for low, high in pairs if high > low + 1]
-    if keep[0] > 0:
-        gaps.append((0, keep[0]))
-    unlock_ranges(fd, gaps)
-
-
-_Whole = tuple[str, list[tuple[str, int]], Hold, int]  # a whole file's bytes: path, slots, hold, epoch
-
-
-def _exit_all(taken: list[tuple[str, int, int]], whole: list[_Whole]) -> None:
-    """Release ``taken`` (each held once by this thread) and the bytes ``whole`` took
-    through whole files (their shared hold): what ``_exit`` does for each, but a lock file
-    this process no longer needs is closed (which releases all its bytes at once) rather
-    than unlocked byte by byte."""
+def _exit_all(taken: list[tuple[str, int, int]], whole: list[tuple[str, Run]]) -> None:
+    """Release ``taken`` (each held once by this thread) and the runs ``whole`` took
+    through whole files: what ``exit_one`` does for each byte, but a lock file this process
+    no longer needs is closed (which releases all its bytes at once) rather than unlocked
+    byte by byte."""
     me = threading.get_ident()
     with TABLE.cond:
-        released: dict[str, list[int]] = {}
-        for path, slots, hold, epoch in whole:
-            if epoch != TABLE.epoch:
+        released = False
+        for path, run in whole:
+            if run.epoch != TABLE.epoch:
                 continue  # taken before this process forked: the child never held it
-            if hold.copies == 0:  # every byte still under the batch's hold: no look-up each
-                deque(map(TABLE.slots.__delitem__, slots), maxlen=0)
-                released.setdefault(path, []).extend([offset for _, offset in slots])
-            else:
-                taken = taken + [(*slot, epoch) for slot in slots]
+            _release_run(path, run, me)
+            released = True
+        freed: dict[str, list[int]] = {}
         for path, offset, epoch in taken:
             if epoch != TABLE.epoch:
                 continue  # taken before this process forked: the child never held it
             hold = TABLE.slots[path, offset]
-            if hold.batch:  # a byte of a whole file that no nested take gave a hold of its own
-                del TABLE.slots[path, offset]
-                released.setdefault(path, []).append(offset)
-                continue
             hold.holders[me] -= 1
             if hold.holders[me]:
                 continue
             del hold.holders[me]
             if not hold.holders:
                 del TABLE.slots[path, offset]
-                released.setdefault(path, []).append(offset)
-        for path, offsets in released.items():
+                freed.setdefault(path, []).append(offset)
+        for path, offsets in freed.items():
             file = TABLE.files[path]
             file.users -= len(offsets)
             if file.users == 0:
-                del TABLE.files[path]
-                for fd in file.fds.values():
-                    os.close(fd)
+                _close(path)
             else:
-                fd = next(iter(file.fds.values()))
-                unlock_ranges(fd, [(offset, 1) for offset in offsets])
-        if released:
+                unlock_ranges(next(iter(file.fds.values())), [(offset, 1) for offset in offsets])
+        if released or freed:
             wake()
 
+
+def _release_run(path: str, run: Run, me: int) -> None:
+    """Let go of a run's bytes (holding ``TABLE.cond``): a byte a nested take of this thread
+    still holds stays, with a use of the file of its own; the file is closed if nothing
+    else of it is held, else all of it but what is held is unlocked."""
+    file = TABLE.files[path]
+    file.run = None
+    for offset in run.own:
+        hold = TABLE.slots[path, offset]
+        hold.holders[me] -= 1
+        if hold.holders[me] == 0:
+            del hold.holders[me]
+        if hold.holders:
+            file.users += 1  # held on by a nested take that outlives the batch
+        else:
+            del TABLE.slots[path, offset]
+    file.users -= 1
+    if file.users == 0:
+        _close(path)
+        return
+    fd = next(iter(file.fds.values()))
+    kept = np.array(sorted(offset for held, offset in TABLE.slots if held == path), np.int64)
+    if len(kept) < len(run.offsets):
+        unlock_all_but(fd, kept)  # the other bytes this process holds or is taking stay
+    else:
+        mine = run.offsets[~np.isin(run.offsets, kept)]
+        unlock_ranges(fd, [(offset, 1) for offset in mine.tolist()])
+
+
+def _close(path: str) -> None:
+    """Close a lock file no byte of which is held (holding ``TABLE.cond``): the kernel
+    releases whatever the process still had of it."""
+    for fd in TABLE.files.pop(path).fds.values():
+        os.close(fd)

@@ -8,6 +8,11 @@ while any of its bytes is held or wanted (closing a descriptor would release eve
 of the process on that file), and is closed after. A fork starts the child with an empty
 record: it holds none of its parent's locks.
 
+A batch's bytes taken through a whole lock file (:mod:`.lock_batches`: thousands of them)
+are one record, a :class:`Run` (their sorted offsets, looked up by bisection), not one per
+byte; a byte of it that its thread takes again (``share()`` inside the batch) gets a
+:class:`Hold` of its own from then on.
+
 Waits poll (1 ms doubling to 50 ms): F_SETLKW cannot be bounded or interrupted to look at
 the holder (:mod:`.lock_holders` names it and says when to give up).
 """
@@ -21,6 +26,8 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .._disk.fs import raise_if_full, range_lock_conflict, try_lock_range, unlock_range
 from .._disk.layout import Layout
 from .lock_holders import LockWait
@@ -31,11 +38,13 @@ __all__ = [
     "LockFile",
     "Locked",
     "Opener",
+    "Run",
     "Waiting",
     "creating",
     "drop_file",
     "enter",
     "exit_one",
+    "holds",
     "use_file",
     "wake",
 ]
@@ -55,8 +64,21 @@ class Hold:
     shared: bool
     holders: dict[int, int]  # thread ident -> depth
     pending: bool = True  # its first holder is still taking the process's lock
-    batch: bool = False  # one hold for the bytes a batch took through a whole file (copied on a nested take)
-    copies: int = 0  # of a batch's hold: bytes given a hold of their own since
+
+
+@dataclass(slots=True)
+class Run:
+    """The bytes of one lock file a batch took through the whole file, held exclusive by
+    one thread: one record for them all (one user of the file), its offsets sorted."""
+
+    offsets: np.ndarray  # int64, sorted, each once
+    owner: int  # thread ident
+    epoch: int
+    own: list[int] = field(default_factory=list)  # bytes given a Hold of their own since (nested takes)
+
+    def has(self, offset: int) -> bool:
+        at = int(self.offsets.searchsorted(offset))
+        return at < len(self.offsets) and int(self.offsets[at]) == offset
 
 
 @dataclass
@@ -64,7 +86,8 @@ class LockFile:
     """A lock file open in this process: a read-only and/or a writable descriptor."""
 
     fds: dict[bool, int] = field(default_factory=dict)  # writable -> fd
-    users: int = 0  # bytes held or being taken
+    users: int = 0  # bytes held or being taken (a run counts once)
+    run: Run | None = None  # at most one: a batch locks a file whole only where none of it is held
 
 
 Opener = Callable[[bool], int | None]
@@ -99,6 +122,19 @@ def wake() -> None:
     """Wake the threads waiting for a lock of this process (called holding ``TABLE.cond``)."""
     if TABLE.waiting:
         TABLE.cond.notify_all()
+
+
+def holds(path: str, offset: int) -> bool:
+    """Whether a thread of this process holds byte ``offset`` of ``path`` or is taking it
+    (called holding ``TABLE.cond``)."""
+    return (path, offset) in TABLE.slots or _run_at(path, offset) is not None
+
+
+def _run_at(path: str, offset: int) -> Run | None:
+    """The run holding byte ``offset`` of ``path``, if one does (holding ``TABLE.cond``)."""
+    file = TABLE.files.get(path)
+    run = None if file is None else file.run
+    return run if run is not None and run.has(offset) else None
 
 
 def use_file(path: str, writable: bool, opener: Opener) -> int | None:
@@ -140,21 +176,24 @@ def enter(path: str, offset: int, shared: bool, wait: Waiting, opener: Opener) -
         while True:
             hold = table.slots.get(slot)
             if hold is None:
-                fd = use_file(path, not shared, opener)
-                if fd is None:
-                    return None
-                hold = table.slots[slot] = Hold(shared, {me: 1})
-                epoch = table.epoch
-                break
-            if me in hold.holders:
+                run = _run_at(path, offset)
+                if run is None:
+                    fd = use_file(path, not shared, opener)
+                    if fd is None:
+                        return None
+                    hold = table.slots[slot] = Hold(shared, {me: 1})
+                    epoch = table.epoch
+                    break
+                if run.owner == me:  # nested in this thread's batch: the byte's own hold from now on
+                    run.own.append(offset)
+                    table.slots[slot] = Hold(False, {me: 2}, pending=False)  # the run's depth and this
+                    return table.epoch
+            elif me in hold.holders:
                 if shared or not hold.shared:  # nested (shared inside exclusive included)
-                    if hold.batch:  # this byte's own hold from now on
-                        hold.copies += 1
-                        hold = table.slots[slot] = Hold(hold.shared, dict(hold.holders), False)
                     hold.holders[me] += 1
                     return table.epoch
                 raise RuntimeError(f"{wait.what}: this thread holds it shared and asked for it exclusive")
-            if shared and hold.shared and not hold.pending:
+            elif shared and hold.shared and not hold.pending:
                 hold.holders[me] = 1
                 return table.epoch
             left = wait.waiting().left()
