@@ -5,7 +5,9 @@ through the whole file then narrowed to them, released together.
 Several lock files, not one: the kernel scans a file's whole list of locks on every lock,
 so 100,000 on one file cost minutes; spread over 32, about 3 s. So a batch with hundreds
 of keys in one file locks the whole file where no other process holds a byte of it (one
-lock, without waiting), then unlocks the gaps between its keys at once: about 0.5 s.
+lock, without waiting), then unlocks the gaps between its keys at once: about 0.2 s of
+CPU for 100,000 keys, a third of it their hashes (the root's format) and most of the rest
+one ``fcntl`` per gap (the kernel has no call that unlocks several ranges).
 """
 
 from __future__ import annotations
