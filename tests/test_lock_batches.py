@@ -9,12 +9,14 @@ thread's own key lock nests either way)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -443,3 +445,18 @@ def test_a_released_batch_leaves_other_threads_bytes_of_its_files_held(store: St
         thread.join(WAIT_S)
     assert errors == [] and _holders(path0, *probed) == [None] * 4
     assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+def test_a_keys_lock_byte_is_the_roots_format_for_one_key_and_for_a_batch(store: Store) -> None:
+    """The byte of a key is part of the root's format (every version must lock a key at the
+    same place): blake2b-64 of the key, low 5 bits the file, the rest the byte; a batch
+    maps its keys as one key does, sorted by file then byte, each once."""
+    digest = int.from_bytes(hashlib.blake2b(b"d/f000001.npy", digest_size=8).digest(), "little")
+    files = key_slots.slot_files(store.layout)
+    assert key_slots.key_slot(store.layout, "d/f000001.npy") == (files[digest % 32], digest >> 6)
+    assert files[digest % 32].endswith(f"key-slots.{digest % 32:02d}.lock")
+    keys = [f"d/f{i:06d}.npy" for i in range(2000)]
+    indexes, offsets = key_slots.key_slots([*keys, keys[5]])
+    each = map(partial(key_slots.key_slot, store.layout), keys)
+    one = sorted({(files.index(path), offset) for path, offset in each})
+    assert list(zip(indexes.tolist(), offsets.tolist(), strict=True)) == one
