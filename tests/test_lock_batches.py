@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -460,3 +461,52 @@ def test_a_keys_lock_byte_is_the_roots_format_for_one_key_and_for_a_batch(store:
     each = map(partial(key_slots.key_slot, store.layout), keys)
     one = sorted({(files.index(path), offset) for path, offset in each})
     assert list(zip(indexes.tolist(), offsets.tolist(), strict=True)) == one
+
+
+def test_threads_of_batches_and_single_keys_never_hold_one_key_at_once(store: Store) -> None:
+    """Two threads take random batches of one file's keys (whole-file records where the
+    file is free in the process, byte by byte where not) while two others take single keys
+    of them: no key is ever held by two threads, and none of them waits forever."""
+    keys = _keys_by_file(store, 600)[0][:600]
+    inside: dict[str, int] = {}
+    guard = threading.Lock()
+    errors: list[BaseException] = []
+
+    def hold(held: list[str]) -> None:
+        with guard:
+            clash = [key for key in held if key in inside]
+            assert not clash, f"held twice: {clash[:3]}"
+            inside.update(dict.fromkeys(held, threading.get_ident()))
+        time.sleep(0.001)
+        with guard:
+            for key in held:
+                del inside[key]
+
+    def batches(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                batch = rng.sample(keys, 300)
+                with key_locks(store.layout, batch, WAIT_S):
+                    hold(batch)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def singles(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                key = rng.choice(keys)
+                with key_lock(store.layout, key, WAIT_S):
+                    hold([key])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=batches, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=singles, args=(i,)) for i in range(2, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * WAIT_S)
+    assert not any(thread.is_alive() for thread in threads) and errors == []
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
