@@ -13,7 +13,9 @@ hits all alike:
 - ``busy-file``: whole files, but another process holds an unrelated byte of one file,
   whose keys are then taken byte by byte;
 - ``before`` (with ``--before PATH``): the ``key_locks`` of another ``locks.py`` (say,
-  ``git show REV:shmcache/_store/locks.py > /tmp/locks_before.py``), loaded beside this one.
+  ``git show REV:shmcache/_store/locks.py > /tmp/locks_before.py``), loaded beside this one;
+  only a ``locks.py`` from before its split (a REV up to ``df5797b``) is whole: a later one
+  imports ``lock_batches`` and its siblings from this tree (compare trees on ``PYTHONPATH``).
 
 Usage::
 
