@@ -39,14 +39,14 @@ WRITE_SIDE = [
     "shmcache._store.store", "shmcache._store.writing", "shmcache._store.sources", "shmcache._store.planned",
     "shmcache._store.loading", "shmcache._store.remote", "shmcache._store.blobs", "shmcache._store.tables",
     "shmcache._store.hdf5", "shmcache._store.array_files", "shmcache._store.space", "shmcache._store.budget",
-    "shmcache._store.locks", "shmcache._store.lock_table", "shmcache._store.lock_batches",
-    "shmcache._store.key_slots", "shmcache._store.maintenance", "shmcache._store.catalog",
+    "shmcache._store.locks", "shmcache._store.maintenance", "shmcache._store.catalog",
     "shmcache._disk.writer", "shmcache._disk.fs", "shmcache._disk.checksum", "shmcache._disk.source_files",
     "shmcache._disk.urls", "shmcache._disk.entry_tree", "shmcache._disk.procmaps",
     "shmcache._disk.safetensors",
     "shmcache._disk.torch_zip", "shmcache._containers.encode", "shmcache._containers.table_encode",
     "shmcache._containers.table_pack", "shmcache._containers.table_arrow",
     "hashlib", "zipfile", "shutil", "fcntl", "filelock", "orjson",
+    "shmcache._store.lock_table", "shmcache._store.lock_batches", "shmcache._store.key_slots",
     # nor what only other calls need
     "logging", "shmcache._containers.group", "shmcache._store.records",
 ]
