@@ -341,7 +341,9 @@ def test_a_caller_that_does_not_wait_gets_its_key_past_a_narrowing_batch(store: 
     path, offset = _slot(store, key)
     with subprocess.Popen(
         [sys.executable, "-c", _WHOLE_FILE_HOLDER, path, "0.3"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     ) as holder:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with key_lock(store.layout, key, 0):  # waits out the 0.3 s narrowing
@@ -349,7 +351,9 @@ def test_a_caller_that_does_not_wait_gets_its_key_past_a_narrowing_batch(store: 
         holder.communicate("", timeout=WAIT_S)
     with subprocess.Popen(
         [sys.executable, "-c", _BYTE_HOLDER, path, str(offset)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     ) as holder:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(LockTimeoutError), key_lock(store.layout, key, 0):
@@ -510,3 +514,57 @@ def test_threads_of_batches_and_single_keys_never_hold_one_key_at_once(store: St
         thread.join(2 * WAIT_S)
     assert not any(thread.is_alive() for thread in threads) and errors == []
     assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+def test_unlock_all_but_keeps_byte_zero_and_offsets_past_float_precision(tmp_path: Path) -> None:
+    """The gaps are computed in int64 whatever ``keep`` holds: with byte 0 kept, an empty
+    piece once made numpy round the 58-bit gap starts through float64, and kept bytes near
+    2**57 were unlocked (another process could then take those keys)."""
+    from shmcache._disk.fs import try_lock_range, unlock_all_but, unlock_range
+
+    path = tmp_path / "slots.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    base = 1 << 57
+    try:
+        for keep in ([1, base + 1, base + 3], [0, base + 1, base + 3]):
+            assert try_lock_range(fd, 0, False, 0)  # the whole file
+            unlock_all_but(fd, np.array(keep, np.int64))
+            free = [2, base, base + 2, base + 4]
+            seen = subprocess.run(
+                [sys.executable, "-c", _PROBE, str(path), *map(str, keep + free)],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=WAIT_S,
+            ).stdout.split()
+            assert seen[: len(keep)] == [str(os.getpid())] * len(keep), (keep, seen)
+            assert seen[len(keep) :] == ["None"] * len(free), (keep, seen)
+            unlock_range(fd, 0, 0)
+    finally:
+        os.close(fd)
+
+
+def test_one_root_reached_through_a_symlink_is_one_set_of_locks(store: Store, tmp_path: Path) -> None:
+    """The process's record of held bytes is keyed by the lock file's path, and fcntl locks of
+    one process never exclude each other: a root opened as itself and through a symlink must
+    name each lock file once, or two threads hold one key at once."""
+    store.prepare()
+    link = tmp_path / "root-link"
+    link.symlink_to(store.layout.root)
+    through_link = Store(link)
+    got: list[str] = []
+
+    def second() -> None:
+        try:
+            with key_lock(through_link.layout, "victim", 0):
+                got.append("held it too")
+        except LockTimeoutError:
+            got.append("refused")
+
+    with key_lock(store.layout, "victim", 0):
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(WAIT_S)
+    assert got == ["refused"]
+    with key_lock(through_link.layout, "victim", 0):  # free again, through either spelling
+        pass

@@ -380,11 +380,16 @@ def unlock_all_but(fd: int, keep: np.ndarray) -> None:
     starts = keep[:-1] + 1
     lengths = keep[1:] - starts
     gap = lengths > 0
-    first = [0] if keep[0] > 0 else []  # the gap below the lowest byte kept, unlocked last
+    # int64 throughout: an empty list would make numpy concatenate to float64, which cannot
+    # hold offsets up to 2**58 exactly (kept bytes would be unlocked).
+    first = np.array([0] if keep[0] > 0 else [], np.int64)  # the gap below the lowest kept: last
     packed = np.zeros(1 + int(gap.sum()) + len(first), _FLOCK_ARRAY)
     packed["type"], packed["whence"] = fcntl.F_UNLCK, os.SEEK_SET
-    packed["start"] = np.concatenate(([keep[-1] + 1], starts[gap][::-1], first))
-    packed["length"] = np.concatenate(([0], lengths[gap][::-1], [keep[0]] if first else []))  # 0: to the end
+    last = np.array([keep[-1] + 1], np.int64)
+    packed["start"] = np.concatenate((last, starts[gap][::-1].astype(np.int64), first))
+    below = np.array([keep[0]] if len(first) else [], np.int64)
+    to_end = np.zeros(1, np.int64)  # length 0: to the end of the file
+    packed["length"] = np.concatenate((to_end, lengths[gap][::-1].astype(np.int64), below))
     raw, size = packed.tobytes(), _FLOCK_ARRAY.itemsize
     unlock = functools.partial(fcntl.fcntl, fd, fcntl.F_SETLK)
     deque(map(unlock, [raw[at : at + size] for at in range(0, len(raw), size)]), maxlen=0)

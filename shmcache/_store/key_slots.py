@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import numpy as np
 
 from .._disk.layout import Layout
 
-__all__ = ["KEY_LOCK_FILES", "key_slot", "key_slots", "slot_files"]
+__all__ = ["KEY_LOCK_FILES", "key_slot", "key_slots", "lock_path", "slot_files"]
 
 KEY_LOCK_FILES = 32
 """Lock files the key locks are spread over: the most descriptors a process holds for key
@@ -24,8 +25,17 @@ locks, whatever the number of keys."""
 
 @functools.lru_cache(maxsize=64)
 def slot_files(layout: Layout) -> tuple[str, ...]:
-    """The paths of the root's key-slot lock files, by index (their names sort alike)."""
-    return tuple(layout.key_slot_file(i) for i in range(KEY_LOCK_FILES))
+    """The paths of the root's key-slot lock files, by index (their names sort alike), as
+    :func:`lock_path` spells them."""
+    return tuple(lock_path(str(layout.key_slot_file(i))) for i in range(KEY_LOCK_FILES))
+
+
+@functools.lru_cache(maxsize=256)
+def lock_path(path: str) -> str:
+    """``path`` with its symbolic links resolved: this process's record of held lock bytes
+    is keyed by path, and fcntl locks of one process never exclude each other, so one root
+    reached by two spellings (a symlink to it, say) must name each lock file once."""
+    return os.path.realpath(path)
 
 
 def key_slot(layout: Layout, key: str) -> tuple[str, int]:

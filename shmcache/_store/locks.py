@@ -49,7 +49,7 @@ from contextlib import AbstractContextManager
 
 from .._disk.fs import too_many_open_files
 from .._disk.layout import Layout
-from .key_slots import KEY_LOCK_FILES, key_slot
+from .key_slots import KEY_LOCK_FILES, key_slot, lock_path
 from .lock_batches import WHOLE_FILE_KEYS, key_locks
 from .lock_holders import STOPPED_GRACE_S
 from .lock_table import Locked, Opener, creating
@@ -88,7 +88,7 @@ def key_lock(layout: Layout, key: str, timeout: float | None) -> AbstractContext
 
 def space_lock(layout: Layout, timeout: float | None) -> AbstractContextManager[None]:
     """The lock that serializes checking room and recording a reservation."""
-    path = str(layout.space_lock)
+    path = lock_path(str(layout.space_lock))
     return Locked(path, 0, False, timeout, "the space-accounting lock", creating(path, layout))
 
 
@@ -97,7 +97,7 @@ def publish_lock(
 ) -> AbstractContextManager[None]:
     """The root-wide publish lock: exclusive while a multi-key publish swaps its links
     (microseconds per link), shared while a reader reads several links as one snapshot."""
-    path = f"{layout.root}/locks/publish.lock"
+    path = lock_path(f"{layout.root}/locks/publish.lock")
     return Locked(path, 0, shared, timeout, "the publish lock", creating(path, layout))
 
 
@@ -111,7 +111,7 @@ def snapshot_lock(
     exist and cannot be created (no ``locks/`` yet, no inode left, a read-only mount,
     another user's root), no publisher could have created it either, so no batch publish
     is under way and the links are read without it."""
-    path = f"{layout.root}/locks/publish.lock"
+    path = lock_path(f"{layout.root}/locks/publish.lock")
     return Locked(path, 0, True, timeout, "the publish lock", _reader_opener(path, layout))
 
 
