@@ -2,7 +2,7 @@
 """Benchmark: the key locks of one big batch (a directory put's publish), by bytes vs by
 whole lock files.
 
-Times ``key_locks(layout, keys)`` on N keys (taking, then releasing) in a temporary root
+Times ``key_locks(layout, keys)`` on N keys (taking, then releasing; wall and CPU time) in a temporary root
 on /dev/shm, the ways interleaved round-robin in one process so drift on a noisy machine
 hits all alike:
 
@@ -13,7 +13,9 @@ hits all alike:
 - ``busy-file``: whole files, but another process holds an unrelated byte of one file,
   whose keys are then taken byte by byte;
 - ``before`` (with ``--before PATH``): the ``key_locks`` of another ``locks.py`` (say,
-  ``git show REV:shmcache/_store/locks.py > /tmp/locks_before.py``), loaded beside this one.
+  ``git show REV:shmcache/_store/locks.py > /tmp/locks_before.py``), loaded beside this one;
+  only a ``locks.py`` from before its split (a REV up to ``df5797b``) is whole: a later one
+  imports ``lock_batches`` and its siblings from this tree (compare trees on ``PYTHONPATH``).
 
 Usage::
 
@@ -31,9 +33,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from shmcache import Store
-from shmcache._store import locks
+from shmcache._store import key_slots, lock_batches, locks
+
+Times = tuple[float, float, float, float]  # take, release (wall); take, release (CPU of this process)
 
 
 def main() -> None:
@@ -47,23 +52,27 @@ def main() -> None:
         store.prepare()
         layout = store.layout
         keys = [f"d/f{i:06d}.npy" for i in range(args.keys)]
-        threshold = locks.WHOLE_FILE_KEYS
+        threshold = lock_batches.WHOLE_FILE_KEYS
 
-        def batch() -> tuple[float, float]:
-            start = time.perf_counter()
-            with locks.key_locks(layout, keys, 60):
-                taken = time.perf_counter()
-            return taken - start, time.perf_counter() - taken
+        def timed(key_locks: Callable[..., AbstractContextManager[None]]) -> Times:
+            start, cpu = time.perf_counter(), time.process_time()
+            with key_locks(layout, keys, 60):
+                taken, taken_cpu = time.perf_counter(), time.process_time()
+            done, done_cpu = time.perf_counter(), time.process_time()
+            return taken - start, done - taken, taken_cpu - cpu, done_cpu - taken_cpu
 
-        def by_bytes() -> tuple[float, float]:
-            locks.WHOLE_FILE_KEYS = 1 << 62
+        def batch() -> Times:
+            return timed(locks.key_locks)
+
+        def by_bytes() -> Times:
+            lock_batches.WHOLE_FILE_KEYS = 1 << 62
             try:
                 return batch()
             finally:
-                locks.WHOLE_FILE_KEYS = threshold
+                lock_batches.WHOLE_FILE_KEYS = threshold
 
         # another process holds a byte of one lock file that no key of the batch maps to
-        path = locks._slot_files(layout)[0]
+        path = key_slots.slot_files(layout)[0]
         holder = subprocess.Popen(
             [sys.executable, "-c", _BYTE_HOLDER, path],
             stdin=subprocess.PIPE,
@@ -71,7 +80,7 @@ def main() -> None:
             text=True,
         )
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        ways: dict[str, Callable[[], tuple[float, float]]] = {
+        ways: dict[str, Callable[[], Times]] = {
             "bytes": by_bytes,
             "whole": batch,
         }
@@ -81,14 +90,11 @@ def main() -> None:
             before = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(before)
 
-            def by_before() -> tuple[float, float]:
-                start = time.perf_counter()
-                with before.key_locks(layout, keys, 60):
-                    taken = time.perf_counter()
-                return taken - start, time.perf_counter() - taken
+            def by_before() -> Times:
+                return timed(before.key_locks)
 
             ways["before"] = by_before
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in [*ways, "busy-file"]}
+        results: dict[str, list[Times]] = {name: [] for name in [*ways, "busy-file"]}
         try:
             for _ in range(args.repeats):
                 for name, way in ways.items():
@@ -99,12 +105,13 @@ def main() -> None:
         print(f"key_locks on {args.keys:,} keys, {locks.KEY_LOCK_FILES} files, WHOLE_FILE_KEYS={threshold}")
         print(f"load average {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} (1 / 5 min)")
         for name, times in results.items():
-            take = sorted(t for t, _ in times)
-            free = sorted(r for _, r in times)
+            take, free, take_cpu, free_cpu = (sorted(column) for column in zip(*times, strict=True))
             print(
                 f"{name:>10}: take median {statistics.median(take) * 1e3:8.1f} ms"
-                f" (min {take[0] * 1e3:.1f}, max {take[-1] * 1e3:.1f}),"
+                f" (min {take[0] * 1e3:.1f}, max {take[-1] * 1e3:.1f};"
+                f" CPU {statistics.median(take_cpu) * 1e3:.1f}),"
                 f" release median {statistics.median(free) * 1e3:6.1f} ms"
+                f" (CPU {statistics.median(free_cpu) * 1e3:.1f})"
             )
 
 

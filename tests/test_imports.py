@@ -47,6 +47,7 @@ WRITE_SIDE = [
     "shmcache._disk.torch_zip", "shmcache._containers.encode", "shmcache._containers.table_encode",
     "shmcache._containers.table_pack", "shmcache._containers.table_arrow",
     "hashlib", "zipfile", "shutil", "fcntl", "filelock", "orjson",
+    "shmcache._store.lock_table", "shmcache._store.lock_batches", "shmcache._store.key_slots",
     # nor what only other calls need
     "logging", "shmcache._containers.group", "shmcache._store.records",
 ]

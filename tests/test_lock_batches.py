@@ -9,18 +9,22 @@ thread's own key lock nests either way)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shmcache import LockTimeoutError, Store
-from shmcache._store import locks
+from shmcache._store import key_slots, lock_batches, lock_table
 from shmcache._store.locks import WHOLE_FILE_KEYS, key_lock, key_locks
 
 WAIT_S = 60.0  # bound on every wait, so a broken build fails instead of hanging
@@ -53,18 +57,18 @@ def _holders(path: str, *offsets: int) -> list[int | None]:
 
 def _keys_by_file(store: Store, count: int) -> dict[int, list[str]]:
     """At least ``count`` keys for each lock file, by file index."""
-    files = locks._slot_files(store.layout)
+    files = key_slots.slot_files(store.layout)
     found: dict[int, list[str]] = {i: [] for i in range(len(files))}
     n = 0
     while min(map(len, found.values())) < count:
         key = f"d/f{n:06d}"
-        found[files.index(locks._key_slot(store.layout, key)[0])].append(key)
+        found[files.index(key_slots.key_slot(store.layout, key)[0])].append(key)
         n += 1
     return found
 
 
 def _slot(store: Store, key: str) -> tuple[str, int]:
-    return locks._key_slot(store.layout, key)
+    return key_slots.key_slot(store.layout, key)
 
 
 @pytest.fixture
@@ -116,7 +120,7 @@ class AuditedBatch:
 
 def test_a_batch_with_many_keys_in_a_file_locks_it_whole_then_unlocks_the_gaps(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 10)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     many, few, outside = keys[0][:WHOLE_FILE_KEYS], keys[1][:10], keys[0][WHOLE_FILE_KEYS]
     with AuditedBatch(store, many + few) as batch:
         calls = batch.calls
@@ -139,7 +143,7 @@ def test_a_batch_with_many_keys_in_a_file_locks_it_whole_then_unlocks_the_gaps(s
 
 def test_a_file_another_process_holds_a_byte_of_is_taken_byte_by_byte(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     holder = subprocess.Popen(
         [sys.executable, "-c", _BYTE_HOLDER, path0, str(FAR)],
         stdin=subprocess.PIPE,
@@ -202,7 +206,7 @@ def test_a_batch_holds_no_whole_file_while_it_waits(store: Store) -> None:
         assert other.stdout is not None and other.stdout.readline() == "held\n"
         thread.start()
         deadline = time.monotonic() + WAIT_S
-        while _slot(store, batch[0]) not in locks._slots:  # it got file 0 and now waits for A
+        while not lock_table.holds(*_slot(store, batch[0])):  # it got file 0 and now waits for A
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.01)
         out, err = other.communicate("\n", timeout=WAIT_S)
@@ -217,9 +221,9 @@ def test_a_batch_holds_no_whole_file_while_it_waits(store: Store) -> None:
 _BATCHES = """
 import random, sys
 from shmcache import Store
-from shmcache._store import locks
+from shmcache._store import lock_batches, locks
 if sys.argv[2] == "bytes":  # as a version before whole files does
-    locks.WHOLE_FILE_KEYS = 1 << 62
+    lock_batches.WHOLE_FILE_KEYS = 1 << 62
 layout = Store(sys.argv[1]).layout
 keys = [f"d/f{i:06d}" for i in range(12000)]
 rng = random.Random(sys.argv[2])
@@ -248,7 +252,7 @@ def test_a_whole_file_batch_and_a_byte_batch_of_an_older_process_never_deadlock(
 
 def test_other_threads_wait_for_the_batchs_keys_get_the_files_others_and_keep_them(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 2)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     batch, outside, later = keys[0][:WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS + 1]
     me = os.getpid()
     got, release, done = threading.Event(), threading.Event(), threading.Event()
@@ -291,7 +295,7 @@ def test_other_threads_wait_for_the_batchs_keys_get_the_files_others_and_keep_th
 
 def test_a_thread_nests_key_locks_and_a_batch_either_way(store: Store) -> None:
     keys = _keys_by_file(store, WHOLE_FILE_KEYS + 1)
-    path0 = locks._slot_files(store.layout)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
     batch, outside = keys[0][:WHOLE_FILE_KEYS], keys[0][WHOLE_FILE_KEYS]
     me = os.getpid()
     byte = {key: _slot(store, key)[1] for key in (batch[3], batch[9], outside)}
@@ -314,7 +318,7 @@ def test_a_thread_nests_key_locks_and_a_batch_either_way(store: Store) -> None:
             pass
         assert _holders(path0, byte[batch[3]], byte[outside]) == [me, None]
     assert _holders(path0, byte[batch[3]], byte[outside]) == [None, None]
-    assert locks._slots == {} and locks._files == {}
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
 
 
 _WHOLE_FILE_HOLDER = """
@@ -337,7 +341,9 @@ def test_a_caller_that_does_not_wait_gets_its_key_past_a_narrowing_batch(store: 
     path, offset = _slot(store, key)
     with subprocess.Popen(
         [sys.executable, "-c", _WHOLE_FILE_HOLDER, path, "0.3"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     ) as holder:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with key_lock(store.layout, key, 0):  # waits out the 0.3 s narrowing
@@ -345,7 +351,9 @@ def test_a_caller_that_does_not_wait_gets_its_key_past_a_narrowing_batch(store: 
         holder.communicate("", timeout=WAIT_S)
     with subprocess.Popen(
         [sys.executable, "-c", _BYTE_HOLDER, path, str(offset)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     ) as holder:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(LockTimeoutError), key_lock(store.layout, key, 0):
@@ -361,16 +369,202 @@ def test_an_interrupted_whole_file_take_leaves_nothing_locked(
     of the process."""
     keys = _keys_by_file(store, WHOLE_FILE_KEYS)[0][:WHOLE_FILE_KEYS]
     path = _slot(store, keys[0])[0]
-    real_unlock = locks.unlock_ranges
+    real_unlock = lock_batches.unlock_all_but
 
-    def failing_unlock(fd: int, ranges: list[tuple[int, int]]) -> None:
-        real_unlock(fd, ranges[:10])  # some gaps unlocked, then Ctrl+C
+    def failing_unlock(fd: int, keep: np.ndarray) -> None:
+        real_unlock(fd, keep[-10:])  # some gaps unlocked, then Ctrl+C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(locks, "unlock_ranges", failing_unlock)
+    monkeypatch.setattr(lock_batches, "unlock_all_but", failing_unlock)
     with pytest.raises(KeyboardInterrupt), key_locks(store.layout, keys, 0):
         pass
-    monkeypatch.setattr(locks, "unlock_ranges", real_unlock)
-    assert path not in locks._files
-    assert not [slot for slot in locks._slots if slot[0] == path]
+    monkeypatch.setattr(lock_batches, "unlock_all_but", real_unlock)
+    assert path not in lock_table.TABLE.files
+    assert not [slot for slot in lock_table.TABLE.slots if slot[0] == path]
     assert _holders(path, *(_slot(store, k)[1] for k in keys[:20]), FAR) == [None] * 21
+
+
+def test_a_batchs_bytes_through_a_whole_file_are_one_record(store: Store) -> None:
+    """The bytes a batch takes through a whole file are one record of this process (their
+    sorted offsets), not one per byte: 100,000 keys cost 32 records, not 100,000."""
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS + 40)
+    path0, path1 = (key_slots.slot_files(store.layout)[i] for i in (0, 1))
+    batch = keys[0][: WHOLE_FILE_KEYS + 40] + keys[1][:WHOLE_FILE_KEYS]
+    with key_locks(store.layout, batch, 0):
+        table = lock_table.TABLE
+        assert table.slots == {}
+        runs = [table.files[path].run for path in (path0, path1)]
+        assert [len(r.offsets) for r in runs if r is not None] == [WHOLE_FILE_KEYS + 40, WHOLE_FILE_KEYS]
+        assert [table.files[path].users for path in (path0, path1)] == [1, 1]
+        assert lock_table.holds(*_slot(store, batch[7])) and not lock_table.holds(path0, FAR)
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+def test_a_nested_take_that_outlives_the_batch_keeps_its_byte(store: Store) -> None:
+    keys = _keys_by_file(store, WHOLE_FILE_KEYS)[0][:WHOLE_FILE_KEYS]
+    path0 = key_slots.slot_files(store.layout)[0]
+    mine, other = _slot(store, keys[3])[1], _slot(store, keys[9])[1]
+    inner = key_lock(store.layout, keys[3], 0)
+    with key_locks(store.layout, keys, 0):
+        inner.__enter__()  # not nested as a with block: it outlives the batch
+    assert _holders(path0, mine, other, FAR) == [os.getpid(), None, None]
+    inner.__exit__(None, None, None)
+    assert _holders(path0, mine) == [None]
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+@pytest.mark.parametrize("others", [1, WHOLE_FILE_KEYS + 20])
+def test_a_released_batch_leaves_other_threads_bytes_of_its_files_held(store: Store, others: int) -> None:
+    """Another thread holds bytes of a file the batch took whole (byte by byte: the file is
+    open): releasing the batch unlocks all of the file but those (few: one call a gap; many:
+    one a batch byte), which stay this process's."""
+    keys = _keys_by_file(store, 2 * WHOLE_FILE_KEYS + 20)[0]
+    path0 = key_slots.slot_files(store.layout)[0]
+    batch, theirs = keys[:WHOLE_FILE_KEYS], keys[WHOLE_FILE_KEYS : WHOLE_FILE_KEYS + others]
+    probed = [_slot(store, key)[1] for key in (batch[0], batch[-1], theirs[0], theirs[-1])]
+    held, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with key_locks(store.layout, theirs, 0):
+                held.set()
+                release.wait(WAIT_S)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            held.set()
+
+    thread = threading.Thread(target=other)
+    me = os.getpid()
+    try:
+        with key_locks(store.layout, batch, 0):
+            thread.start()
+            assert held.wait(WAIT_S) and errors == []
+            assert lock_table.TABLE.files[path0].run is not None
+            assert _holders(path0, *probed, FAR) == [me, me, me, me, None]
+        assert _holders(path0, *probed, FAR) == [None, None, me, me, None]
+        assert not lock_table.holds(path0, probed[0]) and lock_table.holds(path0, probed[2])
+    finally:
+        release.set()
+        thread.join(WAIT_S)
+    assert errors == [] and _holders(path0, *probed) == [None] * 4
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+def test_a_keys_lock_byte_is_the_roots_format_for_one_key_and_for_a_batch(store: Store) -> None:
+    """The byte of a key is part of the root's format (every version must lock a key at the
+    same place): blake2b-64 of the key, low 5 bits the file, the rest the byte; a batch
+    maps its keys as one key does, sorted by file then byte, each once."""
+    digest = int.from_bytes(hashlib.blake2b(b"d/f000001.npy", digest_size=8).digest(), "little")
+    files = key_slots.slot_files(store.layout)
+    assert key_slots.key_slot(store.layout, "d/f000001.npy") == (files[digest % 32], digest >> 6)
+    assert files[digest % 32].endswith(f"key-slots.{digest % 32:02d}.lock")
+    keys = [f"d/f{i:06d}.npy" for i in range(2000)]
+    indexes, offsets = key_slots.key_slots([*keys, keys[5]])
+    each = map(partial(key_slots.key_slot, store.layout), keys)
+    one = sorted({(files.index(path), offset) for path, offset in each})
+    assert list(zip(indexes.tolist(), offsets.tolist(), strict=True)) == one
+
+
+def test_threads_of_batches_and_single_keys_never_hold_one_key_at_once(store: Store) -> None:
+    """Two threads take random batches of one file's keys (whole-file records where the
+    file is free in the process, byte by byte where not) while two others take single keys
+    of them: no key is ever held by two threads, and none of them waits forever."""
+    keys = _keys_by_file(store, 600)[0][:600]
+    inside: dict[str, int] = {}
+    guard = threading.Lock()
+    errors: list[BaseException] = []
+
+    def hold(held: list[str]) -> None:
+        with guard:
+            clash = [key for key in held if key in inside]
+            assert not clash, f"held twice: {clash[:3]}"
+            inside.update(dict.fromkeys(held, threading.get_ident()))
+        time.sleep(0.001)
+        with guard:
+            for key in held:
+                del inside[key]
+
+    def batches(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                batch = rng.sample(keys, 300)
+                with key_locks(store.layout, batch, WAIT_S):
+                    hold(batch)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def singles(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                key = rng.choice(keys)
+                with key_lock(store.layout, key, WAIT_S):
+                    hold([key])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=batches, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=singles, args=(i,)) for i in range(2, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * WAIT_S)
+    assert not any(thread.is_alive() for thread in threads) and errors == []
+    assert lock_table.TABLE.slots == {} and lock_table.TABLE.files == {}
+
+
+def test_unlock_all_but_keeps_byte_zero_and_offsets_past_float_precision(tmp_path: Path) -> None:
+    """The gaps are computed in int64 whatever ``keep`` holds: with byte 0 kept, an empty
+    piece once made numpy round the 58-bit gap starts through float64, and kept bytes near
+    2**57 were unlocked (another process could then take those keys)."""
+    from shmcache._disk.fs import try_lock_range, unlock_all_but, unlock_range
+
+    path = tmp_path / "slots.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    base = 1 << 57
+    try:
+        for keep in ([1, base + 1, base + 3], [0, base + 1, base + 3]):
+            assert try_lock_range(fd, 0, False, 0)  # the whole file
+            unlock_all_but(fd, np.array(keep, np.int64))
+            free = [2, base, base + 2, base + 4]
+            seen = subprocess.run(
+                [sys.executable, "-c", _PROBE, str(path), *map(str, keep + free)],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=WAIT_S,
+            ).stdout.split()
+            assert seen[: len(keep)] == [str(os.getpid())] * len(keep), (keep, seen)
+            assert seen[len(keep) :] == ["None"] * len(free), (keep, seen)
+            unlock_range(fd, 0, 0)
+    finally:
+        os.close(fd)
+
+
+def test_one_root_reached_through_a_symlink_is_one_set_of_locks(store: Store, tmp_path: Path) -> None:
+    """The process's record of held bytes is keyed by the lock file's path, and fcntl locks of
+    one process never exclude each other: a root opened as itself and through a symlink must
+    name each lock file once, or two threads hold one key at once."""
+    store.prepare()
+    link = tmp_path / "root-link"
+    link.symlink_to(store.layout.root)
+    through_link = Store(link)
+    got: list[str] = []
+
+    def second() -> None:
+        try:
+            with key_lock(through_link.layout, "victim", 0):
+                got.append("held it too")
+        except LockTimeoutError:
+            got.append("refused")
+
+    with key_lock(store.layout, "victim", 0):
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(WAIT_S)
+    assert got == ["refused"]
+    with key_lock(through_link.layout, "victim", 0):  # free again, through either spelling
+        pass

@@ -16,10 +16,13 @@ import resource
 import shutil
 import stat
 import struct
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
+
+import numpy as np
 
 from ..errors import CacheFullError, TooManyOpenFilesError
 
@@ -43,6 +46,7 @@ __all__ = [
     "total_bytes",
     "try_lock_exclusive",
     "try_lock_range",
+    "unlock_all_but",
     "unlock_range",
     "unlock_ranges",
     "write_all",
@@ -352,6 +356,43 @@ def unlock_ranges(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
     pack, setlk, unlock, fcntl_ = struct.Struct(_FLOCK).pack, fcntl.F_SETLK, fcntl.F_UNLCK, fcntl.fcntl
     for offset, length in ranges:
         fcntl_(fd, setlk, pack(unlock, os.SEEK_SET, offset, length, 0))
+
+
+_FLOCK_ARRAY = np.dtype(
+    {
+        "names": ["type", "whence", "start", "length"],
+        "formats": ["=i2", "=i2", "=i8", "=i8"],
+        "offsets": [0, 2, 8, 16],  # as struct packs _FLOCK (native alignment: l_start at 8)
+        "itemsize": struct.calcsize(_FLOCK),
+    }
+)
+
+
+def unlock_all_but(fd: int, keep: np.ndarray) -> None:
+    """Release this process's locks on all of ``fd``'s file but the bytes ``keep`` (sorted
+    int64, each once): one unlock per gap, highest first (each then splits the process's
+    first lock of the file, where the kernel's walk stops; lowest first would walk every
+    byte kept). The gaps and their ``struct flock`` are built in numpy and the calls made
+    without a Python loop: a batch's thousands of unlocks cost about the system calls."""
+    if len(keep) == 0:
+        unlock_range(fd, 0, 0)
+        return
+    starts = keep[:-1] + 1
+    lengths = keep[1:] - starts
+    gap = lengths > 0
+    # int64 throughout: an empty list would make numpy concatenate to float64, which cannot
+    # hold offsets up to 2**58 exactly (kept bytes would be unlocked).
+    first = np.array([0] if keep[0] > 0 else [], np.int64)  # the gap below the lowest kept: last
+    packed = np.zeros(1 + int(gap.sum()) + len(first), _FLOCK_ARRAY)
+    packed["type"], packed["whence"] = fcntl.F_UNLCK, os.SEEK_SET
+    last = np.array([keep[-1] + 1], np.int64)
+    packed["start"] = np.concatenate((last, starts[gap][::-1].astype(np.int64), first))
+    below = np.array([keep[0]] if len(first) else [], np.int64)
+    to_end = np.zeros(1, np.int64)  # length 0: to the end of the file
+    packed["length"] = np.concatenate((to_end, lengths[gap][::-1].astype(np.int64), below))
+    raw, size = packed.tobytes(), _FLOCK_ARRAY.itemsize
+    unlock = functools.partial(fcntl.fcntl, fd, fcntl.F_SETLK)
+    deque(map(unlock, [raw[at : at + size] for at in range(0, len(raw), size)]), maxlen=0)
 
 
 def range_lock_holder(fd: int, offset: int, shared: bool) -> int | None:
