@@ -1,6 +1,6 @@
-"""Packed entries of one batch opened in one process share ONE mapping of the whole
-manifest (``_disk/mapped.SharedManifest``): one descriptor and one VMA per batch, not per
-key, so a process opens 100,000 small keys of a folder under ``ulimit -n 256`` and below
+"""Packed entries of one batch opened in one process share ONE mapping of each 64 MiB
+window of its manifest (``_disk/mapped.SharedManifest``): a descriptor and a VMA per
+window, not per key, so a process opens 100,000 small keys of a folder under ``ulimit -n 256`` and below
 ``vm.max_map_count``. The mapping lives while any array of it does; a file replaced at the
 same path is never confused with it; eviction, replacement and damage behave as before.
 Real files on the tmpfs, real subprocesses under a real descriptor limit."""
@@ -107,7 +107,7 @@ def test_every_packed_key_of_a_put_opens_under_a_low_descriptor_limit(
     assert proc.returncode == 0, proc.stderr[-3000:]
     opened, wrong, mapped, fds = (int(x) for x in proc.stdout.split())
     assert (opened, wrong) == (count, 0)
-    assert mapped == 1  # the one manifest, once (one VMA)
+    assert mapped == (1 if count << 10 < 64 << 20 else 2)  # one VMA per 64 MiB window
     assert fds < LIMIT
 
 
@@ -210,7 +210,7 @@ def test_a_manifest_truncated_after_it_was_mapped_is_a_typed_error_not_sigbus(
 def test_a_header_promising_more_than_its_packed_bytes_is_corrupt(
     store: Store, root: Path, tmp_path: Path
 ) -> None:
-    """The whole manifest is mapped: an entry whose header promises more than its range
+    """A window of the manifest is mapped: an entry whose header promises more than its range
     must not read its neighbours' bytes."""
     store.put_file("d", _folder(tmp_path / "src", 4))
     packed = packed_range(store.info("d/f1").version)
@@ -388,7 +388,7 @@ def test_a_packed_key_opens_copy_on_write_without_room_for_its_whole_manifest(
 ) -> None:
     """Under ``ulimit -v`` (RLIMIT_AS) or ``ulimit -d`` (RLIMIT_DATA) with less room than
     the batch's manifest (~60 MB here), a small key still opens, copy-on-write: its own
-    range is mapped instead of the whole manifest (once a raw ENOMEM, or shared read-only)."""
+    range is mapped instead of its window (once a raw ENOMEM, or shared read-only)."""
     src = tmp_path / "big-src"
     src.mkdir()
     for i in range(1000):
@@ -467,3 +467,34 @@ def test_as_tensor_pin_and_private_view_of_empty_arrays(store: Store, tmp_path: 
         with _cuda.hold(array, str(store.root), torch.device("cpu"), register=False) as held:
             assert held.array.shape == array.shape
         assert pickle.loads(pickle.dumps(array)).shape == array.shape
+
+
+def test_a_big_manifest_is_mapped_in_64_mib_windows(store: Store, root: Path, tmp_path: Path) -> None:
+    """A key of a big manifest maps its 64 MiB window (and the longest entry past it), not
+    the whole file: an entry across a window's end is whole in its window; views of keys
+    of either window pickle, ``private_view`` and pin by their offsets in the file."""
+    from shmcache import _cuda
+    from shmcache._disk.mapped import mapped_base
+
+    src = tmp_path / "big-src"
+    src.mkdir()
+    for i in range(1150):  # 60,928 bytes each: a ~70 MB manifest
+        np.save(src / f"f{i}.npy", np.full(7600, i, np.int64))
+    store.put_file("d", src)
+    spans = {i: packed_range(store.info(f"d/f{i}").version) for i in range(1150)}
+    across = [i for i, p in spans.items() if p and p[2] < 64 << 20 < p[2] + p[3]]
+    later = [i for i, p in spans.items() if p and p[2] > 64 << 20]
+    assert len(across) == 1 and later
+    reader = Store(root)
+    for i in (0, across[0], later[0], later[-1]):
+        array = reader.open_array(f"d/f{i}")
+        assert array.shape == (7600,) and (array == i).all()
+        assert len(mapped_base(array)) <= (64 << 20) + (64 << 10) + 4096
+        view = array[100:104]
+        assert pickle.loads(pickle.dumps(view)).tolist() == [i] * 4
+        assert private_view(view).tolist() == [i] * 4
+        with _cuda.hold(view, str(root), torch.device("cpu"), register=False) as held:
+            assert held.array.tolist() == [i] * 4
+    del held, view, array  # the last pin's own range mapping
+    gc.collect()
+    assert len(_manifest_maps(root)) == 2  # the two windows (the reader keeps its arrays)

@@ -8,10 +8,10 @@ DataLoader workers started with ``spawn``/``forkserver`` get the dataset in
 microseconds, not a copy.
 
 The small entries of a directory put are packed into its batch's manifest: those a
-process opens copy-on-write are views into ONE mapping of the whole manifest
-(:class:`SharedManifest`: one descriptor, two on Python < 3.13, and one VMA per batch,
-not per key), which lives while any array of it does; where the kernel refuses a mapping
-of the whole manifest (ENOMEM: ``ulimit -v``, ``ulimit -d``), an entry maps its own range.
+process opens copy-on-write are views into ONE mapping of the manifest per 64 MiB window
+(:class:`SharedManifest`: one descriptor, two on Python < 3.13, and one VMA per window of
+a batch, not per key), which lives while any array of it does; where the kernel refuses
+such a mapping (ENOMEM: ``ulimit -v``, ``ulimit -d``), an entry maps its own range.
 ``/proc/<pid>/maps`` then shows every entry of that batch as mapped by the process: true
 of its memory, which returns only with the batch. An evicted packed entry's bytes stay
 readable through it, as an unlinked file's do.
@@ -93,8 +93,12 @@ _MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13
 _MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
     weakref.WeakValueDictionary()
 )
-_MANIFESTS: weakref.WeakValueDictionary[tuple[str, str], SharedManifest] = weakref.WeakValueDictionary()
-"""(root, batch) -> this process's shared mapping of the batch's manifest, while it lives."""
+_MANIFESTS: weakref.WeakValueDictionary[tuple[str, str, int], SharedManifest] = weakref.WeakValueDictionary()
+"""(root, batch, window) -> this process's shared mapping of that window of the batch's
+manifest, while it lives."""
+_WINDOW = 64 << 20  # a manifest is mapped in windows of this size, at multiples of it,
+_OVERLAP = (64 << 10) + mmap.PAGESIZE  # each this much longer: every packed entry (at most
+# manifest.PACK_MAX = 64 KiB) lies wholly in the window where it starts
 _TOUCH_EVERY_S = 1.0  # a batch used again within this is not touched again (LRU: seconds)
 _PROT_COPY = mmap.PROT_READ | mmap.PROT_WRITE
 # MAP_NORESERVE: older Pythons' mmap module has no constant; Linux's is 0x4000 on x86,
@@ -228,10 +232,10 @@ def _map_packed(
 ) -> tuple[Any, bytes, int, int, int | None]:
     """:func:`_map` of a packed entry: bytes ``offset..offset+length`` of its batch's
     manifest. Copy-on-write (every reader): a view into this process's one mapping of the
-    whole manifest (:func:`_shared_manifest`); ``"shared"`` (``pin``: a registration of its
-    own), ``"writable"``, and copy-on-write where the whole manifest cannot be mapped
-    (ENOMEM: ``ulimit -v``/``-d``): a mapping of just its range, from the page below
-    ``offset`` (``MappedFile.file_start``). Returns
+    manifest's window it lies in (:func:`_shared_manifest`); ``"shared"`` (``pin``: a
+    registration of its own), ``"writable"``, and copy-on-write where its window cannot
+    be mapped (ENOMEM: ``ulimit -v``/``-d``): a mapping of just its range, from the page
+    below ``offset`` (``MappedFile.file_start``). Returns
     the entry's header as :func:`_map` does, and where its ``.npy`` starts in the mapping.
     A range beyond the file's end (a damaged or truncated manifest) is
     :class:`CorruptEntryError`, never a mapping that faults. No huge pages (tiny)."""
@@ -240,7 +244,7 @@ def _map_packed(
     if mode == COPY_ON_WRITE:
         try:
             shared = _shared_manifest(root, batch, path, key, offset, length)
-        except OSError as exc:  # no room for the whole manifest (`ulimit -v`, `ulimit -d`)
+        except OSError as exc:  # no room for its window (`ulimit -v`, `ulimit -d`)
             if exc.errno != errno.ENOMEM:
                 raise
         else:  # header and live byte pread: a read through the mapping could be SIGBUS
@@ -250,7 +254,8 @@ def _map_packed(
             head, end = b"", 0
             if read_header:
                 head, end = _packed_header(shared.fd, key, path, offset, length)
-            return shared, head, end, offset, offset + length
+            shift = offset - shared.file_start
+            return shared, head, end, shift, shift + length
     fd = _open_entry_file(path, key)
     try:
         _check_range(key, path, offset, length, os.fstat(fd).st_size)
@@ -283,8 +288,10 @@ def _map_packed(
 def _shared_manifest(
     root: str, batch: str, path: str, key: str, offset: int, length: int
 ) -> SharedManifest:
-    """This process's mapping of ``batch``'s whole manifest (made on the first open of
-    one of its entries) and the file's size now; later opens of its other entries cost
+    """This process's mapping of the window of ``batch``'s manifest that ``offset`` lies in
+    (bytes ``w * _WINDOW`` to ``(w + 1) * _WINDOW + _OVERLAP``, or the file's end: a key of
+    a 10 GB manifest maps 64 MiB, not 10 GB), made on the first open of one of its
+    entries; later opens of its other entries cost
     one ``stat`` (the file's identity and size; the LRU touch at most once a second), no
     open, fstat nor mmap. A refused mapping (ENOMEM) is raised, not mapped shared
     read-only: the caller maps the entry's range instead.
@@ -295,7 +302,8 @@ def _shared_manifest(
     wiped and recreated) always get a mapping of their own. ``stat``'s size is checked as
     an ``fstat``'s would be: a manifest truncated after it was mapped is
     :class:`CorruptEntryError`, never a read past its end (SIGBUS)."""
-    cached = _MANIFESTS.get((root, batch))
+    window = offset // _WINDOW
+    cached = _MANIFESTS.get((root, batch, window))
     if cached is not None:
         try:
             st = os.stat(path)
@@ -315,18 +323,21 @@ def _shared_manifest(
     try:
         st = os.fstat(fd)
         _check_range(key, path, offset, length, st.st_size)
+        start = window * _WINDOW  # a multiple of the allocation granularity
+        span = min(_WINDOW + _OVERLAP, st.st_size - start)
         mapping: SharedManifest = _map_and_touch(
-            fd, key, COPY_ON_WRITE, False, kind=SharedManifest, fallback=False
+            fd, key, COPY_ON_WRITE, False, span, start, kind=SharedManifest, fallback=False
         )
     except BaseException:
         os.close(fd)
         raise
     mapping.fd = fd  # closed with the mapping (Python < 3.13: beside the mapping's own)
     weakref.finalize(mapping, os.close, fd)
+    mapping.file_start = start
     mapping.ident = (st.st_dev, st.st_ino)
     mapping.entries = {}
     _owned(mapping, (root, batch, MANIFEST_FILE, ""))
-    _MANIFESTS[(root, batch)] = mapping
+    _MANIFESTS[(root, batch, window)] = mapping
     return mapping
 
 

@@ -1,6 +1,7 @@
 """What an entry's mapping is, and what is read through one without mapping anything:
 :class:`MappedFile` (one published entry file, knowing where it came from) and
-:class:`SharedManifest` (one mapping per packed batch, shared by its entries); which
+:class:`SharedManifest` (one mapping per 64 MiB window of a packed batch's manifest,
+shared by the entries starting in it); which
 entry an array lies in (:func:`mapped_base`, :func:`origin_of`); and a packed entry's
 range, header and live byte in its batch's manifest (format 2). ``attach`` makes the
 mappings and holds the mmap policy (modes, strict overcommit, the fallbacks, which tests
@@ -51,32 +52,35 @@ class MappedFile(mmap.mmap):
 
 
 class SharedManifest(MappedFile):
-    """The one mapping of a whole batch manifest that every packed entry of that batch
+    """The one mapping of a window of a batch manifest (64 MiB and the longest entry, from
+    ``file_start``: ``attach._shared_manifest``) that every packed entry starting in it
     opened copy-on-write in this process is a view into: one descriptor (two on Python
-    < 3.13) and one VMA per batch, not per key (``vm.max_map_count`` and ``ulimit -n`` would
-    otherwise cap a process at a few thousand keys). It lives while any array over it
-    does (``attach._MANIFESTS`` holds it weakly). A published manifest never grows (it is
-    written once, then only its live bytes change in place): the mapping, made at the
-    file's size, covers every entry it will ever hold."""
+    < 3.13) and one VMA per window, not per key (``vm.max_map_count`` and ``ulimit -n``
+    would otherwise cap a process at a few thousand keys), nor a 10 GB reservation for one
+    key of a 10 GB manifest. It lives while any array over it does (``attach._MANIFESTS``
+    holds it weakly). A published manifest never grows (it is written once, then only its
+    live bytes change in place): the mapping, made at the file's size, covers every entry
+    of its window it will ever hold."""
 
     fd: int
     """A read-only descriptor of the file, for the open path's ``pread`` of an entry's
     header and live byte: a read through the mapping of a file truncated meanwhile (a
     broken or hostile writer) would be SIGBUS, a ``pread`` is a short read. Closed with
     the mapping (Python < 3.13's mmap keeps a duplicate of its own, not exposed: two
-    descriptors per batch there, one on 3.13+)."""
+    descriptors per window there, one on 3.13+)."""
     ident: tuple[int, int]
     """``(st_dev, st_ino)`` of the file mapped: while this mapping lives the file's inode
     cannot be freed, so no other file has them; a path that stats to them is this file."""
     entries: dict[int, tuple[str, str, int]]
-    """Packed offset -> ``(version, key, length)`` of each entry opened over it (for the
+    """Packed offset (in the file) -> ``(version, key, length)`` of each entry opened over it (for the
     ``origin`` of an array: pickling by reference, ``private_view``, ``pin``)."""
     longest: int = 0
 
     def origin_at(self, offset: int) -> tuple[str, str, str, str] | None:
         entries = self.entries
+        offset += self.file_start  # entries are recorded at their offset in the file
         start = offset - offset % _PACK_ALIGN
-        lowest = max(_DATA_START, offset - self.longest)
+        lowest = max(_DATA_START, self.file_start, offset - self.longest)
         while start >= lowest:  # entries are 64-byte aligned, at most ``longest`` bytes
             found = entries.get(start)
             if found is not None:
