@@ -407,8 +407,9 @@ def hold(array_or_key: np.ndarray | str, root: Root, device: torch.device, *, re
 def _same_view(whole: np.ndarray, array: np.ndarray) -> np.ndarray:
     """The caller's view of the entry (any slice), over ``whole``'s mapping instead."""
     base = mapped_base(array)
+    mapping = mapped_base(whole)  # both may map part of a file: rebase through the file
     offset = int(array.__array_interface__["data"][0]) - base.start_address()
-    mapping = mapped_base(whole)
+    offset += base.file_start - mapping.file_start
     view = np.ndarray(array.shape, array.dtype, buffer=mapping, offset=offset, strides=array.strides)
     view.setflags(write=False)
     return view

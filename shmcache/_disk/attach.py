@@ -8,11 +8,13 @@ DataLoader workers started with ``spawn``/``forkserver`` get the dataset in
 microseconds, not a copy.
 
 The small entries of a directory put are packed into its batch's manifest: those a
-process opens copy-on-write are views into ONE mapping of the whole manifest
-(:class:`SharedManifest`: one descriptor on Python < 3.13 and one VMA per batch, not per
-key), which lives while any array of it does. ``/proc/<pid>/maps`` then shows every entry
-of that batch as mapped by the process: true of its memory, which returns only with the
-batch. An evicted packed entry's bytes stay readable through it, as an unlinked file's do.
+process opens copy-on-write are views into ONE mapping of the manifest per 64 MiB window
+(:class:`SharedManifest`: one descriptor, two on Python < 3.13, and one VMA per window of
+a batch, not per key), which lives while any array of it does; where the kernel refuses
+such a mapping (ENOMEM: ``ulimit -v``, ``ulimit -d``), an entry maps its own range.
+``/proc/<pid>/maps`` then shows every entry of that batch as mapped by the process: true
+of its memory, which returns only with the batch. An evicted packed entry's bytes stay
+readable through it, as an unlinked file's do.
 
 How an entry is mapped (``mode``):
 
@@ -62,7 +64,6 @@ from .mapped import (
     MappedFile,
     SharedManifest,
     _check_range,
-    _live_in,
     _packed_header,
     _packed_live,
     origin_of,
@@ -92,8 +93,12 @@ _MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13
 _MAPPINGS: weakref.WeakValueDictionary[tuple[str, str, str], MappedFile] = (
     weakref.WeakValueDictionary()
 )
-_MANIFESTS: weakref.WeakValueDictionary[tuple[str, str], SharedManifest] = weakref.WeakValueDictionary()
-"""(root, batch) -> this process's shared mapping of the batch's manifest, while it lives."""
+_MANIFESTS: weakref.WeakValueDictionary[tuple[str, str, int], SharedManifest] = weakref.WeakValueDictionary()
+"""(root, batch, window) -> this process's shared mapping of that window of the batch's
+manifest, while it lives."""
+_WINDOW = 64 << 20  # a manifest is mapped in windows of this size, at multiples of it,
+_OVERLAP = (64 << 10) + mmap.PAGESIZE  # each this much longer: every packed entry (at most
+# manifest.PACK_MAX = 64 KiB) lies wholly in the window where it starts
 _TOUCH_EVERY_S = 1.0  # a batch used again within this is not touched again (LRU: seconds)
 _PROT_COPY = mmap.PROT_READ | mmap.PROT_WRITE
 # MAP_NORESERVE: older Pythons' mmap module has no constant; Linux's is 0x4000 on x86,
@@ -227,27 +232,34 @@ def _map_packed(
 ) -> tuple[Any, bytes, int, int, int | None]:
     """:func:`_map` of a packed entry: bytes ``offset..offset+length`` of its batch's
     manifest. Copy-on-write (every reader): a view into this process's one mapping of the
-    whole manifest (:func:`_shared_manifest`); ``"shared"`` (``pin``): a whole-manifest
-    mapping of its own (a registration of its own; offsets as in the shared one);
-    ``"writable"``: a mapping of just its range, from the page below ``offset``. Returns
+    manifest's window it lies in (:func:`_shared_manifest`); ``"shared"`` (``pin``: a
+    registration of its own), ``"writable"``, and copy-on-write where its window cannot
+    be mapped (ENOMEM: ``ulimit -v``/``-d``): a mapping of just its range, from the page
+    below ``offset`` (``MappedFile.file_start``). Returns
     the entry's header as :func:`_map` does, and where its ``.npy`` starts in the mapping.
     A range beyond the file's end (a damaged or truncated manifest) is
     :class:`CorruptEntryError`, never a mapping that faults. No huge pages (tiny)."""
     batch, index, offset, length = packed
     path = object_path(root, batch, MANIFEST_FILE)
     if mode == COPY_ON_WRITE:
-        shared, size = _shared_manifest(root, batch, path, key, offset, length)
-        if not read_header and not _live_in(shared, size, index):
-            raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
-        shared.record(offset, version, key, length)
-        head, end = b"", 0
-        if read_header:
-            head, end = _packed_header(shared, key, path, offset, length)
-        return shared, head, end, offset, offset + length
+        try:
+            shared = _shared_manifest(root, batch, path, key, offset, length)
+        except OSError as exc:  # no room for its window (`ulimit -v`, `ulimit -d`)
+            if exc.errno != errno.ENOMEM:
+                raise
+        else:  # header and live byte pread: a read through the mapping could be SIGBUS
+            if not read_header and not _packed_live(shared.fd, index):
+                raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
+            shared.record(offset, version, key, length)
+            head, end = b"", 0
+            if read_header:
+                head, end = _packed_header(shared.fd, key, path, offset, length)
+            shift = offset - shared.file_start
+            return shared, head, end, shift, shift + length
     fd = _open_entry_file(path, key)
     try:
         _check_range(key, path, offset, length, os.fstat(fd).st_size)
-        start = 0 if mode == SHARED else offset - offset % mmap.ALLOCATIONGRANULARITY
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
         shift = offset - start
         if not read_header and not _packed_live(fd, index):
             # a second mapping of an array already out (private_view): refused once the
@@ -255,25 +267,34 @@ def _map_packed(
             raise FileNotFoundError(errno.ENOENT, f"entry {key!r} was evicted", path)
         head, end = b"", 0
         if read_header:
-            head = os.pread(fd, min(_HEADER_READ, length), offset)
-            end = header_length(head, f"entry {key!r}")
-            if end > len(head):
-                head = os.pread(fd, min(end, length), offset)
-                if end > len(head):
-                    raise CorruptEntryError(f"entry {key!r}: its bytes in {path} end inside its header")
-        mapping = _map_and_touch(fd, key, mode, False, 0 if mode == SHARED else shift + length, start)
+            head, end = _packed_header(fd, key, path, offset, length)
+        try:
+            mapping = _map_and_touch(fd, key, mode, False, shift + length, start)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise MappingRefusedError(
+                f"the kernel refused to map entry {key!r} ({length:,} bytes) even read-only: this "
+                "process's address space is full (`ulimit -v`, `ulimit -d`); raise the limit or "
+                "hold fewer arrays"
+            ) from exc
     finally:
         os.close(fd)
+    if isinstance(mapping, MappedFile):
+        mapping.file_start = start
     return _owned(mapping, (root, version, filename, key)), head, end, shift, shift + length
 
 
 def _shared_manifest(
     root: str, batch: str, path: str, key: str, offset: int, length: int
-) -> tuple[SharedManifest, int]:
-    """This process's mapping of ``batch``'s whole manifest (made on the first open of
-    one of its entries) and the file's size now; later opens of its other entries cost
+) -> SharedManifest:
+    """This process's mapping of the window of ``batch``'s manifest that ``offset`` lies in
+    (bytes ``w * _WINDOW`` to ``(w + 1) * _WINDOW + _OVERLAP``, or the file's end: a key of
+    a 10 GB manifest maps 64 MiB, not 10 GB), made on the first open of one of its
+    entries; later opens of its other entries cost
     one ``stat`` (the file's identity and size; the LRU touch at most once a second), no
-    open, fstat nor mmap.
+    open, fstat nor mmap. A refused mapping (ENOMEM) is raised, not mapped shared
+    read-only: the caller maps the entry's range instead.
 
     The mapping is reused only for the same file: the ``stat`` of ``path`` must give the
     ``(device, inode)`` it was made from, which no other file can have while it lives (it
@@ -281,7 +302,8 @@ def _shared_manifest(
     wiped and recreated) always get a mapping of their own. ``stat``'s size is checked as
     an ``fstat``'s would be: a manifest truncated after it was mapped is
     :class:`CorruptEntryError`, never a read past its end (SIGBUS)."""
-    cached = _MANIFESTS.get((root, batch))
+    window = offset // _WINDOW
+    cached = _MANIFESTS.get((root, batch, window))
     if cached is not None:
         try:
             st = os.stat(path)
@@ -296,19 +318,27 @@ def _shared_manifest(
                     os.utime(path)
                 except OSError:
                     pass
-            return cached, st.st_size
+            return cached
     fd = _open_entry_file(path, key)
     try:
         st = os.fstat(fd)
         _check_range(key, path, offset, length, st.st_size)
-        mapping = _map_and_touch(fd, key, COPY_ON_WRITE, False, kind=SharedManifest)
-    finally:
+        start = window * _WINDOW  # a multiple of the allocation granularity
+        span = min(_WINDOW + _OVERLAP, st.st_size - start)
+        mapping: SharedManifest = _map_and_touch(
+            fd, key, COPY_ON_WRITE, False, span, start, kind=SharedManifest, fallback=False
+        )
+    except BaseException:
         os.close(fd)
+        raise
+    mapping.fd = fd  # closed with the mapping (Python < 3.13: beside the mapping's own)
+    weakref.finalize(mapping, os.close, fd)
+    mapping.file_start = start
     mapping.ident = (st.st_dev, st.st_ino)
     mapping.entries = {}
     _owned(mapping, (root, batch, MANIFEST_FILE, ""))
-    _MANIFESTS[(root, batch)] = mapping
-    return mapping, st.st_size
+    _MANIFESTS[(root, batch, window)] = mapping
+    return mapping
 
 
 def _open_entry_file(path: str, key: str) -> int:
@@ -329,11 +359,12 @@ def _map_and_touch(
     length: int = 0,
     offset: int = 0,
     kind: type[MappedFile] = MappedFile,
+    fallback: bool = True,
 ) -> Any:
     """:func:`_mmap` (out of descriptors typed), then the file's time stamps touched: when
     it was last used, for least-recently-used eviction."""
     try:
-        mapping = _mmap(fd, key, mode, huge, length, offset, kind)
+        mapping = _mmap(fd, key, mode, huge, length, offset, kind, fallback)
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise _too_many_open(key) from exc
@@ -362,10 +393,12 @@ def _mmap(
     length: int = 0,
     offset: int = 0,
     kind: type[MappedFile] = MappedFile,
+    fallback: bool = True,
 ) -> Any:
     """One mapping of ``fd`` in ``mode`` (an ``mmap``, or with ``huge`` a ``huge_map``
     buffer where one can be made); a copy-on-write one is a shared read-only one
-    under strict overcommit, or where the kernel refuses it (ENOMEM: RLIMIT_DATA)."""
+    under strict overcommit, or where the kernel refuses it (ENOMEM: RLIMIT_DATA) unless
+    not ``fallback`` (then the ENOMEM is raised)."""
     if mode == COPY_ON_WRITE:
         if not _STRICT_OVERCOMMIT:
             try:
@@ -373,7 +406,7 @@ def _mmap(
                     fd, length, flags=_FLAGS_COPY, prot=_PROT_COPY, offset=offset, **_MMAP_OPTIONS
                 )
             except OSError as exc:
-                if exc.errno != errno.ENOMEM:
+                if exc.errno != errno.ENOMEM or not fallback:
                     raise
                 _say_shared_once(_refused(key, os.fstat(fd).st_size))
         else:
@@ -464,6 +497,8 @@ def private_view(array: np.ndarray) -> np.ndarray:
     found = origin_of(array)
     if found is None:
         raise ValueError("array does not live in the shmcache (open it with shmcache.open_array)")
+    if not array.size:  # no bytes to map
+        return np.zeros(array.shape, array.dtype)
     (root, version, filename, key), offset = found
     try:
         private, _, _, shift, _ = _map(root, version, filename, key, False, WRITABLE)
@@ -471,8 +506,8 @@ def private_view(array: np.ndarray) -> np.ndarray:
         raise KeyNotFoundError(
             f"entry {key!r} (version {version}) was replaced or evicted; open the key again"
         ) from None
-    packed = packed_range(version) if shift else None
-    if packed is not None:  # ``offset`` is in the whole manifest; ``private`` maps its range
+    packed = packed_range(version) if "." in version.partition("/")[2] else None
+    if packed is not None:  # ``offset`` is in the manifest; ``private`` maps from ``packed[2] - shift``
         offset -= packed[2] - shift
     return np.ndarray(array.shape, array.dtype, buffer=private, offset=offset, strides=array.strides)
 
@@ -500,6 +535,7 @@ def _reattach(
             "process could attach to it; open the key again"
         ) from None
     _MAPPINGS[ident] = mapping
+    offset -= mapping.file_start  # ``offset`` is in the file (a range mapping starts later)
     array = np.ndarray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
     array.setflags(write=False)
     return array
@@ -511,7 +547,7 @@ _installed = False
 
 def _reduce_ndarray(array: np.ndarray) -> Any:
     found = origin_of(array)
-    if found is not None:
+    if found is not None and array.size:  # an empty array goes by value
         origin, offset = found
         return _reattach, (
             *origin,

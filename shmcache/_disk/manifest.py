@@ -4,8 +4,11 @@ and holding the bytes of its small entries.
 A directory put writes its entries into one version directory ``objects/<batch>/``. An
 entry whose ``.npy`` is small (at most :data:`PACK_MAX` bytes) is PACKED into the
 manifest file itself: its version is ``<batch>/<n>.<offset>.<length>`` (``layout.
-packed_range``), the open path maps those bytes of ``objects/<batch>/manifest`` without
-reading anything else of it. A bigger one keeps a directory of its own,
+packed_range``); the open path ``pread``s its header and live byte, and its array is a
+view into the process's one mapping of its 64 MiB window of the manifest
+(``_disk/mapped.SharedManifest``; its own range where that is refused, and for
+``pin``/``private_view``). A
+published manifest never grows. A bigger one keeps a directory of its own,
 ``objects/<batch>/<n>/`` (its ``.npy`` files, no ``meta.json``), version ``<batch>/<n>``.
 (A file and a directory per 1 KiB entry cost twice what ``cp -r`` does; a batch may mix
 both.) Why the manifest and not a file of its own beside it: an older shmcache's

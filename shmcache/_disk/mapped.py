@@ -1,6 +1,7 @@
 """What an entry's mapping is, and what is read through one without mapping anything:
 :class:`MappedFile` (one published entry file, knowing where it came from) and
-:class:`SharedManifest` (one mapping per packed batch, shared by its entries); which
+:class:`SharedManifest` (one mapping per 64 MiB window of a packed batch's manifest,
+shared by the entries starting in it); which
 entry an array lies in (:func:`mapped_base`, :func:`origin_of`); and a packed entry's
 range, header and live byte in its batch's manifest (format 2). ``attach`` makes the
 mappings and holds the mmap policy (modes, strict overcommit, the fallbacks, which tests
@@ -34,6 +35,9 @@ class MappedFile(mmap.mmap):
     shared: bool = False
     """True for a ``MAP_SHARED`` read-only mapping (mode ``"shared"``, or the fallback
     when the kernel refused a copy-on-write one): a write through it is a SIGSEGV."""
+    file_start: int = 0
+    """Where the mapping starts in its file (a packed entry's range mapping: the page
+    below its offset); :func:`origin_of` gives offsets in the file, not the mapping."""
     _start: int | None = None
 
     def start_address(self) -> int:
@@ -48,24 +52,35 @@ class MappedFile(mmap.mmap):
 
 
 class SharedManifest(MappedFile):
-    """The one mapping of a whole batch manifest that every packed entry of that batch
-    opened copy-on-write in this process is a view into: one descriptor (Python < 3.13)
-    and one VMA per batch, not per key (``vm.max_map_count`` and ``ulimit -n`` would
-    otherwise cap a process at a few thousand keys). It lives while any array over it
-    does (``attach._MANIFESTS`` holds it weakly)."""
+    """The one mapping of a window of a batch manifest (64 MiB and the longest entry, from
+    ``file_start``: ``attach._shared_manifest``) that every packed entry starting in it
+    opened copy-on-write in this process is a view into: one descriptor (two on Python
+    < 3.13) and one VMA per window, not per key (``vm.max_map_count`` and ``ulimit -n``
+    would otherwise cap a process at a few thousand keys), nor a 10 GB reservation for one
+    key of a 10 GB manifest. It lives while any array over it does (``attach._MANIFESTS``
+    holds it weakly). A published manifest never grows (it is written once, then only its
+    live bytes change in place): the mapping, made at the file's size, covers every entry
+    of its window it will ever hold."""
 
+    fd: int
+    """A read-only descriptor of the file, for the open path's ``pread`` of an entry's
+    header and live byte: a read through the mapping of a file truncated meanwhile (a
+    broken or hostile writer) would be SIGBUS, a ``pread`` is a short read. Closed with
+    the mapping (Python < 3.13's mmap keeps a duplicate of its own, not exposed: two
+    descriptors per window there, one on 3.13+)."""
     ident: tuple[int, int]
     """``(st_dev, st_ino)`` of the file mapped: while this mapping lives the file's inode
     cannot be freed, so no other file has them; a path that stats to them is this file."""
     entries: dict[int, tuple[str, str, int]]
-    """Packed offset -> ``(version, key, length)`` of each entry opened over it (for the
+    """Packed offset (in the file) -> ``(version, key, length)`` of each entry opened over it (for the
     ``origin`` of an array: pickling by reference, ``private_view``, ``pin``)."""
     longest: int = 0
 
     def origin_at(self, offset: int) -> tuple[str, str, str, str] | None:
         entries = self.entries
+        offset += self.file_start  # entries are recorded at their offset in the file
         start = offset - offset % _PACK_ALIGN
-        lowest = max(_DATA_START, offset - self.longest)
+        lowest = max(_DATA_START, self.file_start, offset - self.longest)
         while start >= lowest:  # entries are 64-byte aligned, at most ``longest`` bytes
             found = entries.get(start)
             if found is not None:
@@ -98,26 +113,17 @@ def _check_range(key: str, path: str, offset: int, length: int, size: int) -> No
         )
 
 
-def _packed_header(
-    mapping: SharedManifest, key: str, path: str, offset: int, length: int
-) -> tuple[bytes, int]:
-    """A packed entry's header bytes and length, read through the shared mapping (a page
-    the array's first read would fault in anyway; no descriptor to ``pread``)."""
-    head = mapping[offset : offset + min(_HEADER_READ, length)]
+def _packed_header(fd: int, key: str, path: str, offset: int, length: int) -> tuple[bytes, int]:
+    """A packed entry's header bytes and length, ``pread`` from its manifest at ``fd`` (a
+    short read, the file truncated meanwhile, is :class:`CorruptEntryError`, never the
+    SIGBUS a read through a mapping would be)."""
+    head = os.pread(fd, min(_HEADER_READ, length), offset)
     end = header_length(head, f"entry {key!r}")
     if end > len(head):
-        head = mapping[offset : offset + min(end, length)]
+        head = os.pread(fd, min(end, length), offset)
         if end > len(head):
             raise CorruptEntryError(f"entry {key!r}: its bytes in {path} end inside its header")
     return head, end
-
-
-def _live_in(mapping: SharedManifest, size: int, index: int) -> bool:
-    """:func:`_packed_live` read through the shared mapping (an evict's ``pwrite`` of the
-    live byte shows in every mapping of the file, unlinked or not); ``size``: the file's
-    now (never a read past its end: SIGBUS)."""
-    at = int.from_bytes(mapping[_LIVE_AT], "little") + index
-    return 0 <= at < min(size, len(mapping)) and mapping[at] == 1
 
 
 def _packed_live(fd: int, index: int) -> bool:
@@ -132,13 +138,17 @@ def _packed_live(fd: int, index: int) -> bool:
 def origin_of(array: np.ndarray) -> tuple[tuple[str, str, str, str], int] | None:
     """``((root, version, filename, key), offset)`` of the entry a shared array (or a view
     of one) lies in, ``offset`` being where its data starts in the entry's mapping (for a
-    packed entry: in its whole manifest); None for any other array."""
+    packed entry: in its whole manifest, whatever part of it the mapping holds); None for
+    any other array. An empty array has an origin too (``as_tensor``, ``pin`` of an empty
+    entry); pickling sends it by value."""
     base = mapped_base(array)
-    if not isinstance(base, MappedFile) or not array.size:
+    if not isinstance(base, MappedFile):
         return None
     offset = int(array.__array_interface__["data"][0]) - base.start_address()
     origin = base.origin_at(offset)
-    return None if origin is None else (origin, offset)
+    if origin is None and not array.size and offset:  # empty, at its entry's end
+        origin = base.origin_at(offset - 1)
+    return None if origin is None else (origin, offset + base.file_start)
 
 
 def mapped_base(array: np.ndarray) -> Any:

@@ -34,6 +34,7 @@ __all__ = ["Reader", "forget_attachments", "reader_of", "release_version"]
 
 _RESOLVE_RETRIES = 100
 _SWEEP_INTERVAL_S = 1.0
+_RECHECK_PER_SWEEP = 1000  # warm keys readlinked per sweep whatever their slot says
 
 # A warm entry: (slot value when resolved, the generation table, slot, version, object).
 _Hit = tuple[int, memoryview, int, str, Any]
@@ -51,6 +52,7 @@ class Reader:
         self._arrays: dict[str, _Hit] = {}
         self._handles: dict[str, _Hit] = {}
         self._last_sweep = 0.0
+        self._recheck_at = [0, 0]  # round-robin position of the sweep in each cache
         _READERS.add(self)
 
     def forget(self) -> None:
@@ -283,11 +285,17 @@ class Reader:
         """
         self._last_sweep = time.monotonic()
         self.check_root_identity()
-        for cache in (self._arrays, self._handles):
-            for key, hit in list(cache.items()):
+        for n, cache in enumerate((self._arrays, self._handles)):
+            hits = list(cache.items())
+            at = self._recheck_at[n] % len(hits) if hits else 0
+            self._recheck_at[n] = at + _RECHECK_PER_SWEEP
+            for i, (key, hit) in enumerate(hits):
                 # an unchanged slot: still current, as the warm open trusts (no readlink:
-                # a process holding 100,000 keys would pay 100,000 of them every sweep)
-                if hit[1][hit[2]] != hit[0] and self.layout.entry_version(key) != hit[3]:
+                # a process holding 100,000 keys would pay 100,000 of them every sweep),
+                # except a round-robin slice of them: a writer killed between its link
+                # swap and its generation bump leaves the slot unchanged and the key moved
+                due = (i - at) % len(hits) < _RECHECK_PER_SWEEP
+                if (due or hit[1][hit[2]] != hit[0]) and self.layout.entry_version(key) != hit[3]:
                     cache.pop(key, None)
 
 
