@@ -22,7 +22,8 @@ class ProcessRow:
     entries: list[str]
     """Keys it maps (``<evicted>`` for versions no longer published). An entry packed in a
     directory put's manifest counts as mapped when a mapped page holds any of its bytes: a
-    reader maps its whole manifest (``_disk/mapped.SharedManifest``), so all of them."""
+    reader maps its manifest in 64 MiB windows (``_disk/mapped.SharedManifest``), so all of
+    those in a window it mapped."""
     memory: Memory
     cuda_pins: list[str] = field(default_factory=list)
     """Keys it pinned with ``shmcache.torch`` (`` (staged)``: not registered, copied

@@ -31,7 +31,8 @@ class MappingScan:
     packed: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     """Batch -> ``(first byte, end, pid)`` of each mapping of its manifest: which of its
     packed entries a process maps (``pids_by_version`` has the batch's name: any of them).
-    A reader maps the whole manifest once (``mapped.SharedManifest``): all of them, which
+    A reader maps the manifest once per 64 MiB window (``mapped.SharedManifest``): all the
+    entries of a window it mapped, which
     is the truth about memory (the manifest's pages go only with the batch and its last
     mapping); a private writable array maps just its entry's pages."""
 

@@ -127,9 +127,9 @@ def _make_room_in_budget(
             f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}), "
             f"{human_bytes(used)} used; only {human_bytes(_freed_by(candidates, members, held))} could be "
             f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}"
-            + (" (a process that opens an entry packed in a directory put's manifest maps the whole "
-               "manifest, and the daemon probes it as one file: every entry packed there counts as "
-               "mapped)" if whole else "")
+            + (" (a process that opens an entry packed in a directory put's manifest maps its "
+               "whole 64 MiB window of the manifest, and the daemon probes it as one file: every "
+               "entry packed there counts as mapped)" if whole else "")
             + ". Evict some "
             "(`shmcache evict KEY`), let the processes that map them exit, or raise the budget "
             "(`shmcache budget set SIZE`)"
