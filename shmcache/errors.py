@@ -114,7 +114,8 @@ class TooManyOpenFilesError(ShmCacheError, OSError):
 
 class MappingRefusedError(ShmCacheError, MemoryError):
     """The kernel refused the private copy-on-write mapping a writable tensor needs
-    (strict overcommit, ``vm.overcommit_memory=2``, or ``RLIMIT_DATA``)."""
+    (strict overcommit, ``vm.overcommit_memory=2``, or ``RLIMIT_DATA``), or any mapping of
+    an entry at all (``RLIMIT_AS``: no address space left in the process)."""
 
 
 class GPUUnavailableError(ShmCacheError, RuntimeError):

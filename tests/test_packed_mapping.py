@@ -498,3 +498,34 @@ def test_a_big_manifest_is_mapped_in_64_mib_windows(store: Store, root: Path, tm
     del held, view, array  # the last pin's own range mapping
     gc.collect()
     assert len(_manifest_maps(root)) == 2  # the two windows (the reader keeps its arrays)
+
+
+NO_ADDRESS_SPACE = textwrap.dedent(
+    """
+    import resource, sys
+    import shmcache
+    root = sys.argv[1]
+    shmcache.open_array("warm", root=root)  # imports and the root's tables: mapped already
+    with open("/proc/self/status") as f:
+        size = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + (24 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        shmcache.open_array("big", root=root)
+    except shmcache.MappingRefusedError as exc:
+        print("refused:", exc, flush=True)
+    """
+)
+
+
+def test_an_entry_of_its_own_with_no_address_space_left_is_a_typed_refusal(store: Store, root: Path) -> None:
+    """Under ``ulimit -v`` with less room than an entry of its own (not packed), both the
+    copy-on-write mapping and the shared read-only fallback are refused with ENOMEM: the
+    open is a :class:`MappingRefusedError` naming the limit (once a raw ``OSError``)."""
+    store.put_array("big", np.zeros(64 << 20, np.uint8))
+    store.put_array("warm", np.zeros(3))
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_ADDRESS_SPACE, str(root)], capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("refused:"), proc.stdout
+    assert "'big'" in proc.stdout and "ulimit -v" in proc.stdout

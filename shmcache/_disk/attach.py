@@ -417,7 +417,12 @@ def _mmap(
             )
         mode = SHARED  # the fallback: a shared read-only mapping, below
     if mode == SHARED:
-        mapping = kind(fd, length, prot=mmap.PROT_READ, offset=offset, **_MMAP_OPTIONS)
+        try:
+            mapping = kind(fd, length, prot=mmap.PROT_READ, offset=offset, **_MMAP_OPTIONS)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise MappingRefusedError(_refused_shared(key, length or os.fstat(fd).st_size)) from exc
         mapping.shared = True
         return mapping
     if huge and not _STRICT_OVERCOMMIT:
@@ -445,6 +450,14 @@ def _refused(key: str, size: int) -> str:
         f"the kernel refused a private copy-on-write mapping of entry {key!r} ({size:,} bytes; "
         "strict overcommit, vm.overcommit_memory=2, charges it in full to the commit limit, "
         "and RLIMIT_DATA counts it)"
+    )
+
+
+def _refused_shared(key: str, size: int) -> str:
+    return (
+        f"the kernel refused even a shared read-only mapping of entry {key!r} ({size:,} bytes): "
+        "this process has no address space left for it (`ulimit -v`, RLIMIT_AS, counts every "
+        "mapping). Raise `ulimit -v`, or open fewer or smaller entries at once"
     )
 
 
