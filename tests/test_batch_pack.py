@@ -368,8 +368,8 @@ def test_dataloader_workers_read_packed_entries(store: Store, tmp_path: Path, me
 
 
 def test_space_pressure_spares_every_entry_of_a_mapped_batch(root: Path, tmp_path: Path) -> None:
-    """A process that opened one packed entry maps its whole manifest (one mapping per
-    batch, shared by every entry of it it opens): every entry of the batch counts as
+    """A process that opened one packed entry maps its manifest's 64 MiB window (one mapping per
+    window, shared by every entry of it it opens): every entry of the batch counts as
     mapped. Honest about memory: the manifest's pages return only with the batch's last
     entry, while any mapping of it lives, so evicting the others would free nothing. A put
     that needs room is refused, naming them as busy, and evicts nothing."""

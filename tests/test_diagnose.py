@@ -145,7 +145,7 @@ def test_top_names_the_packed_entry_a_process_maps_and_evicted_once_its_manifest
 ) -> None:
     """A directory put's small entries live in its manifest: top attributes a mapping of
     the manifest to the entries its range covers (not ``<evicted>``): a reader maps the
-    whole manifest once for all its entries, so all of them; and only a mapping of no live
+    manifest once per 64 MiB window for all its entries, so all of them; and only a mapping of no live
     entry's bytes to ``<evicted>``."""
     from shmcache._diagnose.top import mapping_processes
 
@@ -170,7 +170,7 @@ def test_top_names_the_packed_entry_a_process_maps_and_evicted_once_its_manifest
         rows, _ = mapping_processes(store)
         keys = next(row.entries for row in rows if row.pid == reader.pid)
         assert "d/f2" in keys and "<evicted>" not in keys
-        assert keys == ["d/f0", "d/f1", "d/f2", "d/f3"]  # one mapping of the whole manifest
+        assert keys == ["d/f0", "d/f1", "d/f2", "d/f3"]  # one mapping of the manifest's only window
         for i in range(4):
             store.evict(f"d/f{i}")
         rows, _ = mapping_processes(store)
