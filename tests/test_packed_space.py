@@ -105,15 +105,7 @@ def test_a_mixed_batch_frees_its_manifest_only_with_its_last_entry(store: Store,
     """A batch with an entry directory beside its packed entries keeps its manifest while
     that directory's key is linked: evicting its last packed entry frees nothing, so a put
     that needs those bytes (the directory's key mapped here) is refused, not let overshoot."""
-    folder = tmp_path / "src"
-    folder.mkdir()
-    for i in range(100):
-        np.save(folder / f"f{i}.npy", np.full((64, 200), i, np.float32))
-    np.save(folder / "big.npy", np.zeros(200_000, np.uint8))  # over 64 KiB: a directory of its own
-    store.put_file("d", folder)
-    packed = packed_range(store.info("d/f0").version)
-    assert packed is not None and packed_range(store.info("d/big").version) is None
-    manifest = store.root / "objects" / packed[0] / "manifest"
+    manifest = _mixed_batch(store, tmp_path / "src")
     for i in range(1, 100):
         store.evict(f"d/f{i}")
     used = store.stats().used

@@ -267,20 +267,10 @@ def test_eviction_says_a_packed_entry_counts_as_mapped_when_its_manifest_is(
 ) -> None:
     """The lease probe sees a directory put's manifest as one file: while a process maps
     one of its packed entries, the daemon may not evict any of them, and says so."""
-    source = tmp_path / "d"
-    source.mkdir()
-    for i in range(6):  # 64 KiB each: packed into the manifest
-        np.save(source / f"f{i}.npy", np.zeros((64 << 10) - 128, dtype=np.uint8))
-    Store(budget_served).put_file("d", source)
+    _put_packed_batch(budget_served, tmp_path / "d")
     assert "." in Store(budget_served).info("d/f5").version  # packed
-    reader = subprocess.Popen(
-        [sys.executable, "-c", "import sys, shmcache\n"
-         f"a = shmcache.open_array('d/f0', root={str(budget_served)!r})\n"
-         "print(int(a[0]), flush=True)\nsys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
+    reader = _reader_of_d_f0(budget_served)
     try:
-        assert reader.stdout is not None and reader.stdout.readline().strip() == "0"
         with pytest.raises(CacheFullError) as refused:
             as_user(team["bob"], _put_kib, budget_served, "b/new", 200)
         message = str(refused.value)
@@ -320,19 +310,9 @@ def test_a_later_put_evicts_a_members_new_entry_while_a_batch_it_would_free_is_m
     room, every entry packed in the batch counts as mapped while one is (the lease probe
     sees the manifest), so the least recently used entry left, the member's new one, goes
     (docs/team-writes.md says so)."""
-    source = tmp_path / "d"
-    source.mkdir()
-    for i in range(6):  # 64 KiB each: packed into the manifest
-        np.save(source / f"f{i}.npy", np.zeros((64 << 10) - 128, dtype=np.uint8))
-    Store(budget_served).put_file("d", source)
-    reader = subprocess.Popen(
-        [sys.executable, "-c", "import sys, shmcache\n"
-         f"a = shmcache.open_array('d/f0', root={str(budget_served)!r})\n"
-         "print(int(a[0]), flush=True)\nsys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
+    _put_packed_batch(budget_served, tmp_path / "d")
+    reader = _reader_of_d_f0(budget_served)
     try:
-        assert reader.stdout is not None and reader.stdout.readline().strip() == "0"
         as_user(team["bob"], _put_kib, budget_served, "b/new", 40)  # fits beside the batch
         as_user(team["bob"], _put_kib, budget_served, "b/more", 40)  # does not: b/new goes
         left = sorted(e.key for e in Store(budget_served).list())
@@ -378,3 +358,28 @@ def _put_kib_closing(inherited: int, root: Path, key: str, kib: int) -> None:
     member's process holds none of the daemon's)."""
     os.close(inherited)
     _put_kib(root, key, kib)
+
+
+def _put_packed_batch(root: Path, source: Path) -> None:
+    """``d/f0`` .. ``d/f5``, 64 KiB each: packed into one directory put's manifest."""
+    source.mkdir()
+    for i in range(6):
+        np.save(source / f"f{i}.npy", np.zeros((64 << 10) - 128, dtype=np.uint8))
+    Store(root).put_file("d", source)
+
+
+def _reader_of_d_f0(root: Path) -> subprocess.Popen[str]:
+    """A process that maps ``d/f0`` (hence its manifest) until its stdin closes; returns
+    once it has read it."""
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys, shmcache\n"
+         f"a = shmcache.open_array('d/f0', root={str(root)!r})\n"
+         "print(int(a[0]), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "0"
+    except BaseException:
+        reader.kill()
+        raise
+    return reader
