@@ -258,10 +258,11 @@ _Renameat2 = Callable[[int, bytes, int, bytes, int], int]
 
 def _load_renameat2() -> _Renameat2 | None:
     import ctypes  # deferred: the write side alone needs it (import time of the open path)
-    import ctypes.util
     import platform
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    # the process's own symbols (its libc among them): find_library("c") would run
+    # `ldconfig -p` in a subprocess, ~3 ms of the first directory put
+    libc = ctypes.CDLL(None, use_errno=True)
     function = getattr(libc, "renameat2", None)  # glibc >= 2.28
     if function is not None:
         function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
