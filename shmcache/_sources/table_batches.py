@@ -1,0 +1,236 @@
+"""A table file decoded one Parquet row group / Arrow record batch / CSV-JSON block at a
+time into a version of a writer (``table_stream``), so the decoded table is never whole in
+memory: the streaming core of local table files (``tables``, read in place) and of table
+objects from URLs (``remote_tables``, read from their scratch file).
+
+The file is read through a ``pyarrow.OSFile`` (``pread``, no mapping: touched pages of a
+mapped tmpfs file count in RSS). The writer's reservation grows batch by batch, ahead of
+what each encoded column chunk adds. A table whose later batches need another layout than
+its first (a CSV column that turns from ints to floats after the first block, a column with
+no value in the first block, a fixed-size list column that meets a null) raises
+:class:`ChangedLayout`: the caller decodes it whole instead, correct but not flat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._containers.table_stream import ChangedLayout, TableAppender
+from .._disk.array_parts import FileArray
+from .._disk.npy import NpyHeader
+from .._disk.writer import VersionWriter
+from ..errors import (
+    CacheFullError,
+    CorruptSourceError,
+    InvalidSourceError,
+    ShmCacheError,
+    UnsupportedDataError,
+)
+
+__all__ = [
+    "PAGE",
+    "LoadedTable",
+    "Reservation",
+    "Reserve",
+    "append_table_file",
+    "has_pyarrow",
+    "write_table_files",
+]
+
+PAGE = 4096  # what a file takes beyond its bytes (its header's page)
+_SLACK = 64 << 20  # a reservation grows by at least this much (fewer space-lock rounds)
+
+Reserve = Callable[[int, bool], None]
+"""``reserve(nbytes, evict)``: record (and check against the budget and free space) what the
+writer will hold at most; ``evict=False``: raise CacheFullError rather than evict for it."""
+
+
+@dataclass
+class LoadedTable:
+    """A table entry written into ``version`` of the writer, not published yet."""
+
+    version: str
+    headers: dict[str, NpyHeader]
+    crcs: dict[str, int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Reservation:
+    """The writer's reservation, grown ahead of what is about to be written: by slack where
+    that fits without evicting anything, else by exactly what is needed (evicting for it)."""
+
+    def __init__(self, reserve: Reserve) -> None:
+        self._reserve = reserve
+        self.reserved = 0
+
+    def need(self, nbytes: int) -> None:
+        if nbytes <= self.reserved:
+            return
+        ahead = nbytes + min(_SLACK, nbytes // 2)
+        try:
+            self._reserve(ahead, False)  # the slack saves space-lock rounds, never an entry
+            self.reserved = ahead
+        except CacheFullError:
+            self._reserve(nbytes, True)
+            self.reserved = nbytes
+
+    def hope(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` (an estimate) if it fits without evicting anything; else grow
+        batch by batch, evicting for what is written only."""
+        if nbytes <= self.reserved:
+            return
+        try:
+            self._reserve(nbytes, False)
+            self.reserved = nbytes
+        except CacheFullError:
+            pass
+
+
+def append_table_file(
+    source: Any,
+    what: str,
+    suffix: str,
+    writer: VersionWriter,
+    version: str,
+    appender: TableAppender | None,
+    reservation: Reservation,
+    *,
+    table: str | None = None,
+    held: int = 0,
+    size: int = 0,
+) -> TableAppender:
+    """Append the batches of the table file ``source`` (a ``pyarrow.OSFile``; ``what`` names
+    it in errors) to ``appender``, a new one (writing into ``version``) for the first file.
+    ``table`` names the whole table of several files (a schema that differs from the
+    first's is refused); ``held``: bytes the writer holds besides the table's files (a
+    scratch file); ``size``: the file's size (an estimate of the table's, but Parquet's)."""
+    import pyarrow as pa
+
+    def create(name: str) -> tuple[int, str]:
+        return writer.create_file(version, f"{name}.npy"), str(writer.path(version, f"{name}.npy"))
+
+    with _arrow_errors(pa, what, suffix):
+        schema, batches, estimate = _batches(pa, source, suffix)
+    if suffix in (".csv", ".jsonl") and _has_null_type(pa, schema):
+        # a column with no value in the first block: the whole file's read types it
+        raise ChangedLayout(f"{what}: {schema} from the first block has null-typed columns")
+    if appender is None:
+        appender = TableAppender(schema, create, table or what)
+    elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
+        if suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
+            raise ChangedLayout(f"{what}: {schema} after {appender.schema}")
+        raise InvalidSourceError(
+            f"{table}: its table objects do not share one schema ({what} has {schema}, the "
+            f"first {appender.schema}); load each by its own URL"
+        )
+    added = appender
+
+    def before_write(nbytes: int) -> None:  # a column chunk's encoded bytes, about to be written
+        reservation.need(added.nbytes + PAGE * (added.file_count + 1) + held + nbytes)
+
+    written = added.nbytes + PAGE * (added.file_count + 1) + held
+    reservation.hope(written + (estimate if estimate is not None else size))
+    for batch in _read(pa, batches, what, suffix):
+        added.add(batch, before_write)  # (its own errors are not the file's: not mapped)
+    return appender
+
+
+def write_table_files(
+    writer: VersionWriter, version: str, files: Mapping[str, FileArray]
+) -> tuple[dict[str, NpyHeader], dict[str, int]]:
+    """A table decoded whole: its files written into ``version`` (headers and CRC-32s)."""
+    headers, crcs = {}, {}
+    for name, array in files.items():
+        crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
+    return headers, crcs
+
+
+def has_pyarrow() -> bool:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_null_type(pa: Any, schema: Any) -> bool:
+    """Whether a field (or a field nested in one: a list of nulls) is of Arrow type null."""
+    pending = [f.type for f in schema]
+    while pending:
+        kind = pending.pop()
+        if pa.types.is_null(kind):
+            return True
+        pending.extend(kind.field(i).type for i in range(kind.num_fields))
+    return False
+
+
+def _read(pa: Any, batches: Iterator[Any], what: str, suffix: str) -> Iterator[Any]:
+    """``batches``, each read with pyarrow's errors typed (a corrupt row group, a bad block)."""
+    while True:
+        with _arrow_errors(pa, what, suffix):
+            batch = next(batches, None)
+        if batch is None:
+            return
+        yield batch
+
+
+def _batches(pa: Any, source: Any, suffix: str) -> tuple[Any, Iterator[Any], int | None]:
+    """The schema and the batches of a table file (``source``, a ``pyarrow.OSFile``), read
+    one batch at a time, and (Parquet) about the bytes they make: the row groups'
+    uncompressed sizes."""
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        # One thread: decoding a row group's columns in parallel held ~8 row groups' worth
+        # in RSS (pyarrow's pool peaked at 3, the allocator kept the rest), one thread ~4;
+        # and it was no slower on 2 busy cores. (iter_batches read far ahead: ~the table.)
+        parquet = pq.ParquetFile(source)
+        groups = range(parquet.num_row_groups)
+        estimate = sum(int(parquet.metadata.row_group(i).total_byte_size) for i in groups)
+        return parquet.schema_arrow, (parquet.read_row_group(i, use_threads=False) for i in groups), estimate
+    if suffix in (".feather", ".arrow"):
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:  # an Arrow IPC stream rather than a file (Feather v1: raises here)
+            source.seek(0)
+            stream = pa.ipc.open_stream(source)
+            return stream.schema, iter(stream), None
+        return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches)), None
+    if suffix == ".csv":
+        import pyarrow.csv as pcsv
+
+        reader = pcsv.open_csv(source)
+        return reader.schema, _streamed(pa, reader), None
+    import pyarrow.json as pjson
+
+    reader = pjson.open_json(source)
+    return reader.schema, _streamed(pa, reader), None
+
+
+def _streamed(pa: Any, reader: Any) -> Iterator[Any]:
+    """A CSV/JSON reader's blocks; a block its first block's types do not fit (the whole
+    file's inference would have widened them) asks for the whole read instead."""
+    while True:
+        try:
+            batch = reader.read_next_batch()
+        except StopIteration:
+            return
+        except pa.ArrowInvalid as exc:
+            raise ChangedLayout(str(exc)) from None
+        yield batch
+
+
+@contextmanager
+def _arrow_errors(pa: Any, what: str, suffix: str) -> Iterator[None]:
+    """pyarrow's errors as ``table_arrow.read_arrow_table`` types them."""
+    try:
+        yield
+    except (ShmCacheError, ChangedLayout):
+        raise
+    except (pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise UnsupportedDataError(f"{what}: {exc}") from None
+    except (pa.ArrowInvalid, OSError, EOFError) as exc:
+        raise CorruptSourceError(f"{what} is not a readable {suffix[1:]} file: {exc}") from None
