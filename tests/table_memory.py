@@ -31,14 +31,16 @@ def write_big_parquet(path: Path, rows: int = BIG_ROWS, groups: int = 25) -> int
 
 
 def peak_growth(warm_up: str, load: str, timeout: float = 300) -> tuple[int, int]:
-    """Run ``warm_up`` (imports, a small load of the same kind), then ``load`` in a fresh
-    Python process; its peak RSS (VmHWM) before and after ``load``, in bytes."""
+    """Run ``warm_up`` (imports, a small load of the same kind, data made), then ``load`` in a
+    fresh Python process; its peak RSS (VmHWM, reset to the RSS after ``warm_up``) before
+    and after ``load``, in bytes."""
     script = "\n".join(
         [
             "def peak():",
             "    status = open('/proc/self/status').read().splitlines()",
             "    return next(int(line.split()[1]) * 1024 for line in status if line.startswith('VmHWM:'))",
             textwrap.dedent(warm_up),
+            "open('/proc/self/clear_refs', 'w').write('5')  # the peak so far := RSS now",
             "before = peak()",
             textwrap.dedent(load),
             "print(before, peak())",

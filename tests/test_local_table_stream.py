@@ -8,9 +8,11 @@ publish nothing and leave nothing in ``tmp/``."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
+import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,7 +72,15 @@ def _write_files(directory: Path, table: Any) -> list[Path]:
     pcsv.write_csv(flat, paths["t.csv"])
     rows = table.drop_columns(["when"]).to_pylist()  # JSON has no timestamps
     paths["t.jsonl"].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return list(paths.values())
+    return [_settled(path) for path in paths.values()]
+
+
+def _settled(path: Path) -> Path:
+    """``path`` dated a minute ago: no put sees it as just written (a "racy" fingerprint,
+    recorded by one put and not by a later one)."""
+    old = path.stat().st_mtime_ns - 60 * 10**9
+    os.utime(path, ns=(old, old))
+    return path
 
 
 def _entry(root: Path, key: str) -> dict[str, Any]:
@@ -141,7 +151,7 @@ def test_a_csv_whose_types_change_after_the_first_block_is_decoded_whole_as_befo
     late = tmp_path / "late.jsonl"
     rows = ({"a": i, "b": None if i < 100_000 else "s"} for i in range(120_000))
     late.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    for path in (widened, late):
+    for path in (_settled(widened), _settled(late)):
         key = path.stem
         store.put_file(key, path)
         _put_whole(store, f"{key}-whole", path)
@@ -171,6 +181,34 @@ def test_a_fresh_process_puts_a_big_local_parquet_with_flat_memory(root: Path, t
     )
     assert len(shmcache.Store(root).open_table("big")) == BIG_ROWS
     print(f"peak RSS growth {(after - before) >> 20} MiB for a {decoded >> 20} MiB table")
+
+
+@pytest.mark.parametrize("chunks", [1, 25])
+def test_put_table_of_an_arrow_table_or_dataset_makes_no_copy_of_it(root: Path, chunks: int) -> None:
+    """A ~190 MiB pyarrow Table (one chunk, or 25 as Parquet row groups and datasets' Arrow
+    files give) and a ``datasets.Dataset`` over it: the put's peak RSS grows by under 40% of
+    the table (the offsets of its strings), not by a copy of it (joining the chunks, or
+    casting one chunk's strings to large strings, copied it whole)."""
+    warm_up = f"""
+        import numpy as np, pyarrow as pa, shmcache
+        rows = {BIG_ROWS}
+        rng = np.random.default_rng(1)
+        letters = pa.py_buffer(rng.integers(97, 123, rows * 20, dtype=np.uint8))
+        offsets = pa.py_buffer(np.arange(0, rows * 20 + 1, 20, dtype=np.int32))
+        strings = pa.StringArray.from_buffers(rows, offsets, letters)
+        table = pa.table({{"x": rng.random(rows), "n": rng.integers(0, 1 << 60, rows), "s": strings}})
+        table = pa.Table.from_batches(table.to_batches(max_chunksize=-(-rows // {chunks})))
+        store = shmcache.Store({str(root)!r})
+        store.put_table("small", table.slice(0, 1000), overwrite=True)  # every import done
+        """
+    before, after = peak_growth(warm_up, "store.put_table('big', table)")
+    decoded = shmcache.Store(root).info("big").nbytes
+    assert decoded > 150 << 20
+    assert after - before < 0.4 * decoded, f"peak RSS grew {(after - before) >> 20} MiB, {decoded >> 20} MiB"
+    if chunks > 1 and importlib.util.find_spec("datasets") is not None:
+        dataset = textwrap.dedent(warm_up) + "import datasets\ndata = datasets.Dataset(table)\n"
+        before, after = peak_growth(dataset, "store.put_table('big', data, overwrite=True)")
+        assert after - before < 0.4 * decoded, f"a Dataset's put grew {(after - before) >> 20} MiB"
 
 
 def _parquet(path: Path, rows: int = 1 << 17, groups: int = 8) -> Any:

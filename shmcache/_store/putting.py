@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._containers.encode import encode_mapping, encode_ragged, encode_records, encode_strings
-from .._containers.table_arrow import encode_table
+from .._containers.table_arrow import encode_table_parts
 from .._disk.array_parts import FileArray
 from .._disk.dtypes import storable
 from .._disk.entry_tree import common_prefix, crash_point
@@ -174,7 +174,7 @@ class Putting:
                 )
             load = lambda writer, reserve: load_table_source(Path(data), writer, reserve)  # noqa: E731
             return _entry_info(self._put_loaded_table(key, load, overwrite, pin))
-        files, meta = encode_table(data, f"table for key {key!r}")
+        files, meta = encode_table_parts(data, f"table for key {key!r}")  # chunks not joined: no copy
         return self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
 
     def _put_entry(
