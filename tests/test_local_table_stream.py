@@ -13,6 +13,7 @@ import io
 import json
 import os
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +40,11 @@ _VOLATILE = ("key", "version", "created")  # what differs between any two puts
 
 def _tmp_items(root: Path) -> list[Path]:
     return list(Layout(root).tmp.iterdir()) if Layout(root).tmp.is_dir() else []
+
+
+def _decoding_threads() -> list[str]:
+    """Threads still decoding a table's next batch (none once a put returned or raised)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("shmcache-table")]
 
 
 def _table(rows: int) -> Any:
@@ -271,6 +277,7 @@ def test_a_budget_exceeded_mid_stream_publishes_nothing(root: Path, tmp_path: Pa
         store.put_file("b", path)
     assert 1 <= len(batches) < 8, batches  # refused mid-stream, not before the first batch
     assert not store.exists("b") and store.exists("other") and not _tmp_items(root)
+    assert not _decoding_threads()
     roomy = shmcache.Store(root, max_bytes=4 << 20)
     roomy.put_table("b", path)
     assert np.array_equal(roomy.open_table("b").column("v"), table.column("v").to_numpy())
@@ -296,6 +303,6 @@ def test_a_corrupt_parquet_is_a_typed_error_naming_the_file(
             store.put_file("bad", path)
         with pytest.raises(CorruptSourceError, match=path.name):
             store.put_table("bad", path)
-        assert not store.exists("bad") and not _tmp_items(root)
+        assert not store.exists("bad") and not _tmp_items(root) and not _decoding_threads()
     buffer = io.BytesIO(body)
     assert pq.read_table(buffer).num_rows == 1 << 17  # the good file was good
