@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from shmcache import Store
-from shmcache._disk.checksum import crc32, parse_checksums
+from shmcache._disk.checksum import crc32, crc32_combine, parse_checksums
 from shmcache._disk.meta import read_meta
 
 
@@ -21,6 +21,23 @@ def test_crc32_is_zlibs_and_chains() -> None:
     for piece in pieces:
         value = crc32(piece.data, value)
     assert value == zlib.crc32(data.data)
+
+
+def test_crc32_combine_is_the_crc_of_the_two_joined() -> None:
+    """Lengths with few and many bits set, none, one byte, past 2**32 (zeros: their CRC is
+    chained cheaply); the squared operators are kept between calls and reused."""
+    rng = np.random.default_rng(1)
+    for first, second in [(0, 0), (1, 1), (5, 7), (100, 4096), (3, 1_000_003), (0, 1 << 20), (77, 3_456_789)]:
+        a, b = rng.bytes(first), rng.bytes(second)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), second) == zlib.crc32(a + b), (first, second)
+    zeros, value = bytes(1 << 24), 0
+    for _ in range(257):  # 2**32 + 2**24 zero bytes
+        value = zlib.crc32(zeros, value)
+    header = b"\x93NUMPY header"
+    chained = zlib.crc32(header)
+    for _ in range(257):
+        chained = zlib.crc32(zeros, chained)
+    assert crc32_combine(zlib.crc32(header), value, 257 << 24) == chained
 
 
 def _recorded_matches_file(store: Store, root: Path, key: str) -> bool:
