@@ -52,18 +52,25 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 _ZERO_BYTES: list[list[int]] = []
-"""``[k]``: the operator on a CRC-32 of appending ``2**k`` zero bytes."""
+"""``[k]``: the operator on a CRC-32 of appending ``2**k`` zero bytes (only appended to,
+under :data:`_ZERO_BYTES_LOCK`)."""
+_ZERO_BYTES_LOCK = threading.Lock()
 
 
 def _zero_bytes_operators(count: int) -> list[list[int]]:
-    """The first ``count`` operators of :data:`_ZERO_BYTES`, squared as far as needed
-    (idempotent: threads that race square the same matrices)."""
+    """The first ``count`` operators of :data:`_ZERO_BYTES`, squared as far as needed under
+    a lock: two threads appending at once would each square the same last matrix, shifting
+    every later operator (wrong CRCs for the rest of the process). Read without it: an
+    operator, once appended, never changes."""
     found = _ZERO_BYTES
-    if not found:
-        odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-        found.append(_gf2_square(_gf2_square(_gf2_square(odd))))  # eight zero bits: a byte
-    while len(found) < count:
-        found.append(_gf2_square(found[-1]))
+    if len(found) >= count:
+        return found
+    with _ZERO_BYTES_LOCK:
+        if not found:
+            odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+            found.append(_gf2_square(_gf2_square(_gf2_square(odd))))  # eight zero bits: a byte
+        while len(found) < count:
+            found.append(_gf2_square(found[-1]))
     return found
 
 
