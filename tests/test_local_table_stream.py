@@ -381,3 +381,31 @@ def test_a_put_from_a_thread_that_outlives_the_main_thread_streams(root: Path, t
         """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "100000", done.stderr[-2000:]
+
+
+def test_an_interrupt_right_after_an_append_opens_its_file_leaks_no_descriptor(tmp_path: Path) -> None:
+    """KeyboardInterrupt raised at the first line after ``os.open`` in an append (a tracer
+    raises it there, as a signal could): the descriptor is closed all the same."""
+    from shmcache._disk.npy_append import NpyAppender
+
+    path = tmp_path / "a.npy"
+    appender = NpyAppender(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), str(path), np.dtype(np.int64))
+    raised: list[int] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not NpyAppender.append.__code__:
+            return None
+        if event == "line" and not raised and frame.f_locals.get("fd", -1) >= 0:
+            raised.append(frame.f_locals["fd"])
+            raise KeyboardInterrupt
+        return trace
+
+    before = len(os.listdir("/proc/self/fd"))
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            appender.append(np.arange(10))
+    finally:
+        sys.settrace(None)
+    assert raised, "the tracer never saw the file opened"
+    assert len(os.listdir("/proc/self/fd")) == before
