@@ -409,3 +409,31 @@ def test_an_interrupt_right_after_an_append_opens_its_file_leaks_no_descriptor(t
         sys.settrace(None)
     assert raised, "the tracer never saw the file opened"
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def test_progress_is_reported_per_batch_and_a_cancel_mid_stream_publishes_nothing(
+    store: shmcache.Store, root: Path, tmp_path: Path
+) -> None:
+    """``put_file``'s progress comes after each batch written, the file's bytes read so far
+    (a daemon job's progress and cancel work mid-stream); a callback that raises there
+    stops the put: nothing published, nothing left in ``tmp/``, no decode thread."""
+    for path in _write_files(tmp_path, _table(60_003)):
+        key = path.name.replace(".", "-")
+        seen: list[tuple[int, int]] = []
+        store.put_file(key, path, progress=lambda done, total, seen=seen: seen.append((done, total)))
+        size = path.stat().st_size
+        middle = [done for done, total in seen if 0 < done < size]
+        assert len(middle) > 1 and middle == sorted(middle) and seen[-1] == (size, size), (path.name, seen)
+
+        def cancel(done: int, total: int) -> None:
+            if 0 < done < total:
+                raise _Cancelled
+
+        with _counted_batches() as batches, pytest.raises(_Cancelled):
+            store.put_file(f"{key}-c", path, progress=cancel)
+        assert len(batches) == 1, (path.name, batches)  # stopped after the first batch
+        assert not store.exists(f"{key}-c") and not _tmp_items(root) and not _decoding_threads()

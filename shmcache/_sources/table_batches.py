@@ -105,12 +105,15 @@ def append_table_file(
     table: str | None = None,
     held: int = 0,
     size: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> TableAppender:
     """Append the batches of the table file ``source`` (a ``pyarrow.OSFile``; ``what`` names
     it in errors) to ``appender``, a new one (writing into ``version``) for the first file.
     ``table`` names the whole table of several files (a schema that differs from the
     first's is refused); ``held``: bytes the writer holds besides the table's files (a
-    scratch file); ``size``: the file's size (an estimate of the table's, but Parquet's)."""
+    scratch file); ``size``: the file's size (an estimate of the table's, but Parquet's);
+    ``progress(done)``: after each batch written, the bytes of the file read so far (below
+    ``size``; it may raise to cancel: the caller discards the version)."""
     import pyarrow as pa
 
     def create(name: str) -> tuple[int, str]:
@@ -137,10 +140,22 @@ def append_table_file(
 
     written = added.nbytes + PAGE * (added.file_count + 1) + held
     reservation.hope(written + (estimate if estimate is not None else size))
+    start = added.nbytes
+    sequential = suffix in (".csv", ".jsonl") or (estimate is None and not _has_footer(source))
+
+    def read_so_far() -> int:
+        """Where the reads are sequential (CSV, JSON, an IPC stream), the file's position
+        (the decode thread's, a group ahead); else estimated from the bytes written."""
+        if sequential:
+            return int(source.tell())
+        return (added.nbytes - start) * size // max(estimate if estimate is not None else size, 1)
+
     reading = _read(pa, batches, what, suffix)
     try:
         for batch in reading:
             added.add(batch, before_write)  # (its own errors are not the file's: not mapped)
+            if progress is not None and size:
+                progress(min(read_so_far(), size - 1))
     finally:
         reading.close()  # no decode under way once the caller closes the file
     return appender
@@ -162,6 +177,16 @@ def has_pyarrow() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _has_footer(source: Any) -> bool:
+    """Whether an Arrow file is an IPC file (read at its batches' offsets), not a stream."""
+    position = source.tell()
+    try:
+        source.seek(0)
+        return bytes(source.read(6)) == b"ARROW1"
+    finally:
+        source.seek(position)
 
 
 def _has_null_type(pa: Any, schema: Any) -> bool:

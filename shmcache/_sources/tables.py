@@ -11,7 +11,7 @@ without pyarrow) is decoded whole, as :func:`read_table_source` does."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,18 +81,23 @@ def read_table_source(
 
 
 def load_table_source(
-    path: Path, writer: VersionWriter, reserve: Reserve, allowed: Sequence[str | os.PathLike[str]] = ()
+    path: Path,
+    writer: VersionWriter,
+    reserve: Reserve,
+    allowed: Sequence[str | os.PathLike[str]] = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadedTable:
     """The table entry of a table file written into a new version of ``writer`` (not
     published), read in place batch by batch; ``reserve`` records what the writer will hold
     (``table_batches.Reserve``). A file changed while it was read raises
-    :class:`CorruptSourceError` (the version is the writer's to discard)."""
+    :class:`CorruptSourceError` (the version is the writer's to discard). ``progress(done,
+    size)``: the file's bytes read, after each streamed batch (it may raise to cancel)."""
     path = Path(os.path.abspath(path))
     suffix = path.suffix.lower()
     fd, source = _open(path, allowed)
     with open(fd, "rb") as fp:
         try:
-            loaded = _load(fp, source, str(path), suffix, writer, Reservation(reserve))
+            loaded = _load(fp, source, str(path), suffix, writer, Reservation(reserve), progress)
         except Exception:
             check_unchanged(fp.fileno(), source)  # a change explains the error: say so instead
             raise
@@ -102,15 +107,22 @@ def load_table_source(
 
 
 def _load(
-    fp: Any, source: SourceFile, name: str, suffix: str, writer: VersionWriter, reservation: Reservation
+    fp: Any,
+    source: SourceFile,
+    name: str,
+    suffix: str,
+    writer: VersionWriter,
+    reservation: Reservation,
+    progress: Callable[[int, int], None] | None,
 ) -> LoadedTable:
     """Streamed where pyarrow can (see :func:`load_table_source`), else decoded whole."""
     if has_pyarrow():
         version = writer.new_version()
         try:
             with _pread(fp) as file:
+                done = None if progress is None else (lambda n: progress(n, source.size))
                 appender = append_table_file(
-                    file, name, suffix, writer, version, None, reservation, size=source.size
+                    file, name, suffix, writer, version, None, reservation, size=source.size, progress=done
                 )
         except ChangedLayout:
             writer.discard(version)

@@ -221,15 +221,13 @@ class PuttingFiles(Putting):
         progress: Callable[[int, int], None] | None,
     ) -> builtins.list[str]:
         """``put_file`` of a local table file, read batch by batch (progress: the file's
-        bytes, when read and when published)."""
+        bytes read, after each batch, and all of them when published)."""
         size = 0
 
         def load(writer: VersionWriter, reserve: Reserve) -> LoadedTable:
             nonlocal size
-            table = load_table_source(path, writer, reserve, allowed)
+            table = load_table_source(path, writer, reserve, allowed, progress)
             size = int(table.extra["source_fingerprint"]["size"])
-            if progress is not None:
-                progress(0, size)
             return table
 
         self._put_loaded_table(key, load, overwrite, pin)
