@@ -21,6 +21,12 @@ Rows (full size; ``--quick`` in brackets), methods alternated, medians over ``--
   ``with_format("numpy")`` access to every column (which maps the files and copies nothing:
   the columns are lazy), and vs ``cp -r`` of the folder into /dev/shm (the copy floor: a
   put must copy the data); target >= 0.9x. The note gives a put process's peak RSS growth.
+- ``put_file`` of a local Parquet file (float64, int64 and 20-byte string columns, snappy,
+  32 row groups; 512 MiB decoded [8 MiB]) vs ``pyarrow.parquet.read_table`` +
+  ``feather.write_feather(..., compression="uncompressed")`` into /dev/shm (what a user does
+  by hand); each call in a fresh process (imports done on a small file first), alternated;
+  target >= 0.9x. The note gives both processes' peak RSS growths (median): the put reads
+  one row group at a time (flat), the baseline holds the decoded table.
 - random batches of 12 x 1024 token windows from ``TokenWindows`` vs nanoGPT's ``get_batch``
   over an ``np.memmap`` of the same tokens; target >= 0.9x its speed.
 
@@ -75,6 +81,92 @@ def _peak_growth(ctx: Context, source: str, *preload: str) -> int:
     modules ``preload`` imported before: their import is not the put's memory)."""
     result = run_child(_PEAK_RSS, str(ctx.store.root), source, *preload, what=f"put_file of {source}")
     return int(result["growth"])
+
+
+_TABLE_CHILD = (
+    """
+import json, sys, time
+mode, root, source, small, out = sys.argv[1:6]
+if mode == "put":
+    import shmcache
+    store = shmcache.Store(root)
+    def run(path, key):
+        store.put_file(key, path, overwrite=True)
+else:
+    import pyarrow.feather as feather, pyarrow.parquet as pq
+    def run(path, key):
+        feather.write_feather(pq.read_table(path), out + key + ".feather", compression="uncompressed")
+run(small, "warm")  # every import done, every lazy module loaded
+open("/proc/self/clear_refs", "w").write("5")  # the peak so far := RSS now
+"""
+    + PEAK_RSS_LINE.replace("peak =", "before =")
+    + """
+started = time.perf_counter()
+run(source, "big")
+seconds = time.perf_counter() - started
+"""
+    + PEAK_RSS_LINE
+    + """
+print(json.dumps({"seconds": seconds, "growth": peak - before}))
+"""
+)
+
+
+def _write_parquet(path: Path, nbytes: int, groups: int = 32) -> int:
+    """A Parquet file of about ``nbytes`` decoded (float64, int64, 20-byte strings) in
+    ``groups`` row groups, written a row group at a time; its row count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = max(groups, nbytes // 44)  # 8 + 8 + 20 bytes + 8 of offsets a row
+    per_group = -(-rows // groups)
+    rng = np.random.default_rng(0)
+    schema = pa.schema([("x", pa.float64()), ("n", pa.int64()), ("s", pa.string())])
+    with pq.ParquetWriter(path, schema) as out:
+        for start in range(0, rows, per_group):
+            count = min(per_group, rows - start)
+            letters = pa.py_buffer(rng.integers(97, 123, count * 20, dtype=np.uint8))
+            offsets = pa.py_buffer(np.arange(0, count * 20 + 1, 20, dtype=np.int32))
+            strings = pa.StringArray.from_buffers(count, offsets, letters)
+            x, n = rng.random(count), rng.integers(0, 1 << 60, count)
+            out.write_table(pa.table({"x": x, "n": n, "s": strings}), row_group_size=per_group)
+    return rows
+
+
+def row_local_parquet(ctx: Context) -> Row | None:
+    """``put_file`` of a local Parquet file vs ``read_table`` + an uncompressed Feather write
+    into /dev/shm, each call in a fresh process: its seconds and its peak RSS growth."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        return None
+    source, small = ctx.src / "table.parquet", ctx.src / "small.parquet"
+    rows = _write_parquet(source, ctx.config.npy_bytes // 2 if ctx.config.npy_bytes > 64 * MiB else 8 * MiB)
+    pq.write_table(pq.ParquetFile(source).read_row_group(0).slice(0, 1000), small)
+    times = {"put": Samples(), "feather": Samples()}
+    growths: dict[str, list[int]] = {"put": [], "feather": []}
+    for repeat in range(ctx.config.repeats):
+        for mode in alternated(list(times), repeat):
+            out = str(ctx.shm / ctx.fresh("f"))
+            args = (mode, str(ctx.store.root), str(source), str(small), out)
+            result = run_child(_TABLE_CHILD, *args, what=f"{mode} of {source}")
+            times[mode].add(float(result["seconds"]))
+            growths[mode].append(int(result["growth"]))
+            _clear(ctx)
+    put, feather = (sorted(growths[m])[len(growths[m]) // 2] for m in ("put", "feather"))
+    size = source.stat().st_size
+    return Row(
+        f"put_file of a local Parquet file ({fmt_bytes(size)}, {rows:,} rows, 32 row groups)",
+        "Store.put_file",
+        'read_table + write_feather(compression="uncompressed") to /dev/shm',
+        times["put"],
+        times["feather"],
+        ">= 0.9x",
+        0.9,
+        note=f"peak RSS growth: put_file +{fmt_bytes(put)}, read_table + write_feather +{fmt_bytes(feather)} "
+        "(each in a fresh process)",
+        extra={"peak_rss_growth_bytes": put, "baseline_peak_rss_growth_bytes": feather},
+    )
 
 
 def _write_bf16_checkpoint(path: Path, nbytes: int) -> None:
@@ -314,6 +406,7 @@ ROWS: list[Callable[[Context], Row | list[Row] | None]] = [
     row_token_file,
     row_tar_shards,
     row_hf_folder,
+    row_local_parquet,
     row_token_windows,
 ]
 
@@ -324,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="repeats of every timed pair")
     parser.add_argument("--bytes", type=int, help="bytes of the checkpoint and of the token file")
     parser.add_argument("--json", type=str, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--row", action="append", help="only the rows whose function has this in its name")
     args = parser.parse_args(argv)
     config = replace(QUICK if args.quick else FULL, npy_bytes=GiB if not args.quick else 64 * MiB)
     if args.repeats:
@@ -334,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     with context(config) as ctx:
         for row_function in ROWS:
+            if args.row and not any(part in row_function.__name__ for part in args.row):
+                continue
             row = row_function(ctx)
             if row is not None:  # None: safetensors (or torch) is missing
                 rows.extend(row if isinstance(row, list) else [row])

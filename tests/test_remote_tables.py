@@ -30,6 +30,7 @@ import pyarrow.json as pjson  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from s3_helpers import Cancelled, MotoServer, cancel_once_started, put_object  # noqa: E402
 from service_helpers import mounted_tmpfs  # noqa: E402
+from table_memory import BIG_ROWS, peak_growth, write_big_parquet  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
@@ -344,41 +345,24 @@ def test_a_fresh_process_loads_a_big_parquet_with_flat_memory(
     """~200 MiB of Parquet in 25 row groups: the loader's peak RSS (VmHWM) grows by under 40%
     of the object (a few row groups' worth: the object's bytes in memory, as before, were
     100% and more)."""
-    rows = 5_000_000  # float64 + int64 + 20-byte strings: ~190 MiB
-    rng = np.random.default_rng(1)
-    letters = pa.py_buffer(rng.integers(97, 123, rows * 20, dtype=np.uint8))
-    offsets = pa.py_buffer(np.arange(0, rows * 20 + 1, 20, dtype=np.int32))
-    strings = pa.StringArray.from_buffers(rows, offsets, letters)
-    table = pa.table({"x": rng.random(rows), "n": rng.integers(0, 1 << 60, rows), "s": strings})
     path = tmp_path / "big.parquet"
-    pq.write_table(table, path, compression="none", row_group_size=-(-rows // 25))
-    size = path.stat().st_size
+    size = write_big_parquet(path)
     assert pq.ParquetFile(path).num_row_groups >= 8 and size > 150 << 20
     s3.boto().upload_file(str(path), bucket, "big.parquet")
     small = io.BytesIO()
-    pq.write_table(table.slice(0, 1000), small)
+    pq.write_table(pq.ParquetFile(path).read_row_group(0).slice(0, 1000), small)
     put_object(s3, bucket, "small.parquet", small.getvalue())
-    del table, strings
     path.unlink()
-    script = textwrap.dedent(
-        f"""
+    warm_up = f"""
         import shmcache
-        def peak():
-            status = open("/proc/self/status").read().splitlines()
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
         store = shmcache.Store({str(root)!r})
         options = {s3.options()!r}
         store.put_file("small", "s3://{bucket}/small.parquet", storage_options=options)  # every import done
-        before = peak()
-        store.put_file("big", "s3://{bucket}/big.parquet", storage_options=options)
-        print(before, peak())
         """
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    before, after = map(int, done.stdout.split())
+    load = f'store.put_file("big", "s3://{bucket}/big.parquet", storage_options=options)'
+    before, after = peak_growth(warm_up, load)
     assert after - before < 0.4 * size, (
         f"peak RSS grew {(after - before) >> 20} MiB for a {size >> 20} MiB object"
     )
-    assert len(shmcache.Store(root).open_table("big")) == rows
+    assert len(shmcache.Store(root).open_table("big")) == BIG_ROWS
     print(f"peak RSS growth {(after - before) >> 20} MiB for a {size >> 20} MiB object")

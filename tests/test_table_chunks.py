@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import shmcache
-from shmcache._containers.table_arrow import encode_arrow, encode_arrow_parts
+from shmcache._containers.table_arrow import arrow_column, encode_arrow, encode_arrow_parts
+from shmcache._containers.table_encode import table_meta
 from shmcache._disk.array_parts import ArrayParts, joined
 
 pa = pytest.importorskip("pyarrow")
@@ -49,11 +50,22 @@ def _chunked() -> object:
     return pa.Table.from_batches(batches)
 
 
-def test_chunked_columns_are_stored_as_the_combined_table_is() -> None:
-    table = _chunked()
-    assert table.column("i64").num_chunks > 2
+def _combined(table: object) -> tuple[dict[str, np.ndarray], dict[str, object]]:
+    """The files and meta of each column combined into one array, encoded whole."""
+    files, descriptions = {}, []
+    for i, column in enumerate(table.columns):
+        found, desc = arrow_column(column.combine_chunks())
+        files |= {f"c{i}.{part}": array for part, array in found.items()}
+        descriptions.append(desc)
+    return files, table_meta(table.column_names, descriptions, table.num_rows)
+
+
+@pytest.mark.parametrize("chunks", ["several", "one"])
+def test_chunked_columns_are_stored_as_the_combined_table_is(chunks: str) -> None:
+    table = _chunked() if chunks == "several" else _chunked().combine_chunks()
+    assert table.column("i64").num_chunks == (1 if chunks == "one" else 5)
     parts, meta = encode_arrow_parts(table, "t")
-    whole, whole_meta = encode_arrow(table.combine_chunks(), "t")
+    whole, whole_meta = _combined(table)
     assert meta == whole_meta and parts.keys() == whole.keys()
     for name, array in parts.items():
         expected = whole[name]

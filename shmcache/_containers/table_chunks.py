@@ -7,7 +7,8 @@ into the cache; here each chunk's values buffer becomes a part of an
 :class:`~shmcache._disk.array_parts.ArrayParts` (a view: of the mapped stream file, or of
 the decoded table) and only the offsets (8 bytes a row) are computed. The per-chunk work
 is a few numpy views (no pyarrow compute call per chunk): hundreds of chunks cost
-milliseconds. Numbers, strings and lists of numbers without nulls take this path; any
+milliseconds. A column of one chunk takes it too (no cast of its strings to large strings:
+a copy of them). Numbers, strings and lists of numbers without nulls take this path; any
 other column (nulls, bools, timestamps, dictionaries) returns None and is combined as
 before, by the caller.
 """
@@ -25,13 +26,14 @@ __all__ = ["chunk_files", "number_values"]
 
 
 def chunk_files(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]] | None:
-    """The files and description of a ChunkedArray of 2+ non-empty chunks without nulls,
-    as :func:`~shmcache._containers.table_arrow.encode_arrow` stores the column; None
+    """The files and description of a ChunkedArray of non-empty chunks (one or more: a
+    string column's cast to large strings copied even one) without nulls, as
+    :func:`~shmcache._containers.table_arrow.arrow_column` stores the column combined; None
     for a column this does not take (the caller combines the chunks instead)."""
     import pyarrow.types as pt
 
     chunks = [chunk for chunk in column.chunks if len(chunk)]
-    if len(chunks) < 2 or column.null_count:
+    if not chunks or column.null_count:
         return None
     kind = column.type
     if _is_number(pt, kind):

@@ -52,11 +52,13 @@ class NpyAppender:
             )
         if array.size:
             data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            try:
+            fd = -1
+            try:  # opened inside: an interrupt right after the open still closes it
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
                 write_all(fd, data, self.path)
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             self._crc = crc32(data.data, self._crc)
             self.nbytes += data.nbytes
         self.rows += int(array.shape[0])
@@ -66,11 +68,13 @@ class NpyAppender:
         header = build_header(self.dtype, (self.rows, *self.tail), False)
         if len(header) != self._header_bytes:  # numpy pads the first axis to 21 digits: never
             raise AssertionError(f"{self.path}: .npy header grew from {self._header_bytes} to {len(header)}")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)  # not O_APPEND: Linux's pwrite would append
+        fd = -1
         try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)  # not O_APPEND: Linux's pwrite would append
             if os.pwrite(fd, header, 0) != len(header):
                 raise OSError(f"{self.path}: short write of the .npy header")
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         crc = crc32_combine(crc32(header), self._crc, self.nbytes)
         return crc, NpyHeader(*parse_header_bytes(header, len(header), self.path))

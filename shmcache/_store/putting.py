@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._containers.encode import encode_mapping, encode_ragged, encode_records, encode_strings
-from .._containers.table_arrow import encode_table
+from .._containers.table_arrow import encode_table_parts
 from .._disk.array_parts import FileArray
 from .._disk.dtypes import storable
 from .._disk.entry_tree import common_prefix, crash_point
@@ -31,7 +31,8 @@ from .._disk.trust import describe_uid
 from .._disk.writer import VersionWriter
 from .._sources.blobs import BlobSource, BlobSources, plan_blobs
 from .._sources.hf_datasets import arrow_of_dataset
-from .._sources.tables import is_table_file, read_table_source
+from .._sources.table_batches import LoadedTable, Reserve
+from .._sources.tables import is_table_file, load_table_source
 from ..errors import CacheRootError, KeyExistsError, LockTimeoutError, UnsupportedDataError
 from .locks import STORE_TIMEOUT, StoreTimeout, key_lock, publish_lock
 from .reading import Reader, release_version
@@ -171,9 +172,9 @@ class Putting:
                 raise UnsupportedDataError(
                     f"{data}: put_table reads .parquet, .feather, .arrow, .csv or .jsonl files"
                 )
-            parts, meta = read_table_source(Path(data))
-            return self._put_entry(key, "table", parts, meta, overwrite=overwrite, pin=pin)
-        files, meta = encode_table(data, f"table for key {key!r}")
+            load = lambda writer, reserve: load_table_source(Path(data), writer, reserve)  # noqa: E731
+            return _entry_info(self._put_loaded_table(key, load, overwrite, pin))
+        files, meta = encode_table_parts(data, f"table for key {key!r}")  # chunks not joined: no copy
         return self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
 
     def _put_entry(
@@ -206,6 +207,31 @@ class Putting:
             )
         logger.info("put %s (%s, %d bytes, version %s)", key, kind, nbytes, version)
         return _entry_info(meta)
+
+    def _put_loaded_table(
+        self, key: str, load: Callable[[VersionWriter, Reserve], LoadedTable], overwrite: bool, pin: bool
+    ) -> dict[str, Any]:
+        """Publish the table entry ``load(writer, reserve)`` writes into a version of the
+        writer (``reserve(nbytes, evict)`` grows the writer's reservation as it goes: a table
+        file read batch by batch, see ``_sources/table_batches``); returns its meta."""
+        self._refuse_existing([key], overwrite)
+        replacing = [key] if overwrite else []
+        with self._writer() as writer:
+            reserve = lambda n, evict: self._reserve(writer, n, replacing, evict)  # noqa: E731
+            table = load(writer, reserve)
+            meta = version_meta(key, "table", table.version, table.headers, table.crcs, pin) | table.extra
+            meta["shape"] = [meta.get("length", 0)]
+            meta.setdefault("dtype", ITEM_TYPES.get("table"))
+            writer.write_meta(table.version, meta)
+            publish(
+                self.layout,
+                writer,
+                [(key, table.version)],
+                overwrite=overwrite,
+                lock_timeout=self.lock_timeout,
+            )
+        logger.info("put %s (table, %d bytes, version %s)", key, meta["nbytes"], table.version)
+        return meta
 
     def _refuse_existing(self, keys: builtins.list[str], overwrite: bool) -> None:
         if overwrite:

@@ -12,16 +12,17 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._disk.array_parts import FileArray
 from .._disk.entry_tree import crash_point
 from .._disk.fs import descriptors_typed
 from .._disk.keys import validate_key
 from .._disk.layout import ARRAY_FILE
+from .._disk.writer import VersionWriter
 from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources, planned_bytes, release_planned
 from .._sources.hf_datasets import open_hf_split, plan_hf_folder
 from .._sources.planned import Planned
-from .._sources.tables import read_table_source
+from .._sources.table_batches import LoadedTable, Reserve
+from .._sources.tables import load_table_source
 from .._sources.tar_shards import ShardSource, plan_shards
 from .gc_pause import gc_paused
 from .putting import _PAGE, Putting
@@ -104,8 +105,9 @@ class PuttingFiles(Putting):
         if source.kind == "hf":
             return self._put_hf_folder(key, Path(path), builtins.list(allowed_dirs), overwrite, pin, progress)
         if source.kind == "table":
-            files, meta = read_table_source(Path(path), builtins.list(allowed_dirs))
-            return self._put_table_file(key, files, meta, overwrite, pin, progress)
+            return self._put_table_file(
+                key, Path(path), builtins.list(allowed_dirs), overwrite, pin, progress
+            )
         if source.kind == "blobs":
             info = self.put_blobs(
                 key, path, overwrite=overwrite, pin=pin, progress=progress, allowed_dirs=allowed_dirs
@@ -212,17 +214,23 @@ class PuttingFiles(Putting):
     def _put_table_file(
         self,
         key: str,
-        files: Mapping[str, FileArray],
-        meta: Mapping[str, Any],
+        path: Path,
+        allowed: builtins.list[str | os.PathLike[str]],
         overwrite: bool,
         pin: bool,
         progress: Callable[[int, int], None] | None,
-    ) -> list[str]:
-        """``put_file`` of a table file or object, read already (progress: the file's bytes)."""
-        size = int(meta["source_fingerprint"]["size"])
-        if progress is not None:
-            progress(0, size)
-        self._put_entry(key, "table", files, meta, overwrite=overwrite, pin=pin)
+    ) -> builtins.list[str]:
+        """``put_file`` of a local table file, read batch by batch (progress: the file's
+        bytes read, after each batch, and all of them when published)."""
+        size = 0
+
+        def load(writer: VersionWriter, reserve: Reserve) -> LoadedTable:
+            nonlocal size
+            table = load_table_source(path, writer, reserve, allowed, progress)
+            size = int(table.extra["source_fingerprint"]["size"])
+            return table
+
+        self._put_loaded_table(key, load, overwrite, pin)
         if progress is not None:
             progress(size, size)
         return [key]
@@ -252,21 +260,13 @@ class PuttingFiles(Putting):
         if plan.is_table:  # streamed into tmp/, decoded from there batch by batch (remote_tables)
             from .._sources.remote_tables import load_remote_table
 
-            self._refuse_existing([key], overwrite)
-            advance, replacing = _progress_counter(progress, plan.object_bytes), [key] if overwrite else []
-            advance(0)
-            with self._writer() as writer:
-                reserve = lambda n, evict: self._reserve(writer, n, replacing, evict)  # noqa: E731
-                table = load_remote_table(plan, writer, reserve, advance, part_size)
-                meta = version_meta(key, "table", table.version, table.headers, table.crcs, pin) | table.extra
-                writer.write_meta(table.version, meta | {"shape": [meta.get("length", 0)]})
-                publish(
-                    self.layout,
-                    writer,
-                    [(key, table.version)],
-                    overwrite=overwrite,
-                    lock_timeout=self.lock_timeout,
-                )
+            advance = _progress_counter(progress, plan.object_bytes)
+
+            def load(writer: VersionWriter, reserve: Reserve) -> LoadedTable:
+                advance(0)
+                return load_remote_table(plan, writer, reserve, advance, part_size)
+
+            self._put_loaded_table(key, load, overwrite, pin)
             logger.info("put %s from %s (table, %d bytes of objects)", key, plan.url, plan.object_bytes)
             return [key]
         keys = [item.key for item in plan.items]

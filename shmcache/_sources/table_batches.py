@@ -1,0 +1,334 @@
+"""A table file decoded one Parquet row group / Arrow record batch / CSV-JSON block at a
+time into a version of a writer (``table_stream``), so the decoded table is never whole in
+memory: the streaming core of local table files (``tables``, read in place) and of table
+objects from URLs (``remote_tables``, read from their scratch file).
+
+The file is read through a ``pyarrow.OSFile`` (``pread``, no mapping: touched pages of a
+mapped tmpfs file count in RSS), the next batch decoded by a thread while this one is
+written. The writer's reservation grows batch by batch, ahead of
+what each encoded column chunk adds. A table whose later batches need another layout than
+its first (a CSV column that turns from ints to floats after the first block, a column with
+no value in the first block, a fixed-size list column that meets a null) raises
+:class:`ChangedLayout`: the caller decodes it whole instead, correct but not flat.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._containers.table_stream import ChangedLayout, TableAppender
+from .._disk.array_parts import FileArray
+from .._disk.npy import NpyHeader
+from .._disk.writer import VersionWriter
+from ..errors import (
+    CacheFullError,
+    CorruptSourceError,
+    InvalidSourceError,
+    ShmCacheError,
+    UnsupportedDataError,
+)
+
+__all__ = [
+    "PAGE",
+    "LoadedTable",
+    "Reservation",
+    "Reserve",
+    "append_table_file",
+    "has_pyarrow",
+    "write_table_files",
+]
+
+PAGE = 4096  # what a file takes beyond its bytes (its header's page)
+_SLACK = 64 << 20  # a reservation grows by at least this much (fewer space-lock rounds)
+_GROUP = 8 << 20  # consecutive small batches are joined up to this many bytes, then written
+
+Reserve = Callable[[int, bool], None]
+"""``reserve(nbytes, evict)``: record (and check against the budget and free space) what the
+writer will hold at most; ``evict=False``: raise CacheFullError rather than evict for it."""
+
+
+@dataclass
+class LoadedTable:
+    """A table entry written into ``version`` of the writer, not published yet."""
+
+    version: str
+    headers: dict[str, NpyHeader]
+    crcs: dict[str, int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Reservation:
+    """The writer's reservation, grown ahead of what is about to be written: by slack where
+    that fits without evicting anything, else by exactly what is needed (evicting for it)."""
+
+    def __init__(self, reserve: Reserve) -> None:
+        self._reserve = reserve
+        self.reserved = 0
+
+    def need(self, nbytes: int) -> None:
+        if nbytes <= self.reserved:
+            return
+        ahead = nbytes + min(_SLACK, nbytes // 2)
+        try:
+            self._reserve(ahead, False)  # the slack saves space-lock rounds, never an entry
+            self.reserved = ahead
+        except CacheFullError:
+            self._reserve(nbytes, True)
+            self.reserved = nbytes
+
+    def hope(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` (an estimate) if it fits without evicting anything; else grow
+        batch by batch, evicting for what is written only."""
+        if nbytes <= self.reserved:
+            return
+        try:
+            self._reserve(nbytes, False)
+            self.reserved = nbytes
+        except CacheFullError:
+            pass
+
+
+def append_table_file(
+    source: Any,
+    what: str,
+    suffix: str,
+    writer: VersionWriter,
+    version: str,
+    appender: TableAppender | None,
+    reservation: Reservation,
+    *,
+    table: str | None = None,
+    held: int = 0,
+    size: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> TableAppender:
+    """Append the batches of the table file ``source`` (a ``pyarrow.OSFile``; ``what`` names
+    it in errors) to ``appender``, a new one (writing into ``version``) for the first file.
+    ``table`` names the whole table of several files (a schema that differs from the
+    first's is refused); ``held``: bytes the writer holds besides the table's files (a
+    scratch file); ``size``: the file's size (an estimate of the table's, but Parquet's);
+    ``progress(done)``: after each batch written, the bytes of the file read so far (below
+    ``size``; it may raise to cancel: the caller discards the version)."""
+    import pyarrow as pa
+
+    def create(name: str) -> tuple[int, str]:
+        return writer.create_file(version, f"{name}.npy"), str(writer.path(version, f"{name}.npy"))
+
+    with _arrow_errors(pa, what, suffix):
+        schema, batches, estimate = _batches(pa, source, suffix)
+    if suffix in (".csv", ".jsonl") and _has_null_type(pa, schema):
+        # a column with no value in the first block: the whole file's read types it
+        raise ChangedLayout(f"{what}: {schema} from the first block has null-typed columns")
+    if appender is None:
+        appender = TableAppender(schema, create, table or what)
+    elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
+        if suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
+            raise ChangedLayout(f"{what}: {schema} after {appender.schema}")
+        raise InvalidSourceError(
+            f"{table}: its table objects do not share one schema ({what} has {schema}, the "
+            f"first {appender.schema}); load each by its own URL"
+        )
+    added = appender
+
+    def before_write(nbytes: int) -> None:  # a column chunk's encoded bytes, about to be written
+        reservation.need(added.nbytes + PAGE * (added.file_count + 1) + held + nbytes)
+
+    written = added.nbytes + PAGE * (added.file_count + 1) + held
+    reservation.hope(written + (estimate if estimate is not None else size))
+    start = added.nbytes
+    sequential = suffix in (".csv", ".jsonl") or (estimate is None and not _has_footer(source))
+
+    def read_so_far() -> int:
+        """Where the reads are sequential (CSV, JSON, an IPC stream), the file's position
+        (the decode thread's, a group ahead); else estimated from the bytes written."""
+        if sequential:
+            return int(source.tell())
+        return (added.nbytes - start) * size // max(estimate if estimate is not None else size, 1)
+
+    reading = _read(pa, batches, what, suffix)
+    try:
+        for batch in reading:
+            added.add(batch, before_write)  # (its own errors are not the file's: not mapped)
+            if progress is not None and size:
+                progress(min(read_so_far(), size - 1))
+    finally:
+        reading.close()  # no decode under way once the caller closes the file
+    return appender
+
+
+def write_table_files(
+    writer: VersionWriter, version: str, files: Mapping[str, FileArray]
+) -> tuple[dict[str, NpyHeader], dict[str, int]]:
+    """A table decoded whole: its files written into ``version`` (headers and CRC-32s)."""
+    headers, crcs = {}, {}
+    for name, array in files.items():
+        crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
+    return headers, crcs
+
+
+def has_pyarrow() -> bool:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_footer(source: Any) -> bool:
+    """Whether an Arrow file is an IPC file (read at its batches' offsets), not a stream."""
+    position = source.tell()
+    try:
+        source.seek(0)
+        return bytes(source.read(6)) == b"ARROW1"
+    finally:
+        source.seek(position)
+
+
+def _has_null_type(pa: Any, schema: Any) -> bool:
+    """Whether a field (or a field nested in one: a list of nulls) is of Arrow type null."""
+    pending = [f.type for f in schema]
+    while pending:
+        kind = pending.pop()
+        if pa.types.is_null(kind):
+            return True
+        pending.extend(kind.field(i).type for i in range(kind.num_fields))
+    return False
+
+
+def _read(pa: Any, batches: Iterator[Any], what: str, suffix: str) -> Generator[Any, None, None]:
+    """``batches`` joined into groups (:func:`_grouped`), each read with pyarrow's errors
+    typed (a corrupt row group, a bad block), the next one decoded by a thread while the
+    caller writes this one: decoding and writing overlap (a 459 MiB Parquet put: 1.9 s ->
+    1.5 s, one group more in memory: +12 MiB). A plain daemon thread, asked for one group at
+    a time (never two ahead): ``concurrent.futures`` refuses work once the main thread has
+    exited, and a put may run in a thread that outlives it. Its error is raised here; closing
+    this generator (or running it out) waits for the thread, so close it before the file."""
+    requests: queue.SimpleQueue[bool] = queue.SimpleQueue()
+    results: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
+
+    def decode() -> None:
+        grouped = _grouped(pa, batches)
+        while requests.get():
+            try:
+                with _arrow_errors(pa, what, suffix):
+                    results.put((next(grouped, None), None))
+            except BaseException as exc:  # raised in the caller
+                results.put((None, exc))
+                return
+
+    thread = threading.Thread(target=decode, name="shmcache-table", daemon=True)
+    thread.start()
+    try:
+        requests.put(True)
+        while True:
+            batch, error = results.get()
+            if error is not None:
+                raise error
+            if batch is None:
+                return
+            requests.put(True)
+            yield batch
+    finally:
+        requests.put(False)
+        thread.join()  # (a decode under way finishes first: one group's time)
+
+
+def _grouped(pa: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """Consecutive small batches joined into one table of ~:data:`_GROUP` bytes (at most a
+    quarter more): the per-batch cost of writing (an encode, an open/write/close per column
+    file) is paid per group, not per small batch (a stream of 1000-row batches, a Parquet of
+    50-row groups: 3-5x slower unjoined). A batch of a quarter of that or more passes as is,
+    never held back (nor copied) waiting for the next: memory as unjoined."""
+    group: list[Any] = []
+    size = 0
+    for batch in batches:
+        nbytes = int(batch.nbytes)
+        if nbytes >= _GROUP // 4:
+            if group:
+                yield _joined(pa, group)
+                group, size = [], 0
+            yield batch
+            continue
+        group.append(batch)
+        size += nbytes
+        if size >= _GROUP:
+            yield _joined(pa, group)
+            group, size = [], 0
+    if group:
+        yield _joined(pa, group)
+
+
+def _joined(pa: Any, group: list[Any]) -> Any:
+    if len(group) == 1:
+        return group[0]
+    tables = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in group]
+    return pa.concat_tables(tables).combine_chunks()
+
+
+def _batches(pa: Any, source: Any, suffix: str) -> tuple[Any, Iterator[Any], int | None]:
+    """The schema and the batches of a table file (``source``, a ``pyarrow.OSFile``), read
+    one batch at a time, and (Parquet) about the bytes they make: the row groups'
+    uncompressed sizes."""
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        # One thread: decoding a row group's columns in parallel held ~8 row groups' worth
+        # in RSS (pyarrow's pool peaked at 3, the allocator kept the rest), one thread ~4;
+        # and it was no slower on 2 busy cores. (iter_batches read far ahead: ~the table.)
+        parquet = pq.ParquetFile(source)
+        groups = range(parquet.num_row_groups)
+        estimate = sum(int(parquet.metadata.row_group(i).total_byte_size) for i in groups)
+        return parquet.schema_arrow, (parquet.read_row_group(i, use_threads=False) for i in groups), estimate
+    if suffix in (".feather", ".arrow"):
+        if source.read(4) == b"FEA1":  # Feather V1: columns, no record batches to stream
+            raise ChangedLayout("a Feather V1 file")
+        source.seek(0)
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:  # an Arrow IPC stream rather than a file
+            source.seek(0)
+            stream = pa.ipc.open_stream(source)
+            return stream.schema, iter(stream), None
+        return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches)), None
+    if suffix == ".csv":
+        import pyarrow.csv as pcsv
+
+        reader = pcsv.open_csv(source)
+        return reader.schema, _streamed(pa, reader), None
+    import pyarrow.json as pjson
+
+    if not hasattr(pjson, "open_json"):  # pyarrow < 20: no streaming JSON reader
+        raise ChangedLayout("this pyarrow has no pyarrow.json.open_json")
+    reader = pjson.open_json(source)
+    return reader.schema, _streamed(pa, reader), None
+
+
+def _streamed(pa: Any, reader: Any) -> Iterator[Any]:
+    """A CSV/JSON reader's blocks; a block its first block's types do not fit (the whole
+    file's inference would have widened them) asks for the whole read instead."""
+    while True:
+        try:
+            batch = reader.read_next_batch()
+        except StopIteration:
+            return
+        except pa.ArrowInvalid as exc:
+            raise ChangedLayout(str(exc)) from None
+        yield batch
+
+
+@contextmanager
+def _arrow_errors(pa: Any, what: str, suffix: str) -> Iterator[None]:
+    """pyarrow's errors as ``table_arrow.read_arrow_table`` types them."""
+    try:
+        yield
+    except (ShmCacheError, ChangedLayout):
+        raise
+    except (pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise UnsupportedDataError(f"{what}: {exc}") from None
+    except (pa.ArrowInvalid, OSError, EOFError) as exc:
+        raise CorruptSourceError(f"{what} is not a readable {suffix[1:]} file: {exc}") from None

@@ -1,0 +1,52 @@
+"""Flat-memory checks of table loads, shared by the local and remote table tests: a big
+multi-row-group Parquet file, and the peak RSS (VmHWM) a fresh process gains while it
+loads one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["BIG_ROWS", "peak_growth", "write_big_parquet"]
+
+BIG_ROWS = 5_000_000  # float64 + int64 + 20-byte strings: ~190 MiB
+
+
+def write_big_parquet(path: Path, rows: int = BIG_ROWS, groups: int = 25) -> int:
+    """An uncompressed Parquet file of ``rows`` rows in ``groups`` row groups; its size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(1)
+    letters = pa.py_buffer(rng.integers(97, 123, rows * 20, dtype=np.uint8))
+    offsets = pa.py_buffer(np.arange(0, rows * 20 + 1, 20, dtype=np.int32))
+    strings = pa.StringArray.from_buffers(rows, offsets, letters)
+    table = pa.table({"x": rng.random(rows), "n": rng.integers(0, 1 << 60, rows), "s": strings})
+    pq.write_table(table, path, compression="none", row_group_size=-(-rows // groups))
+    return path.stat().st_size
+
+
+def peak_growth(warm_up: str, load: str, timeout: float = 300) -> tuple[int, int]:
+    """Run ``warm_up`` (imports, a small load of the same kind, data made), then ``load`` in a
+    fresh Python process; its peak RSS (VmHWM, reset to the RSS after ``warm_up``) before
+    and after ``load``, in bytes."""
+    script = "\n".join(
+        [
+            "def peak():",
+            "    status = open('/proc/self/status').read().splitlines()",
+            "    return next(int(line.split()[1]) * 1024 for line in status if line.startswith('VmHWM:'))",
+            textwrap.dedent(warm_up),
+            "open('/proc/self/clear_refs', 'w').write('5')  # the peak so far := RSS now",
+            "before = peak()",
+            textwrap.dedent(load),
+            "print(before, peak())",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    before, after = map(int, done.stdout.split())
+    return before, after
