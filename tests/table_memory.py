@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BIG_ROWS", "peak_growth", "write_big_parquet"]
+__all__ = ["BIG_ROWS", "assert_flat", "peak_growth", "write_big_parquet"]
 
 BIG_ROWS = 5_000_000  # float64 + int64 + 20-byte strings: ~190 MiB
 
@@ -50,3 +50,20 @@ def peak_growth(warm_up: str, load: str, timeout: float = 300) -> tuple[int, int
     assert done.returncode == 0, done.stderr
     before, after = map(int, done.stdout.split())
     return before, after
+
+
+def assert_flat(smaller: tuple[int, int], bigger: tuple[int, int], what: str) -> None:
+    """Two loads of the same kind, each as (peak RSS growth, bytes loaded): memory is flat
+    when the bigger load grows the process by under a quarter of the bytes it adds over the
+    smaller one (a whole decode: all of them and more), and by under 60% of its own bytes.
+    Compared with each other, not with a fixed share: what the allocator keeps beyond the
+    batches in flight differs between machines (one CI run: +96 MiB where this VM had +78)."""
+    (small_growth, small_bytes), (big_growth, big_bytes) = smaller, bigger
+    report = (
+        f"{what}: peak RSS grew {small_growth >> 20} MiB for {small_bytes >> 20} MiB, "
+        f"{big_growth >> 20} MiB for {big_bytes >> 20} MiB"
+    )
+    assert big_bytes - small_bytes > 50 << 20, report
+    assert big_growth - small_growth < 0.25 * (big_bytes - small_bytes), report
+    assert big_growth < 0.6 * big_bytes, report
+    print(report)
