@@ -12,6 +12,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,7 @@ from shmcache._containers import table_stream  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
 from shmcache._sources import table_batches  # noqa: E402
 from shmcache._sources.tables import read_table_source  # noqa: E402
+from shmcache._units import size_in_bytes  # noqa: E402
 from shmcache.errors import CacheFullError, CorruptSourceError  # noqa: E402
 
 _VOLATILE = ("key", "version", "created")  # what differs between any two puts
@@ -283,7 +285,7 @@ def test_a_budget_exceeded_mid_stream_publishes_nothing(root: Path, tmp_path: Pa
     table = _parquet(path)
     store = shmcache.Store(root, max_bytes=(1 << 19) + (64 << 10))
     store.put_array("other", np.arange(1 << 10, dtype=np.int64))
-    with _counted_batches() as batches, pytest.raises(CacheFullError):
+    with _counted_batches() as batches, pytest.raises(CacheFullError) as refused:
         store.put_file("b", path)
     assert 1 <= len(batches) < 8, batches  # refused mid-stream, not before the first batch
     assert not store.exists("b") and store.exists("other") and not _tmp_items(root)
@@ -291,6 +293,22 @@ def test_a_budget_exceeded_mid_stream_publishes_nothing(root: Path, tmp_path: Pa
     roomy = shmcache.Store(root, max_bytes=4 << 20)
     roomy.put_table("b", path)
     assert np.array_equal(roomy.open_table("b").column("v"), table.column("v").to_numpy())
+    # The refusal says what the whole table needs (not the part written when it came).
+    said = re.search(r"b\.parquet: its table needs about ([\d.]+ [KMG]iB)", str(refused.value))
+    assert said is not None, str(refused.value)
+    assert 0.9 < size_in_bytes(said.group(1).replace(" ", "")) / roomy.info("b").nbytes < 1.2, said.group(1)
+
+
+def test_a_budget_exceeded_mid_csv_says_the_table_needs_more(root: Path, tmp_path: Path) -> None:
+    """A CSV's whole size is not known mid-stream: the refusal says the table needs more
+    than what was asked for when it came, and nothing is published."""
+    path = tmp_path / "b.csv"
+    pcsv.write_csv(_parquet(tmp_path / "b.parquet"), path)
+    store = shmcache.Store(root, max_bytes=1 << 19)
+    with pytest.raises(CacheFullError, match=r"b\.csv: its table needs more than [\d.]+ [KM]iB") as refused:
+        store.put_file("b", path)
+    assert "within the budget" in str(refused.value)  # the budget's own words follow
+    assert not store.exists("b") and not _tmp_items(root) and not _decoding_threads()
 
 
 def test_a_corrupt_parquet_is_a_typed_error_naming_the_file(

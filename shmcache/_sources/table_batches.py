@@ -25,6 +25,7 @@ from .._containers.table_stream import ChangedLayout, TableAppender
 from .._disk.array_parts import FileArray
 from .._disk.npy import NpyHeader
 from .._disk.writer import VersionWriter
+from .._units import human_bytes
 from ..errors import (
     CacheFullError,
     CorruptSourceError,
@@ -135,8 +136,12 @@ def append_table_file(
         )
     added = appender
 
+    asked = 0
+
     def before_write(nbytes: int) -> None:  # a column chunk's encoded bytes, about to be written
-        reservation.need(added.nbytes + PAGE * (added.file_count + 1) + held + nbytes)
+        nonlocal asked
+        asked = added.nbytes + PAGE * (added.file_count + 1) + held + nbytes
+        reservation.need(asked)
 
     written = added.nbytes + PAGE * (added.file_count + 1) + held
     reservation.hope(written + (estimate if estimate is not None else size))
@@ -156,6 +161,16 @@ def append_table_file(
             added.add(batch, before_write)  # (its own errors are not the file's: not mapped)
             if progress is not None and size:
                 progress(min(read_so_far(), size - 1))
+    except CacheFullError as exc:  # it names what the batches so far needed: say the whole's
+        if not size:
+            raise
+        if estimate is not None:  # Parquet: its row groups' uncompressed sizes
+            whole = f"about {human_bytes(estimate)} (its row groups' uncompressed size)"
+        elif not sequential:  # an Arrow IPC file: batches of the file's bytes
+            whole = f"about {human_bytes(size)} (the file's size)"
+        else:
+            whole = f"more than {human_bytes(asked)} (the part read so far; the rest is not known yet)"
+        raise CacheFullError(f"{what}: its table needs {whole}; {exc}") from None
     finally:
         reading.close()  # no decode under way once the caller closes the file
     return appender
