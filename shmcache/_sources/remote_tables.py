@@ -41,6 +41,7 @@ from .table_batches import (
     Reservation,
     Reserve,
     append_table_file,
+    finish_table,
     has_pyarrow,
     write_table_files,
 )
@@ -80,8 +81,7 @@ def load_remote_table(
         os.unlink(path)
     if not whole:
         assert appender is not None
-        headers, crcs, meta = appender.finish()
-        reservation.need(appender.nbytes + PAGE * (appender.file_count + 1))
+        headers, crcs, meta = finish_table(appender, reservation)
     if whole:  # decoded whole, as before this module (the scratch file still there, if one object)
         writer.discard(version)
         version = writer.new_version()
@@ -197,8 +197,7 @@ def _write_whole(
         files, meta = read_remote_table(plan, part_size)
         meta = {k: v for k, v in meta.items() if not k.startswith("source")}
     scratch_bytes = sum(os.stat(p).st_size for p in _files(writer, scratch))
-    reservation.need(scratch_bytes + sum(int(a.nbytes) for a in files.values()) + PAGE * (len(files) + 1))
-    headers, crcs = write_table_files(writer, version, files)
+    headers, crcs = write_table_files(writer, version, files, reservation, held=scratch_bytes)
     return headers, crcs, meta
 
 

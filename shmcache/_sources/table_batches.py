@@ -40,6 +40,7 @@ __all__ = [
     "Reservation",
     "Reserve",
     "append_table_file",
+    "finish_table",
     "has_pyarrow",
     "write_table_files",
 ]
@@ -176,10 +177,26 @@ def append_table_file(
     return appender
 
 
+def finish_table(
+    appender: TableAppender, reservation: Reservation
+) -> tuple[dict[str, NpyHeader], dict[str, int], dict[str, Any]]:
+    """The appended table's headers written (its files' final size reserved): their
+    headers, CRC-32s and the table's metadata."""
+    headers, crcs, meta = appender.finish()
+    reservation.need(appender.nbytes + PAGE * (appender.file_count + 1))
+    return headers, crcs, meta
+
+
 def write_table_files(
-    writer: VersionWriter, version: str, files: Mapping[str, FileArray]
+    writer: VersionWriter,
+    version: str,
+    files: Mapping[str, FileArray],
+    reservation: Reservation,
+    held: int = 0,
 ) -> tuple[dict[str, NpyHeader], dict[str, int]]:
-    """A table decoded whole: its files written into ``version`` (headers and CRC-32s)."""
+    """A table decoded whole: its size reserved (beside ``held`` bytes the writer holds
+    already), its files written into ``version``; their headers and CRC-32s."""
+    reservation.need(held + sum(int(a.nbytes) for a in files.values()) + PAGE * (len(files) + 1))
     headers, crcs = {}, {}
     for name, array in files.items():
         crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)

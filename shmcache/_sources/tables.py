@@ -23,11 +23,11 @@ from ..errors import CorruptSourceError, SourceNotFoundError
 from .planned import PlannedEntry
 from .source_files import SourceFile, check_unchanged, open_checked
 from .table_batches import (
-    PAGE,
     LoadedTable,
     Reservation,
     Reserve,
     append_table_file,
+    finish_table,
     has_pyarrow,
     write_table_files,
 )
@@ -127,14 +127,11 @@ def _load(
         except ChangedLayout:
             writer.discard(version)
         else:
-            headers, crcs, meta = appender.finish()
-            reservation.need(appender.nbytes + PAGE * (appender.file_count + 1))
-            return LoadedTable(version, headers, crcs, meta)
+            return LoadedTable(version, *finish_table(appender, reservation))
         fp.seek(0)
     files, meta = read_table_file(fp, name, suffix)
-    reservation.need(sum(int(a.nbytes) for a in files.values()) + PAGE * (len(files) + 1))
     version = writer.new_version()
-    headers, crcs = write_table_files(writer, version, files)
+    headers, crcs = write_table_files(writer, version, files, reservation)
     return LoadedTable(version, headers, crcs, meta)
 
 
