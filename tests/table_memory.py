@@ -1,6 +1,6 @@
-"""Flat-memory checks of table loads, shared by the local and remote table tests: a big
-multi-row-group Parquet file, and the peak RSS (VmHWM) a fresh process gains while it
-loads one."""
+"""Tables and flat-memory checks shared by the local and remote table tests: a table of
+mixed column types, a big multi-row-group Parquet file, and the peak RSS (VmHWM) a fresh
+process gains while it loads one."""
 
 from __future__ import annotations
 
@@ -8,12 +8,32 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["BIG_ROWS", "assert_flat", "peak_growth", "write_big_parquet"]
+__all__ = ["BIG_ROWS", "assert_flat", "mixed_table", "peak_growth", "write_big_parquet"]
 
 BIG_ROWS = 5_000_000  # float64 + int64 + 20-byte strings: ~190 MiB
+
+
+def mixed_table(rows: int, *, categorical: bool = True) -> Any:
+    """Numbers, nullable strings, lists and bools (the first nulls after the first batch);
+    ``categorical``: a dictionary column and a timestamp column too."""
+    import pyarrow as pa
+
+    ids = np.arange(rows)
+    columns = {
+        "id": pa.array(ids, pa.int64()),
+        "x": pa.array(np.sqrt(ids), pa.float32()),
+        "text": pa.array([None if i % 7 == 3 else f"row {i}" * (i % 5) for i in ids], pa.string()),
+        "lists": pa.array([None if i % 11 == 1 else list(range(i % 4)) for i in ids], pa.list_(pa.int32())),
+        "flag": pa.array([None if i % 13 == 2 else bool(i % 2) for i in ids], pa.bool_()),
+    }
+    if categorical:
+        columns["cat"] = pa.array([None if i % 17 == 5 else f"c{i % 3}" for i in ids]).dictionary_encode()
+        columns["when"] = pa.array(ids * 1_000_000, pa.timestamp("us"))
+    return pa.table(columns)
 
 
 def write_big_parquet(path: Path, rows: int = BIG_ROWS, groups: int = 25) -> int:

@@ -30,7 +30,7 @@ pa = pytest.importorskip("pyarrow")
 import pyarrow.csv as pcsv  # noqa: E402
 import pyarrow.feather as feather  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from table_memory import BIG_ROWS, assert_flat, peak_growth, write_big_parquet  # noqa: E402
+from table_memory import BIG_ROWS, assert_flat, mixed_table, peak_growth, write_big_parquet  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._containers import table_stream  # noqa: E402
@@ -57,25 +57,6 @@ def _tmp_items(root: Path) -> list[Path]:
 def _decoding_threads() -> list[str]:
     """Threads still decoding a table's next batch (none once a put returned or raised)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("shmcache-table")]
-
-
-def _table(rows: int) -> Any:
-    """Numbers, nullable strings, lists and bools (the first nulls after the first batch),
-    a dictionary column, and a timestamp column."""
-    ids = np.arange(rows)
-    return pa.table(
-        {
-            "id": pa.array(ids, pa.int64()),
-            "x": pa.array(np.sqrt(ids), pa.float32()),
-            "text": pa.array([None if i % 7 == 3 else f"row {i}" * (i % 5) for i in ids], pa.string()),
-            "lists": pa.array(
-                [None if i % 11 == 1 else list(range(i % 4)) for i in ids], pa.list_(pa.int32())
-            ),
-            "flag": pa.array([None if i % 13 == 2 else bool(i % 2) for i in ids], pa.bool_()),
-            "cat": pa.array([None if i % 17 == 5 else f"c{i % 3}" for i in ids]).dictionary_encode(),
-            "when": pa.array(ids * 1_000_000, pa.timestamp("us")),
-        }
-    )
 
 
 def _write_files(directory: Path, table: Any) -> list[Path]:
@@ -145,7 +126,7 @@ def test_streamed_entries_are_byte_for_byte_those_of_the_whole_decode(
     """Each format, several batches each (nulls first met after the first, row counts not
     multiples of 8): the same column files, CRCs and ``meta.json`` as decoding whole, by
     ``put_file`` and by ``put_table``; nothing left in ``tmp/``."""
-    for path in _write_files(tmp_path, _table(60_003)):
+    for path in _write_files(tmp_path, mixed_table(60_003)):
         key = path.name.replace(".", "-")
         with _counted_batches() as batches:
             assert store.put_file(key, path) == [key]
@@ -343,7 +324,7 @@ def test_small_batches_are_written_in_joined_groups_byte_for_byte(
     writing paid per group): fewer appends than batches, the same entry as the whole
     decode (dictionaries of different batches unified, nulls across joins)."""
     monkeypatch.setattr(table_batches, "_GROUP", 1_000_000)  # batches of 130-220 kB
-    for path in _write_files(tmp_path, _table(60_003)):
+    for path in _write_files(tmp_path, mixed_table(60_003)):
         key = path.name.replace(".", "-")
         with _counted_batches() as batches:
             store.put_file(key, path)
@@ -439,7 +420,7 @@ def test_progress_is_reported_per_batch_and_a_cancel_mid_stream_publishes_nothin
     """``put_file``'s progress comes after each batch written, the file's bytes read so far
     (a daemon job's progress and cancel work mid-stream); a callback that raises there
     stops the put: nothing published, nothing left in ``tmp/``, no decode thread."""
-    for path in _write_files(tmp_path, _table(60_003)):
+    for path in _write_files(tmp_path, mixed_table(60_003)):
         key = path.name.replace(".", "-")
         seen: list[tuple[int, int]] = []
         store.put_file(key, path, progress=lambda done, total, seen=seen: seen.append((done, total)))

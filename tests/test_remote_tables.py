@@ -30,7 +30,7 @@ import pyarrow.json as pjson  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from s3_helpers import Cancelled, MotoServer, cancel_once_started, put_object  # noqa: E402
 from service_helpers import mounted_tmpfs  # noqa: E402
-from table_memory import BIG_ROWS, assert_flat, peak_growth, write_big_parquet  # noqa: E402
+from table_memory import BIG_ROWS, assert_flat, mixed_table, peak_growth, write_big_parquet  # noqa: E402
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
@@ -54,21 +54,6 @@ def _open_under(root: Path) -> list[str]:
         if target.startswith(str(Layout(root).tmp)):
             found.append(target)
     return found
-
-
-def _table(rows: int) -> object:
-    ids = np.arange(rows)
-    return pa.table(
-        {
-            "id": pa.array(ids, pa.int64()),
-            "x": pa.array(np.sqrt(ids), pa.float32()),
-            "text": pa.array([None if i % 7 == 3 else f"row {i}" * (i % 5) for i in ids], pa.string()),
-            "lists": pa.array(
-                [None if i % 11 == 1 else list(range(i % 4)) for i in ids], pa.list_(pa.int32())
-            ),
-            "flag": pa.array([None if i % 13 == 2 else bool(i % 2) for i in ids], pa.bool_()),
-        }
-    )
 
 
 def _bodies(table: object) -> dict[str, tuple[bytes, object]]:
@@ -98,7 +83,7 @@ def test_table_objects_of_many_batches_read_back_as_pyarrow_reads_them(
     """Numbers, strings, lists and bools with nulls that first appear after the first batch,
     in batches whose row counts are not multiples of 8; CSV and JSON lines over several of
     the streaming readers' 1 MiB blocks."""
-    for name, (body, expected) in _bodies(_table(60_003)).items():
+    for name, (body, expected) in _bodies(mixed_table(60_003, categorical=False)).items():
         put_object(s3, bucket, name, body)
         key = name.replace(".", "-")
         assert store.put_file(key, f"s3://{bucket}/{name}", storage_options=s3.options()) == [key]
@@ -165,7 +150,7 @@ def test_a_prefix_of_csv_objects_whose_types_differ_by_block_is_read_whole(
 def test_a_damaged_row_group_fails_typed_after_the_first_ones_were_written(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
-    body, _ = _bodies(_table(20_000))["t.parquet"]
+    body, _ = _bodies(mixed_table(20_000, categorical=False))["t.parquet"]
     offset = pq.ParquetFile(io.BytesIO(body)).metadata.row_group(3).column(0).data_page_offset
     damaged = body[:offset] + b"\xff" * 16 + body[offset + 16 :]  # a page header of the 4th row group
     put_object(s3, bucket, "d.parquet", damaged)
@@ -177,7 +162,7 @@ def test_a_damaged_row_group_fails_typed_after_the_first_ones_were_written(
 def test_a_changed_object_publishes_nothing_and_leaves_no_scratch_file(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
-    body, _ = _bodies(_table(20_000))["t.parquet"]
+    body, _ = _bodies(mixed_table(20_000, categorical=False))["t.parquet"]
     put_object(s3, bucket, "c.parquet", body)
     rewritten: list[bool] = []
 
@@ -196,7 +181,7 @@ def test_a_cancelled_load_leaves_no_scratch_file(
 ) -> None:
     """The daemon's cancel (the progress callback raises) once the first object of a prefix
     is in its scratch file: the error comes out, nothing is published, ``tmp/`` is empty."""
-    body, _ = _bodies(_table(20_000))["t.parquet"]
+    body, _ = _bodies(mixed_table(20_000, categorical=False))["t.parquet"]
     for name in ("a", "b"):
         put_object(s3, bucket, f"cancel/{name}.parquet", body)
 
@@ -208,7 +193,7 @@ def test_a_cancelled_load_leaves_no_scratch_file(
 
 
 def test_cleanup_removes_the_scratch_file_of_a_killed_load(root: Path, s3: MotoServer, bucket: str) -> None:
-    body, _ = _bodies(_table(20_000))["t.parquet"]
+    body, _ = _bodies(mixed_table(20_000, categorical=False))["t.parquet"]
     put_object(s3, bucket, "k.parquet", body)
     script = textwrap.dedent(
         f"""
