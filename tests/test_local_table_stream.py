@@ -35,7 +35,7 @@ from table_memory import BIG_ROWS, assert_flat, mixed_table, peak_growth, write_
 import shmcache  # noqa: E402
 from shmcache._containers import table_stream  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
-from shmcache._sources import table_batches  # noqa: E402
+from shmcache._sources import table_batches, tables  # noqa: E402
 from shmcache._sources.tables import read_table_source  # noqa: E402
 from shmcache._units import size_in_bytes  # noqa: E402
 from shmcache.errors import CacheFullError, CorruptSourceError  # noqa: E402
@@ -290,6 +290,22 @@ def test_a_budget_exceeded_mid_csv_says_the_table_needs_more(root: Path, tmp_pat
         store.put_file("b", path)
     assert "within the budget" in str(refused.value)  # the budget's own words follow
     assert not store.exists("b") and not _tmp_items(root) and not _decoding_threads()
+
+
+def test_a_csv_row_that_does_not_parse_fails_without_a_whole_decode(
+    store: shmcache.Store, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row with a column too many after the first 1 MiB block: CorruptSourceError naming
+    the file as soon as its block is read (the whole read would fail on it alike, so the
+    file is not decoded whole to find that out); nothing published, nothing in tmp/."""
+    path = tmp_path / "bad.csv"
+    path.write_bytes(("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)) + "1,2,3\n").encode())
+    whole: list[object] = []
+    read_whole = tables.read_table_file
+    monkeypatch.setattr(tables, "read_table_file", lambda *a: whole.append(a) or read_whole(*a))
+    with pytest.raises(CorruptSourceError, match=r"bad\.csv.*Expected 2 columns, got 3"):
+        store.put_file("bad", path)
+    assert not whole and not store.exists("bad") and not _tmp_items(root) and not _decoding_threads()
 
 
 def test_a_corrupt_parquet_is_a_typed_error_naming_the_file(

@@ -315,8 +315,8 @@ def test_a_wide_table_loads_under_the_usual_limit_of_descriptors(
 def test_a_csv_that_does_not_parse_is_corrupt(
     store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
 ) -> None:
-    """A row with a column too many after the first block: the streamed read gives way to
-    the whole read, whose error is typed (CorruptSourceError naming the object)."""
+    """A row with a column too many after the first block: CorruptSourceError naming the
+    object, as the streamed read meets it."""
     body = ("a,b\n" + "".join(f"{i},x{i}\n" for i in range(200_000)) + "1,2,3\n").encode()
     put_object(s3, bucket, "bad.csv", body)
     with pytest.raises(CorruptSourceError, match=r"bad\.csv"):

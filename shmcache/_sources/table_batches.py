@@ -342,13 +342,17 @@ def _batches(pa: Any, source: Any, suffix: str) -> tuple[Any, Iterator[Any], int
 
 def _streamed(pa: Any, reader: Any) -> Iterator[Any]:
     """A CSV/JSON reader's blocks; a block its first block's types do not fit (the whole
-    file's inference would have widened them) asks for the whole read instead."""
+    file's inference would have widened them) asks for the whole read instead. A CSV row
+    that does not parse (a column too many, an unterminated quote) fails the whole read
+    alike: it is corrupt now, not after decoding the whole file to find that out."""
     while True:
         try:
             batch = reader.read_next_batch()
         except StopIteration:
             return
         except pa.ArrowInvalid as exc:
+            if str(exc).startswith("CSV parse error"):
+                raise
             raise ChangedLayout(str(exc)) from None
         yield batch
 
