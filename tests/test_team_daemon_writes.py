@@ -75,12 +75,23 @@ def team(data_dir: Path) -> Iterator[Team]:
 
 
 @pytest.fixture(scope="module")
-def daemon(team: Team) -> Iterator[TeamDaemon]:
-    started = TeamDaemon(team, team.service).wait_ready()
+def _daemons(team: Team) -> Iterator[list[TeamDaemon]]:
+    """The team daemons this module's tests were given (one serves at a time)."""
+    started: list[TeamDaemon] = []
     try:
         yield started
     finally:
-        started.stop()
+        for one in started:
+            one.stop()
+
+
+@pytest.fixture
+def daemon(team: Team, _daemons: list[TeamDaemon]) -> TeamDaemon:
+    """The team's daemon, started again where a test stopped it (a restart test), whatever
+    order the tests run in and however xdist shares them out."""
+    if not _daemons or _daemons[-1].exited() is not None:
+        _daemons.append(TeamDaemon(team, team.service).wait_ready())
+    return _daemons[-1]
 
 
 def _private_file(homes: Path, owner: User, name: str, array: np.ndarray) -> Path:
@@ -216,8 +227,7 @@ def _tmp_versions(root: Path) -> list[str]:
     return [name for name in os.listdir(root / "tmp") if not name.endswith(".lock")]
 
 
-def test_a_member_killed_mid_put_publishes_nothing(team: Team, homes: Path) -> None:
-    started = TeamDaemon(team, team.service).wait_ready()
+def test_a_member_killed_mid_put_publishes_nothing(team: Team, daemon: TeamDaemon) -> None:
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child process: a member that dies while filling
@@ -249,4 +259,3 @@ def test_a_member_killed_mid_put_publishes_nothing(team: Team, homes: Path) -> N
         assert not Store(team=team.name).exists("a/killed")
     finally:
         os.close(read_end)
-        started.stop()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,6 +168,51 @@ def test_a_large_file_is_copied_by_the_kernel_into_the_daemons_file(served: Path
     assert MemberWriter(served).put_file("files/big", tmp_path / "big.npy") == ["files/big"]
     assert np.array_equal(Store(served).open_array("files/big"), big)
     assert Store(served).verify("files/big") is True
+
+
+def test_a_directory_of_thousands_of_files_is_put_and_answered_whole(served: Path, tmp_path: Path) -> None:
+    """3,000 files with long names: the commit (~0.5 MB of metadata) and its answer (~1 MB)
+    are larger than a seqpacket record may be (the socket's send buffer, 208 KiB by
+    default: 600 files failed after publishing, 3,000 with a raw EMSGSIZE after the
+    writes); they go as several records and the member gets every entry back."""
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(3000):
+        np.save(folder / f"a_rather_long_file_name_as_datasets_have_{i:05d}.npy", np.full(4, i))
+    keys = MemberWriter(served).put_file("many", folder)
+    assert len(keys) == 3000 and keys[0].startswith("many/a_rather_long_file_name")
+    last = Store(served).open_array("many/a_rather_long_file_name_as_datasets_have_02999")
+    assert last.tolist() == [2999] * 4
+    assert not _tmp_versions(served)
+
+
+def test_a_message_goes_as_records_with_its_descriptor_and_is_bounded() -> None:
+    """The framing alone: a message of 5 MB arrives whole, its descriptor with it; a peer
+    that hangs up in the middle of a message is a typed error, not a half message."""
+    from shmcache._store import fd_messages
+    from shmcache.errors import InvalidRequestError
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read_end, write_end = os.pipe()
+    try:
+        body = {"op": "commit", "extra": [{"name": f"k{i}" * 20} for i in range(50_000)]}
+        assert fd_messages.message_size(body) > 100 * fd_messages.RECORD
+        sender = threading.Thread(target=send_message, args=(left, body, write_end))
+        sender.start()
+        got = recv_message(right)
+        sender.join()
+        assert got is not None and got[0] == body and got[1] is not None
+        os.write(got[1], b"x")
+        os.close(got[1])
+        assert os.read(read_end, 1) == b"x"
+        left.sendall(b"\x01" + b" " * 100)
+        left.close()  # the peer hangs up in the middle of a message
+        with pytest.raises(InvalidRequestError, match="middle of a message"):
+            recv_message(right)
+    finally:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        right.close()
 
 
 def test_existing_key_is_refused_and_overwrite_replaces(served: Path) -> None:

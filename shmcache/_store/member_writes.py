@@ -50,7 +50,7 @@ from ..errors import (
     UnsupportedDataError,
     UntrustedDaemonError,
 )
-from .fd_messages import FDS_SOCKET, raise_error, recv_message, send_message
+from .fd_messages import FDS_SOCKET, check_fits, raise_error, recv_message, send_message
 from .putting import _as_storable_array
 from .records import EntryInfo
 
@@ -164,7 +164,11 @@ class MemberWriter:
     def _put_on(
         self, sock: socket.socket, entries: list[Pending], overwrite: bool, pin: bool
     ) -> list[EntryInfo]:
-        """One put over an open connection: begin, fill each file, commit."""
+        """One put over an open connection: begin, fill each file, commit (its size checked
+        before anything is written: a commit over the channel's limit would come after the
+        writes, and after what the daemon evicted for them)."""
+        commit = {"op": "commit", "extra": [_jsonable(e.extra) for e in entries]}
+        check_fits(commit, f"a put of {len(entries)} entries: put the directory in parts (a key per part)")
         begin = {
             "op": "begin",
             "overwrite": overwrite,
@@ -184,7 +188,7 @@ class MemberWriter:
                     _fill(fd, fill, f"{entry.key}/{name}.npy")
                 finally:
                     os.close(fd)
-        answer, _ = self._ask(sock, {"op": "commit", "extra": [_jsonable(e.extra) for e in entries]})
+        answer, _ = self._ask(sock, commit)
         return [_entry_info(item) for item in answer["entries"]]
 
     def evict(self, key: str) -> int:
