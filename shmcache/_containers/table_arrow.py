@@ -10,7 +10,8 @@ bits on the way (they are stored one byte per value so ``column()`` is a numpy b
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import IO, Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from ..errors import CorruptSourceError, UnsupportedDataError
 from .table_chunks import chunk_files, number_values
 from .table_encode import (
     NotTabular,
+    check_offsets,
     encode_column_values,
     encode_table_records,
     list_description,
@@ -31,6 +33,7 @@ __all__ = [
     "ARROW_EXTRA",
     "TABLE_SUFFIXES",
     "arrow_column",
+    "column_errors",
     "encode_table",
     "encode_table_parts",
     "read_arrow_table",
@@ -136,14 +139,8 @@ def encode_arrow_parts(table: Any, what: str) -> tuple[dict[str, FileArray], dic
     files: dict[str, FileArray] = {}
     descriptions = []
     for i, name in enumerate(names):
-        try:
+        with column_errors(what, name):
             parts, desc = _chunked_column(table.column(i))
-        except NotTabular as exc:
-            raise UnsupportedDataError(
-                f"{what}: column {name!r} is {exc}, which a table cannot hold; a table column holds "
-                "numbers, bools, timestamps, strings, or lists of numbers: cast it (e.g. "
-                "table.cast(...) or pyarrow.compute) or drop it"
-            ) from None
         files |= {f"c{i}.{part}": array for part, array in parts.items()}
         descriptions.append(desc)
     return files, table_meta(names, descriptions, table.num_rows)
@@ -158,6 +155,28 @@ def _chunked_column(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]]:
     one = column.chunk(0) if column.num_chunks == 1 else None  # combine_chunks copies even one
     combined, desc = _arrow_column(one if one is not None else column.combine_chunks())
     return {part: array for part, array in combined.items()}, desc
+
+
+@contextmanager
+def column_errors(what: str, name: str) -> Iterator[None]:
+    """Errors encoding column ``name`` of ``what`` typed and named: a type a table cannot
+    hold (:class:`NotTabular`) is UnsupportedDataError; data pyarrow's readers let through
+    but that does not hold together (offsets past the data, a dictionary index out of
+    range: ``ArrowIndexError`` from the decode) is CorruptSourceError."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except NotTabular as exc:
+        raise UnsupportedDataError(
+            f"{what}: column {name!r} is {exc}, which a table cannot hold; a table column holds "
+            "numbers, bools, timestamps, strings, or lists of numbers: cast it (e.g. "
+            "table.cast(...) or pyarrow.compute) or drop it"
+        ) from None
+    except (pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise UnsupportedDataError(f"{what}: column {name!r}: {exc}") from None
+    except (CorruptSourceError, pa.ArrowInvalid, pa.ArrowIndexError, pa.ArrowKeyError) as exc:
+        raise CorruptSourceError(f"{what}: column {name!r}: {exc}") from None
 
 
 def arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -216,18 +235,19 @@ def _bits(buffer: Any, offset: int, count: int) -> np.ndarray:
     return np.unpackbits(bits, count=offset + count, bitorder="little")[offset:].view(np.bool_)
 
 
-def _sliced_offsets(array: Any) -> tuple[np.ndarray, int, int]:
+def _sliced_offsets(array: Any, limit: int) -> tuple[np.ndarray, int, int]:
     """The int64 offsets of a large string/list array, rebased to 0, and the range of its
-    values they cover."""
+    values they cover (checked within ``limit``, the bytes or child items there are)."""
     buffers = array.buffers()
     offsets = np.frombuffer(buffers[1], dtype=np.int64)[array.offset : array.offset + len(array) + 1]
+    check_offsets(offsets, limit)
     start, stop = int(offsets[0]), int(offsets[-1])
     return offsets - start, start, stop
 
 
 def _arrow_strings(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    offsets, start, stop = _sliced_offsets(array)
     data = array.buffers()[2]
+    offsets, start, stop = _sliced_offsets(array, data.size if data is not None else 0)
     values = np.frombuffer(data, dtype=np.uint8)[start:stop] if data is not None else np.empty(0, np.uint8)
     return {"bytes": values, "offsets": offsets}, {"kind": "string", "dtype": "str", "arrow": "large_string"}
 
@@ -247,7 +267,7 @@ def _arrow_lists(array: Any, fixed: bool = True) -> tuple[dict[str, np.ndarray],
         values = _numpy(child).reshape(len(array), size)
         return {"values": values}, list_description(values.dtype, size)
     large = array.cast(pa.large_list(child_type))
-    offsets, start, stop = _sliced_offsets(large)
+    offsets, start, stop = _sliced_offsets(large, len(large.values))
     child = large.values.slice(start, stop - start)
     if child.null_count:
         raise NotTabular("a list with null items")
@@ -278,7 +298,10 @@ def read_arrow_table(fp: IO[bytes], path: str, suffix: str) -> Any:
     pa = require_pyarrow(f"table file {path}")
     try:
         return _read_with_arrow(pa, fp, suffix)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError, EOFError) as exc:
+    except (
+        pa.ArrowInvalid, pa.ArrowIndexError, pa.ArrowKeyError, pa.ArrowTypeError, pa.ArrowNotImplementedError,
+        OSError, EOFError,
+    ) as exc:  # fmt: skip
         if isinstance(exc, pa.ArrowTypeError | pa.ArrowNotImplementedError):
             raise UnsupportedDataError(f"{path}: {exc}") from None
         raise CorruptSourceError(f"{path} is not a readable {suffix[1:]} file: {exc}") from None

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedDataError
+from ..errors import CorruptSourceError, UnsupportedDataError
 from .table_pack import pack_lists, pack_numbers
 
 __all__ = [
     "Column",
+    "check_offsets",
     "column_files",
     "encode_column_values",
     "encode_table_columns",
@@ -55,6 +56,22 @@ class NotTabular(UnsupportedDataError):
 def arrow_name(dtype: np.dtype[Any]) -> str:
     """Arrow's name of a numeric numpy dtype (what ``meta.json`` records)."""
     return _ARROW_NAMES[f"{dtype.kind}{dtype.itemsize}"]
+
+
+def check_offsets(offsets: np.ndarray, limit: int) -> None:
+    """Offsets of an Arrow string or list array (a chunk's, before rebasing) that a reader
+    may follow: from 0, never decreasing, the last within the ``limit`` bytes (items) of
+    its data. An IPC file's offsets are not checked by pyarrow's reader, nor by its cheap
+    ``validate()``: one past its data, published, made every reader of the column read
+    past the end of its file (SIGBUS) or the wrong strings. One pass over the offsets."""
+    if not len(offsets):
+        return
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first < 0 or last > limit or (len(offsets) > 1 and not bool((offsets[1:] >= offsets[:-1]).all())):
+        raise CorruptSourceError(
+            f"a string or list column's offsets run from {first} to {last} over {limit} items of data, "
+            "or go back (a corrupt Arrow file or buffer)"
+        )
 
 
 def validity(valid: np.ndarray) -> np.ndarray:

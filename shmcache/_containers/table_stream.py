@@ -26,8 +26,8 @@ import numpy as np
 from .._disk.npy import NpyHeader
 from .._disk.npy_append import NpyAppender
 from ..errors import UnsupportedDataError
-from .table_arrow import arrow_column
-from .table_encode import NotTabular, table_meta
+from .table_arrow import arrow_column, column_errors
+from .table_encode import table_meta
 
 __all__ = ["ChangedLayout", "TableAppender"]
 
@@ -112,14 +112,8 @@ class _Column:
         self._pending: np.ndarray | None = None  # validity bits not yet a whole byte
 
     def encode(self, chunk: Any, what: str) -> _Encoded:
-        try:
+        with column_errors(what, self.name):
             files, desc = arrow_column(chunk)
-        except NotTabular as exc:
-            raise UnsupportedDataError(
-                f"{what}: column {self.name!r} is {exc}, which a table cannot hold; a table column holds "
-                "numbers, bools, timestamps, strings, or lists of numbers: cast it (e.g. "
-                "table.cast(...) or pyarrow.compute) or drop it"
-            ) from None
         count = len(chunk)
         valid = files.pop("valid", None)
         nbytes = sum(int(a.nbytes) for part, a in files.items() if part != "offsets")

@@ -366,5 +366,6 @@ def _arrow_errors(pa: Any, what: str, suffix: str) -> Iterator[None]:
         raise
     except (pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise UnsupportedDataError(f"{what}: {exc}") from None
-    except (pa.ArrowInvalid, OSError, EOFError) as exc:
+    except (pa.ArrowInvalid, pa.ArrowIndexError, pa.ArrowKeyError, OSError, EOFError) as exc:
+        # (IndexError: a damaged file's lengths, met slicing or joining its batches)
         raise CorruptSourceError(f"{what} is not a readable {suffix[1:]} file: {exc}") from None
