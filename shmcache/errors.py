@@ -14,6 +14,7 @@ The tree (built-in bases in brackets)::
     ├── InvalidKeyError             [ValueError]        not a valid key
     ├── UnsupportedDataError        [TypeError]         object dtypes, wrong entry kind...
     ├── CacheFullError              [OSError]           tmpfs or budget has no room
+    │   ├── NoRoomError                                 not even evicting makes room in the budget
     │   └── QuotaExceededError                          a team member's byte quota has no room
     ├── TooManyOpenFilesError       [OSError]           the descriptor limit is exhausted
     ├── MappingRefusedError         [MemoryError]       the kernel refused a private mapping
@@ -61,6 +62,7 @@ __all__ = [
     "KeyNotFoundError",
     "LockTimeoutError",
     "MappingRefusedError",
+    "NoRoomError",
     "NotPermittedError",
     "QuotaExceededError",
     "ShmCacheError",
@@ -101,6 +103,13 @@ class UnsupportedDataError(ShmCacheError, TypeError):
 
 class CacheFullError(ShmCacheError, OSError):
     """The tmpfs or the cache's byte budget has no room for the write."""
+
+
+class NoRoomError(CacheFullError):
+    """Evicting cannot make room within the budget: it stays exceeded with every entry that
+    may go (neither pinned nor mapped) gone. Nothing was evicted for it. A table put whose
+    size is known ahead (Parquet, Arrow IPC) is refused so before its first batch, with
+    every entry still there."""
 
 
 class QuotaExceededError(CacheFullError):

@@ -38,7 +38,7 @@ from shmcache._disk.layout import Layout  # noqa: E402
 from shmcache._sources import table_batches, tables  # noqa: E402
 from shmcache._sources.tables import read_table_source  # noqa: E402
 from shmcache._units import size_in_bytes  # noqa: E402
-from shmcache.errors import CacheFullError, CorruptSourceError  # noqa: E402
+from shmcache.errors import CacheFullError, CorruptSourceError, NoRoomError  # noqa: E402
 
 _VOLATILE = ("key", "version", "created")  # what differs between any two puts
 
@@ -259,11 +259,14 @@ def test_a_source_changed_mid_load_publishes_nothing(
 
 
 def test_a_budget_exceeded_mid_stream_publishes_nothing(root: Path, tmp_path: Path) -> None:
-    """A 1 MiB table in 8 row groups under a budget that holds about half of it: the first
-    row groups are written, then CacheFullError; nothing published, nothing in ``tmp/``,
-    the entry already there stays; under a roomier budget the same file loads."""
+    """1.8 MiB of strings in 8 row groups, dictionary-encoded (22 KiB by the row groups'
+    sizes: too small an estimate to refuse it ahead), under a budget that holds about a
+    third of it: the first row groups are written, then CacheFullError saying the table
+    needs more than what was asked for; nothing published, nothing in ``tmp/``, the entry
+    already there stays; under a roomier budget the same file loads."""
     path = tmp_path / "b.parquet"
-    table = _parquet(path)
+    table = pa.table({"s": [f"value-{i % 10:04d}-" + "x" * 40 for i in range(1 << 15)]})
+    pq.write_table(table, path, row_group_size=4096, compression="none")
     store = shmcache.Store(root, max_bytes=(1 << 19) + (64 << 10))
     store.put_array("other", np.arange(1 << 10, dtype=np.int64))
     with _counted_batches() as batches, pytest.raises(CacheFullError) as refused:
@@ -271,13 +274,34 @@ def test_a_budget_exceeded_mid_stream_publishes_nothing(root: Path, tmp_path: Pa
     assert 1 <= len(batches) < 8, batches  # refused mid-stream, not before the first batch
     assert not store.exists("b") and store.exists("other") and not _tmp_items(root)
     assert not _decoding_threads()
+    assert re.search(r"b\.parquet: its table needs more than [\d.]+ KiB", str(refused.value)), refused.value
     roomy = shmcache.Store(root, max_bytes=4 << 20)
     roomy.put_table("b", path)
-    assert np.array_equal(roomy.open_table("b").column("v"), table.column("v").to_numpy())
-    # The refusal says what the whole table needs (not the part written when it came).
+    assert roomy.open_table("b").to_arrow().column("s").to_pylist() == table.column("s").to_pylist()
+
+
+def test_a_table_known_too_big_is_refused_before_anything_is_evicted(root: Path, tmp_path: Path) -> None:
+    """A 1 MiB Parquet (its row groups' sizes say so) under a 576 KiB budget holding two
+    entries: NoRoomError before the first row group, saying what the table needs, with
+    both entries still there (evicting them could not have made room); a Parquet that
+    fits once they go evicts them as before."""
+    path = tmp_path / "b.parquet"
+    _parquet(path)
+    store = shmcache.Store(root, max_bytes=(1 << 19) + (64 << 10))
+    store.put_array("one", np.arange(1 << 14, dtype=np.int64))
+    store.put_array("two", np.arange(1 << 14, dtype=np.int64))
+    with _counted_batches() as batches, pytest.raises(NoRoomError) as refused:
+        store.put_file("b", path)
+    assert batches == [] and store.exists("one") and store.exists("two") and not _tmp_items(root)
     said = re.search(r"b\.parquet: its table needs about ([\d.]+ [KMG]iB)", str(refused.value))
     assert said is not None, str(refused.value)
+    roomy = shmcache.Store(root, max_bytes=4 << 20)
+    roomy.put_table("b", path)
     assert 0.9 < size_in_bytes(said.group(1).replace(" ", "")) / roomy.info("b").nbytes < 1.2, said.group(1)
+    roomy.evict("b")
+    _parquet(path, rows=1 << 16)  # 512 KiB: fits once both go
+    store.put_file("b", path)
+    assert store.exists("b") and not store.exists("one")
 
 
 def test_a_budget_exceeded_mid_csv_says_the_table_needs_more(root: Path, tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from ..errors import (
     CacheFullError,
     CorruptSourceError,
     InvalidSourceError,
+    NoRoomError,
     ShmCacheError,
     UnsupportedDataError,
 )
@@ -83,14 +84,27 @@ class Reservation:
             self._reserve(nbytes, True)
             self.reserved = nbytes
 
-    def hope(self, nbytes: int) -> None:
+    def hope(self, nbytes: int, floor: int | None = None) -> None:
         """Reserve ``nbytes`` (an estimate) if it fits without evicting anything; else grow
-        batch by batch, evicting for what is written only."""
+        batch by batch, evicting for what is written only. ``floor``: what the table needs
+        at least; where evicting could not make room even for that, raise NoRoomError now,
+        before a batch is written or an entry evicted for it."""
         if nbytes <= self.reserved:
             return
         try:
             self._reserve(nbytes, False)
             self.reserved = nbytes
+            return
+        except NoRoomError:
+            if floor is None or floor <= self.reserved:
+                return
+        except CacheFullError:  # it may fit by evicting: as it is written
+            return
+        try:
+            self._reserve(floor, False)
+            self.reserved = floor
+        except NoRoomError:
+            raise
         except CacheFullError:
             pass
 
@@ -145,7 +159,6 @@ def append_table_file(
         reservation.need(asked)
 
     written = added.nbytes + PAGE * (added.file_count + 1) + held
-    reservation.hope(written + (estimate if estimate is not None else size))
     start = added.nbytes
     sequential = suffix in (".csv", ".jsonl") or (estimate is None and not _has_footer(source))
 
@@ -158,6 +171,11 @@ def append_table_file(
 
     reading = _read(pa, batches, what, suffix)
     try:
+        # A Parquet's row groups' or an Arrow file's size is about its table's (a CSV's is
+        # not): where not even 80% of it could be made room for, refuse before evicting.
+        ahead = estimate if estimate is not None else size
+        sure = estimate is not None or suffix in (".feather", ".arrow")
+        reservation.hope(written + ahead, floor=written + ahead * 4 // 5 if sure else None)
         for batch in reading:
             added.add(batch, before_write)  # (its own errors are not the file's: not mapped)
             if progress is not None and size:
@@ -165,13 +183,13 @@ def append_table_file(
     except CacheFullError as exc:  # it names what the batches so far needed: say the whole's
         if not size:
             raise
-        if estimate is not None:  # Parquet: its row groups' uncompressed sizes
+        if estimate is not None and asked <= written + estimate:  # Parquet: its row groups' sizes
             whole = f"about {human_bytes(estimate)} (its row groups' uncompressed size)"
-        elif not sequential:  # an Arrow IPC file: batches of the file's bytes
+        elif estimate is None and not sequential and asked <= written + size:  # an Arrow IPC file
             whole = f"about {human_bytes(size)} (the file's size)"
-        else:
+        else:  # (or more than an estimate said: dictionary-encoded strings, compressed batches)
             whole = f"more than {human_bytes(asked)} (the part read so far; the rest is not known yet)"
-        raise CacheFullError(f"{what}: its table needs {whole}; {exc}") from None
+        raise type(exc)(f"{what}: its table needs {whole}; {exc}") from None  # NoRoomError stays one
     finally:
         reading.close()  # no decode under way once the caller closes the file
     return appender

@@ -21,7 +21,7 @@ from .._disk.manifest import split_batch_version
 from .._disk.procmaps import scan_mappings
 from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
-from ..errors import CacheFullError
+from ..errors import CacheFullError, NoRoomError
 from .budget import read_budget
 from .catalog import held_by_batches, iter_infos, packed_batch, used_bytes
 from .locks import space_lock
@@ -123,7 +123,7 @@ def _make_room_in_budget(
         probed = [e for e in evictable if e.version not in kept]
         busy = [e.key for e in entries if e.version in mapped] + [e.key for e in probed]
         whole = any(packed_batch(v) for v in mapped) or any(packed_batch(e.version) for e in probed)
-        raise CacheFullError(
+        raise NoRoomError(
             f"need {human_bytes(nbytes)} within the budget of {human_bytes(budget)} ({whose}), "
             f"{human_bytes(used)} used; only {human_bytes(_freed_by(candidates, members, held))} could be "
             f"evicted. Pinned: {_names(pinned)}; mapped by live processes: {_names(busy)}"
