@@ -161,7 +161,7 @@ def put(
         if not local and (writer := _member_writer(root)) is not None:
             with failures_exit_1():
                 files = [(k, s) for k, s in sources if isinstance(s, Path)]
-                for published_key in _put_as_member(writer, files, pin, overwrite, as_.value):
+                for published_key in _put_as_member(writer, files, pin, overwrite, as_.value, dtype):
                     typer.echo(published_key)
             sources = [(k, s) for k, s in sources if not isinstance(s, Path)]  # URLs: the daemon's
             if not sources:
@@ -287,13 +287,18 @@ def _member_writer(root: Path | None) -> MemberWriter | None:
 
 
 def _put_as_member(
-    writer: MemberWriter, sources: Sequence[tuple[str, Path | str]], pin: bool, overwrite: bool, as_: str
+    writer: MemberWriter,
+    sources: Sequence[tuple[str, Path | str]],
+    pin: bool,
+    overwrite: bool,
+    as_: str,
+    dtype: str | None = None,
 ) -> list[str]:
     """Put files into a team's root: read here, with this user's rights, written into the
     files its daemon makes (the daemon never opens them)."""
     published: list[str] = []
     for key, source in sources:
-        published += writer.put_file(key, source, overwrite=overwrite, pin=pin, as_=as_)
+        published += writer.put_file(key, source, overwrite=overwrite, pin=pin, as_=as_, dtype=dtype)
     return published
 
 

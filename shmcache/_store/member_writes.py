@@ -47,6 +47,7 @@ from ..errors import (
     InvalidSourceError,
     KeyExistsError,
     KeyNotFoundError,
+    ShmCacheError,
     UnsupportedDataError,
     UntrustedDaemonError,
 )
@@ -338,7 +339,7 @@ class MemberWriter:
             if source.kind == "remote":
                 raise InvalidSourceError(
                     f"{path}: a team's daemon loads URLs itself, with its own credentials and only "
-                    "from the team's allow_sources: `shmcache put KEY URL --team NAME`"
+                    "from the team's allow_sources: `shmcache put URL --key KEY --team NAME`"
                 )
             if source.kind == "shards" or not isinstance(source.location, (str, os.PathLike)):
                 raise UnsupportedDataError(
@@ -347,6 +348,8 @@ class MemberWriter:
                 )
             location = Path(os.path.abspath(source.location))
             return self._put_file(key, source.kind, location, overwrite, pin, dtype)
+        except ShmCacheError:  # NotPermittedError, UntrustedDaemonError are PermissionErrors too
+            raise
         except PermissionError as exc:  # a directory on the way that this user may not enter
             raise InvalidSourceError(
                 f"source {path} cannot be read: Permission denied ({exc.filename}); you may put "
