@@ -18,6 +18,7 @@ RootOption = Annotated[
         envvar=ENV_ROOT,
         help=f"Cache root (default: ${ENV_ROOT} or {SHM_DIR}/shmcache-<uid>).",
         show_default=False,
+        readable=False,  # the core says why a root is unusable (another user's: CacheRootError)
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
@@ -36,5 +37,6 @@ SocketOption = Annotated[
         envvar=ENV_SOCKET,
         show_default=False,
         help=f"The daemon's Unix socket (default <root>/{SOCKET_NAME}).",
+        readable=False,
     ),
 ]

@@ -108,7 +108,12 @@ def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Calla
             default=False if _flag_type(field) is bool else None,
             annotation=Annotated[
                 _flag_type(field),
-                typer.Option(flag_name(name), help=_flag_help(name, field), show_default=False),
+                typer.Option(
+                    flag_name(name),
+                    help=_flag_help(name, field),
+                    show_default=False,
+                    **_path_checks(_flag_type(field)),
+                ),
             ],
         )
         for name, field in fields.items()
@@ -122,6 +127,12 @@ def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Calla
     command.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
     command.__doc__ = _HELP
     return command
+
+
+def _path_checks(kind: Any) -> dict[str, Any]:
+    """A path flag is not checked by typer (which calls a root another user keeps private
+    "not readable", a usage error): the settings and the daemon say what is wrong with it."""
+    return {"readable": False} if Path in get_args(kind) or kind is Path else {}
 
 
 def _flag_type(field: FieldInfo) -> Any:
