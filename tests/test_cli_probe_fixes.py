@@ -24,7 +24,7 @@ from team_helpers import User, as_user, made_users
 from typer.testing import CliRunner
 
 from shmcache._cli.app import app
-from shmcache._disk.layout import ENV_ROOT, SHM_DIR
+from shmcache._disk.layout import ENV_ROOT, ENV_TEAM, SHM_DIR
 
 RUNNER = CliRunner()
 _HANG_S = 60
@@ -123,3 +123,25 @@ def test_demo_on_a_full_root_fails_with_one_line(root: Path) -> None:
 def test_demo_with_an_unknown_team_exported_fails_with_one_line() -> None:
     code, _, err = cli("demo", "--rows", "10", env={"SHMCACHE_TEAM": "no-such-team", ENV_ROOT: ""})
     assert code == 1 and err.startswith("error: ") and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------- --root vs $SHMCACHE_TEAM
+
+
+def test_an_explicit_root_wins_over_the_exported_team(root: Path) -> None:
+    env = {ENV_TEAM: "no-such-team", ENV_ROOT: ""}
+    code, out, err = cli("ls", "--root", str(root), env=env)
+    assert code == 0 and "KEY" in out, err
+    code, out, err = cli("budget", "--root", str(root), "set", "1MiB", "--local", env=env)
+    assert code == 0 and "1.0 MiB" in out, err
+    code, _, err = cli("ls", env=env)  # without --root, the exported team is the root
+    assert code == 1 and "teams file" in err, err
+
+
+def test_an_explicit_team_with_a_root_and_both_variables_stay_refused(root: Path) -> None:
+    code, _, err = cli("--team", "no-such-team", "ls", "--root", str(root), env={ENV_ROOT: ""})
+    assert code == 1 and "not both" in err, err
+    code, _, err = cli("put", "/etc/hostname", "--key", "k", "--team", "x", "--root", str(root))
+    assert code == 1 and "not both" in err, err
+    code, _, err = cli("ls", env={ENV_TEAM: "no-such-team", ENV_ROOT: str(root)})
+    assert code == 1 and f"both {ENV_ROOT} and {ENV_TEAM}" in err, err

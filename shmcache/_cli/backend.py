@@ -25,7 +25,7 @@ from .._disk.layout import ENV_SOCKET, Layout, default_root
 from .._store import Store
 from .._team.config import TeamConfig, checked_team, team_of
 from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
-from .common import fail, team_option
+from .common import fail, root_given, team_option
 
 if TYPE_CHECKING:
     from ..client import Client
@@ -50,9 +50,11 @@ _RETRY_S = 0.1
 def command_team(root: Path | None) -> TeamConfig | None:
     """The team a command works on (``shmcache --team``, or ``$SHMCACHE_TEAM`` without
     ``--root``), its root checked against the teams file; None for a personal root.
-    A refusal ends the command (exit 1) saying why."""
+    A refusal ends the command (exit 1) saying why. A ``--root`` on the command line wins
+    over ``$SHMCACHE_TEAM``; ``$SHMCACHE_ROOT`` with either team is decided as for
+    library calls (with ``--team``: the team; with ``$SHMCACHE_TEAM``: refused)."""
     try:
-        team = team_of(root, team_option())
+        team = team_of(root if root_given() else None, team_option())
         return None if team is None else checked_team(team)
     except ShmCacheError as exc:
         raise fail(exc) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 
@@ -24,20 +25,43 @@ __all__ = [
     "debug_enabled",
     "fail",
     "failures_exit_1",
+    "forget_root_source",
+    "note_root_source",
     "print_table",
+    "root_given",
     "set_debug",
     "set_team",
     "team_option",
     "warn_or_raise",
 ]
 
-_state = {"debug": False}
+_state = {"debug": False, "root_given": False}
 _team: list[str | None] = [None]
 
 
 def set_team(team: str | None) -> None:
-    """``shmcache --team NAME`` (or ``$SHMCACHE_TEAM``): every command works on that team's root."""
+    """``shmcache --team NAME``: every command works on that team's root. (``$SHMCACHE_TEAM``
+    is not passed here: the core reads it where no root is given, as for library calls.)"""
     _team[0] = team
+
+
+def forget_root_source() -> None:
+    """At the start of each command line (the app's callback, before any ``--root``)."""
+    _state["root_given"] = False
+
+
+def note_root_source(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """``--root``'s callback: note whether the root is on the command line (not from
+    ``$SHMCACHE_ROOT``): an explicit root wins over ``$SHMCACHE_TEAM``, as ``root=`` does."""
+    source = ctx.get_parameter_source(param.name or "root")  # typer bundles its own click: by name
+    if source is not None and source.name == "COMMANDLINE":
+        _state["root_given"] = True
+    return value
+
+
+def root_given() -> bool:
+    """Whether this command's ``--root`` (or its group's) was on the command line."""
+    return _state["root_given"]
 
 
 def team_option() -> str | None:

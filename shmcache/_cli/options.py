@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from .._disk.layout import ENV_ROOT, ENV_SOCKET, SHM_DIR, SOCKET_NAME
+from .common import note_root_source
 
 __all__ = ["JsonOption", "LocalOption", "RootOption", "SocketOption"]
 
@@ -19,6 +20,7 @@ RootOption = Annotated[
         help=f"Cache root (default: ${ENV_ROOT} or {SHM_DIR}/shmcache-<uid>).",
         show_default=False,
         readable=False,  # the core says why a root is unusable (another user's: CacheRootError)
+        callback=note_root_source,
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
