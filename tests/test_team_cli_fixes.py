@@ -20,7 +20,7 @@ from team_helpers import Team, TeamDaemon, User, as_user, real_team
 from typer.testing import CliRunner
 
 import shmcache
-from shmcache import NotPermittedError, Store
+from shmcache import InvalidSourceError, NotPermittedError, SourceNotAllowedError, Store
 from shmcache._cli.app import app
 from shmcache._disk.layout import ENV_TEAMS_FILE, SHM_DIR
 
@@ -78,7 +78,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def _put_file(team: str, key: str, path: Path, overwrite: bool) -> list[str]:
+def _put_file(team: str, key: str, path: Path | str, overwrite: bool) -> list[str]:
     return shmcache.put_file(key, path, team=team, overwrite=overwrite)
 
 
@@ -105,3 +105,18 @@ def test_a_team_put_of_a_raw_token_file_takes_its_dtype(team: Team, daemon: Team
     assert code == 0 and "a/tok" in out, out
     array = Store(team=team.name).open_array("a/tok")
     assert array.dtype == np.uint16 and array.tolist() == list(range(1000))
+
+
+def _ask_daemon_to_load(team: str, key: str, path: Path) -> object:
+    from shmcache.client import Client
+
+    with Client(team=team, timeout=30) as client:
+        return client.put_file(key, path)
+
+
+def test_refusals_show_the_put_syntax_that_exists(team: Team, daemon: TeamDaemon, homes: Path) -> None:
+    alices = _own(homes, team.a, "syntax.npy", np.arange(3.0))
+    with pytest.raises(SourceNotAllowedError, match=r"`shmcache put PATH --key KEY --team NAME`"):
+        as_user(team.a, _ask_daemon_to_load, team.name, "a/syntax", alices)
+    with pytest.raises(InvalidSourceError, match=r"`shmcache put URL --key KEY --team NAME`"):
+        as_user(team.a, _put_file, team.name, "a/url", "s3://bucket/x.npy", False)

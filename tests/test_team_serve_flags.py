@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from cli_helpers import cli
 from team_helpers import Team, TeamDaemon, real_team
 
-from shmcache import Store
+from shmcache import CacheRootError, Store
 from shmcache._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE
 
 
@@ -57,3 +58,14 @@ def test_two_teams_or_the_team_and_root_variables_are_refused(team: Team) -> Non
     assert code == 2 and "two teams" in err, err
     code, _, err = cli("serve", env={ENV_TEAM: team.name, ENV_ROOT: "/dev/shm/elsewhere"})
     assert code == 2 and f"both {ENV_ROOT} and {ENV_TEAM}" in err, err
+
+
+def test_writes_to_a_team_root_without_its_daemon_say_it_is_not_running(team: Team) -> None:
+    """(No daemon runs in these tests between their own.) Not the store's refusal of a put."""
+    for args in (["evict", "k"], ["cleanup"], ["budget", "set", "1GiB"], ["budget", "clear"]):
+        code, _, err = cli("--team", team.name, *args)
+        assert code == 1 and f"team {team.name}'s daemon is not running" in err, (args, err)
+        assert f"shmcache serve --team {team.name}" in err and team.service.name in err, err
+        assert "put" not in err, err
+    with pytest.raises(CacheRootError, match=rf"`shmcache --team {team.name} put PATH --key KEY`"):
+        Store(team=team.name).put_array("k", np.zeros(3))

@@ -37,6 +37,7 @@ __all__ = [
     "daemon_client",
     "local_store",
     "open_backend",
+    "refuse_team_writes_here",
     "resolve_root",
 ]
 
@@ -58,6 +59,23 @@ def command_team(root: Path | None) -> TeamConfig | None:
         return None if team is None else checked_team(team)
     except ShmCacheError as exc:
         raise fail(exc) from None
+
+
+def refuse_team_writes_here(root: Path | None, action: str) -> None:
+    """End the command (exit 1) if it works on a team's root, which only the team's daemon
+    writes, and that daemon does not run: say so, and how to start it (rather than the
+    store's refusal of a write in place, which is about puts)."""
+    team = command_team(root)
+    if team is None or team.uid == os.geteuid():
+        return
+    raise fail(
+        DaemonUnavailableError(
+            f"team {team.name}'s daemon is not running (nothing answers on {Layout(team.root).socket}), "
+            f"and only it may {action} in the team's root {team.root}: ask an administrator to "
+            f"start it (`systemctl start shmcache-team@{team.name}`, or `sudo -u {team.owner} "
+            f"shmcache serve --team {team.name}`)"
+        )
+    )
 
 
 def resolve_root(root: Path | None) -> Path:
@@ -141,14 +159,19 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
 
 
 @contextmanager
-def open_backend(root: Path | None, local: bool = False) -> Iterator[Store | Client]:
+def open_backend(
+    root: Path | None, local: bool = False, writes: str | None = None
+) -> Iterator[Store | Client]:
     """The daemon's client if one serves ``root`` (and not ``local``), else a local Store;
-    closed afterwards. A live daemon that does not answer ends the command (exit 1)."""
+    closed afterwards. A live daemon that does not answer ends the command (exit 1), and
+    so does a command that ``writes`` (``"evict entries"``) a team's root without its daemon."""
     try:
         client = daemon_client(root, local)
     except (DaemonUnavailableError, UntrustedDaemonError) as exc:
         raise fail(exc) from None
     if client is None:
+        if writes is not None and not local:  # --local: the store's own refusal says why
+            refuse_team_writes_here(root, writes)
         yield local_store(root)
         return
     with client:

@@ -446,7 +446,7 @@ def evict(
 ) -> None:
     """Remove entries; processes that mapped them keep reading their version."""
     failed = False
-    with open_backend(root, local) as control:
+    with open_backend(root, local, writes="evict entries") as control:
         for key in keys:
             try:
                 if prefix:
@@ -467,7 +467,7 @@ def evict(
 
 def cleanup(root: RootOption = None, local: LocalOption = False) -> None:
     """Remove partial writes and orphans left by dead writers."""
-    with open_backend(root, local) as control, failures_exit_1():
+    with open_backend(root, local, writes="clean up") as control, failures_exit_1():
         freed = control.cleanup()
     typer.echo(f"freed {human_bytes(freed)}")
 
