@@ -145,3 +145,17 @@ def test_an_explicit_team_with_a_root_and_both_variables_stay_refused(root: Path
     assert code == 1 and "not both" in err, err
     code, _, err = cli("ls", env={ENV_TEAM: "no-such-team", ENV_ROOT: str(root)})
     assert code == 1 and f"both {ENV_ROOT} and {ENV_TEAM}" in err, err
+
+
+def test_fixes_said_to_a_team_member_name_the_team() -> None:
+    from shmcache._team.commands import for_team
+
+    text = ("Evict some (`shmcache evict KEY`) or raise the budget (`shmcache budget set SIZE`); "
+            "shmcache ls / evict unused entries; `shmcache serve --team vision`, shmcache.put_array, "
+            "`shmcache --team vision ls`, `shmcache put PATH --key KEY --team NAME`")
+    assert for_team(text, "vision") == (
+        "Evict some (`shmcache --team vision evict KEY`) or raise the budget (`shmcache --team vision "
+        "budget set SIZE`); shmcache --team vision ls / evict unused entries; `shmcache serve --team "
+        "vision`, shmcache.put_array, `shmcache --team vision ls`, `shmcache put PATH --key KEY --team NAME`"
+    )
+    assert for_team(text, None) == text

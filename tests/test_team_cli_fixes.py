@@ -20,7 +20,13 @@ from team_helpers import Team, TeamDaemon, User, as_user, real_team
 from typer.testing import CliRunner
 
 import shmcache
-from shmcache import InvalidSourceError, NotPermittedError, SourceNotAllowedError, Store
+from shmcache import (
+    InvalidSourceError,
+    NotPermittedError,
+    QuotaExceededError,
+    SourceNotAllowedError,
+    Store,
+)
 from shmcache._cli.app import app
 from shmcache._disk.layout import ENV_TEAMS_FILE, SHM_DIR
 
@@ -120,3 +126,33 @@ def test_refusals_show_the_put_syntax_that_exists(team: Team, daemon: TeamDaemon
         as_user(team.a, _ask_daemon_to_load, team.name, "a/syntax", alices)
     with pytest.raises(InvalidSourceError, match=r"`shmcache put URL --key KEY --team NAME`"):
         as_user(team.a, _put_file, team.name, "a/url", "s3://bucket/x.npy", False)
+
+
+def _put_ones(team: str, key: str, nbytes: int) -> object:
+    return shmcache.put_array(key, np.ones(nbytes, dtype=np.uint8), team=team, overwrite=True)
+
+
+def _client_stats(team: str) -> object:
+    from shmcache.client import Client
+
+    with Client(team=team, timeout=30) as client:
+        return client.stats()
+
+
+def test_a_quota_refusal_suggests_commands_on_the_team(team: Team, daemon: TeamDaemon, homes: Path) -> None:
+    as_user(team.b, _put_ones, team.name, "b/big", 200 * KiB)
+    with pytest.raises(QuotaExceededError, match=rf"`shmcache --team {team.name} ls` shows the OWNER"):
+        as_user(team.b, _put_ones, team.name, "b/more", 200 * KiB)
+    more = _own(homes, team.b, "more.npy", np.zeros(200 * KiB, dtype=np.uint8))
+    code, out = as_user(team.b, _cli, "put", str(more), "--key", "b/cli", "--team", team.name)
+    assert code == 1 and f"`shmcache --team {team.name} ls` shows the OWNER" in out, out
+    code, out = as_user(team.b, _cli, "--team", team.name, "put", str(more), "--key", "b/cli")
+    assert code == 1 and f"`shmcache --team {team.name} ls`" in out, out
+
+
+def test_a_non_member_is_told_the_real_group_and_user(team: Team, daemon: TeamDaemon) -> None:
+    fix = f"usermod -aG {team.group} {team.outsider.name}"
+    code, out = as_user(team.outsider, _cli, "--team", team.name, "ls")
+    assert code == 1 and fix in out and "(gid" not in out, out
+    with pytest.raises(shmcache.CacheRootError, match=fix):
+        as_user(team.outsider, _client_stats, team.name)

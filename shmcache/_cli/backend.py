@@ -25,7 +25,7 @@ from .._disk.layout import ENV_SOCKET, Layout, default_root
 from .._store import Store
 from .._team.config import TeamConfig, checked_team, team_of
 from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
-from .common import fail, root_given, team_option
+from .common import fail, note_team_root, root_given, team_option
 
 if TYPE_CHECKING:
     from ..client import Client
@@ -56,6 +56,8 @@ def command_team(root: Path | None) -> TeamConfig | None:
     library calls (with ``--team``: the team; with ``$SHMCACHE_TEAM``: refused)."""
     try:
         team = team_of(root if root_given() else None, team_option())
+        if team is not None:
+            note_team_root(team)
         return None if team is None else checked_team(team)
     except ShmCacheError as exc:
         raise fail(exc) from None

@@ -283,7 +283,7 @@ def _progress_bar(enabled: bool | None) -> Progress:
 def _member_writer(root: Path | None) -> MemberWriter | None:
     """A team's root (``--team``): its daemon's write channel; None for a personal root."""
     team = command_team(root)
-    return None if team is None else MemberWriter(team.root)
+    return None if team is None else MemberWriter(team.root, team=team.name)
 
 
 def _put_as_member(

@@ -42,6 +42,7 @@ from .._sources.files import copy_planned, plan_sources
 from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
 from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
+from .._team.commands import for_team
 from ..errors import (
     DaemonUnavailableError,
     InvalidSourceError,
@@ -100,9 +101,11 @@ def _entry_info(data: dict[str, Any]) -> EntryInfo:
 class MemberWriter:
     """Puts into ``root`` through its daemon (``open``s go to the root directly)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], team: str | None = None) -> None:
         self.root = Path(os.path.abspath(root))
         self.layout = Layout(self.root)
+        self.team = team
+        """The team's name, for the commands the daemon's refusals suggest (``--team NAME``)."""
 
     # ------------------------------------------------------------------ the exchange
 
@@ -136,8 +139,7 @@ class MemberWriter:
             )
         return sock
 
-    @staticmethod
-    def _ask(sock: socket.socket, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    def _ask(self, sock: socket.socket, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         try:
             send_message(sock, body)
         except (BrokenPipeError, ConnectionResetError):
@@ -148,6 +150,13 @@ class MemberWriter:
         answer, fd = got
         try:
             raise_error(answer)
+        except ShmCacheError as exc:  # a quota or budget refusal: its fixes on the team's root
+            if fd is not None:
+                os.close(fd)
+            reworded = for_team(str(exc), self.team)
+            if reworded == str(exc):
+                raise
+            raise type(exc)(reworded) from None
         except BaseException:
             if fd is not None:
                 os.close(fd)
