@@ -159,3 +159,38 @@ def test_fixes_said_to_a_team_member_name_the_team() -> None:
         "vision`, shmcache.put_array, `shmcache --team vision ls`, `shmcache put PATH --key KEY --team NAME`"
     )
     assert for_team(text, None) == text
+
+
+# ---------------------------------------------------------------------- the guide vs --help
+
+
+def _guide_rows() -> dict[str, str]:
+    """docs/command-line.md's table: the first cell of each ``shmcache COMMAND`` row."""
+    guide = Path(__file__).resolve().parents[1] / "docs" / "command-line.md"
+    rows = {}
+    for line in guide.read_text().splitlines():
+        if line.startswith("| `shmcache "):
+            cell = re.split(r"(?<!\\)\|", line)[1]
+            rows[cell.split()[1].strip("`")] = cell
+    return rows
+
+
+def test_the_command_line_guide_lists_every_command_and_option() -> None:
+    import typer
+
+    command = typer.main.get_command(app)
+    rows = _guide_rows()
+    for name, sub in command.commands.items():  # type: ignore[attr-defined]
+        assert name in rows, f"docs/command-line.md has no row for `shmcache {name}`"
+        flags = {o for p in sub.params for o in getattr(p, "opts", ()) if o.startswith("--")}
+        missing = sorted(flags - {"--help", "--root", "--local"} - set(re.findall(r"--[\w-]+", rows[name])))
+        assert not missing, f"`shmcache {name}` row of docs/command-line.md lacks {missing}"
+
+
+def test_the_guide_shows_the_columns_ls_prints(root: Path) -> None:
+    code, out, _ = cli("ls", "--root", str(root))
+    header = " ".join(out.splitlines()[0].split())
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "command-line.md").read_text()
+    assert code == 0 and f"# {header}" in guide, header
+    described = next(line for line in guide.splitlines() if line.startswith("| `shmcache ls"))
+    assert "size, owner (who loaded it), pinned" in described, described
