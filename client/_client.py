@@ -23,6 +23,7 @@ import httpx
 from shmcache import EntryInfo, default_root, validate_key
 from shmcache._disk.layout import ENV_ROOT, ENV_SOCKET, ENV_TOKEN, Layout
 from shmcache._sources.urls import is_url
+from shmcache._store.ownership import owner_name
 from shmcache._team.config import checked_team, team_of
 from shmcache.errors import DaemonUnavailableError, ShmCacheError
 
@@ -80,9 +81,11 @@ class Client:
         team: str | None = None,
     ) -> None:
         self.team = team_of(root, team) if url is None else team
+        self._group: str | None = None  # the team's, for the message of a refused connection
         if self.team is not None:  # the root and the daemon's account come from the teams file alone
             config = checked_team(self.team)
             root, daemon_uids = config.root, {*daemon_uids, config.uid}
+            self._group = config.group
         self._root = Path(os.path.abspath(root if root is not None else default_root()))
         self.url = url.rstrip("/") if url else None
         self.timeout = timeout
@@ -171,8 +174,8 @@ class Client:
         if _denied(self.socket_path, exc) and self.team is not None:
             return DaemonUnavailableError(
                 f"cannot open team {self.team}'s daemon socket {self.socket_path}: permission denied; "
-                "only the members of the team's group may use it: ask an administrator to add you "
-                "(usermod -aG GROUP USER), then log in again"
+                f"only the members of the team's group may use it: ask an administrator to add you "
+                f"(usermod -aG {self._group or 'GROUP'} {owner_name(os.getuid())}), then log in again"
             )
         if _denied(self.socket_path, exc):  # another user's root: its daemon serves only that user
             return DaemonUnavailableError(

@@ -66,8 +66,8 @@ class MemberPolicy:
         if self.team and not allowed:
             raise SourceNotAllowedError(
                 f"source {source[:200]}: this team's daemon loads no source with its own rights (the "
-                "team declares no allow_sources); put it with your own: `shmcache put KEY PATH --team "
-                "NAME` or shmcache.put_file(..., team=NAME)"
+                "team declares no allow_sources); put it with your own: `shmcache put PATH --key KEY "
+                "--team NAME` or shmcache.put_file(..., team=NAME)"
             )
 
     def check_load(

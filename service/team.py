@@ -120,6 +120,13 @@ def _allowed(config: TeamConfig) -> list[Path | str]:
     return allowed
 
 
+def _name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 class TeamPeers:
     """Who may use a team daemon's socket: the service account, root, and the members of
     the team's group (supplementary or primary, from the user database, looked up again
@@ -142,7 +149,7 @@ class TeamPeers:
             return None
         return (
             f"{describe_uid(uid)} is not a member of team {self.config.name} (group {self.config.group}); "
-            f"an administrator adds members with: usermod -aG {self.config.group} USER"
+            f"an administrator adds members with: usermod -aG {self.config.group} {_name(uid)}"
         )
 
     def _is_member(self, uid: int) -> bool:

@@ -408,5 +408,5 @@ def _writers(root: Root, team: str | None) -> tuple[Store, MemberWriter | None]:
     if member is None:
         from ._store.member_writes import MemberWriter  # write side: on first use
 
-        member = _members.setdefault(store.root, MemberWriter(store.root))
+        member = _members.setdefault(store.root, MemberWriter(store.root, team=store.team))
     return store, member

@@ -256,9 +256,17 @@ def as_user(user: User, fn: Callable[..., Any], *args: Any, groups: list[int] | 
 class TeamDaemon:
     """``shmcache serve --team NAME`` (``name``, default the team's) in a forked child running
     as ``user`` (the team's service account, or whoever a test says), its stderr in a file;
-    ``args`` are more flags."""
+    ``args`` are more flags; ``argv`` replaces the whole command line, ``env`` is set in the child."""
 
-    def __init__(self, team: Team, user: User, *args: str, name: str | None = None) -> None:
+    def __init__(
+        self,
+        team: Team,
+        user: User,
+        *args: str,
+        name: str | None = None,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         _import_the_daemon()
         self.team = team
         name = team.name if name is None else name
@@ -272,9 +280,11 @@ class TeamDaemon:
                 os.dup2(log_fd, 2)
                 sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the child's
                 become(user)
+                os.environ.update(env or {})
                 from shmcache._cli.app import app
 
-                app(["serve", "--team", name, *args], prog_name="shmcache", standalone_mode=False)
+                command = ["serve", "--team", name, *args] if argv is None else argv
+                app(command, prog_name="shmcache", standalone_mode=False)
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1

@@ -284,8 +284,9 @@ def _health(name: str) -> Any:
 def test_a_peer_outside_the_group_gets_a_403_saying_why(team: Team, daemon: TeamDaemon) -> None:
     """The socket is 0660; a process that holds the team's gid without being a member
     (kept from elsewhere) passes the file mode, and the daemon's peer check refuses it."""
-    with pytest.raises(UnauthorizedError, match=f"not a member of team {team.name}"):
+    with pytest.raises(UnauthorizedError, match=f"not a member of team {team.name}") as refused:
         as_user(team.outsider, _health, team.name, groups=[team.outsider.gid, team.gid])
+    assert f"usermod -aG {team.group} {team.outsider.name}" in str(refused.value)
     assert as_user(team.a, _health, team.name).pid == daemon.pid
 
 

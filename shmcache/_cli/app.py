@@ -19,7 +19,7 @@ import typer
 
 from .._disk.layout import ENV_TEAM
 from . import api_docs, budget, demo, diagnose, entries, root, serve
-from .common import debug_enabled, fail, set_debug, set_team
+from .common import debug_enabled, fail, forget_root_source, set_debug, set_team
 
 __all__ = ["app", "debug_enabled", "fail", "main"]
 
@@ -34,6 +34,7 @@ app = typer.Typer(
 
 @app.callback()
 def _options(
+    ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
     team: Annotated[
         str | None,
@@ -42,12 +43,16 @@ def _options(
             envvar=ENV_TEAM,
             show_default=False,
             help="Work on this team's root, as the administrator's teams file declares it "
-            "(shmcache --team vision ls); not with --root.",
+            f"(shmcache --team vision ls); not with --root. ${ENV_TEAM} does the same for "
+            "commands without --root.",
         ),
     ] = None,
 ) -> None:
     set_debug(debug)
-    set_team(team)
+    forget_root_source()
+    source = ctx.get_parameter_source("team")  # typer bundles its own click: compared by name
+    from_env = source is not None and source.name == "ENVIRONMENT"
+    set_team(None if from_env else team)  # the core reads the variable where no --root is given
 
 
 entries.register(app)

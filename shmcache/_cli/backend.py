@@ -25,7 +25,7 @@ from .._disk.layout import ENV_SOCKET, Layout, default_root
 from .._store import Store
 from .._team.config import TeamConfig, checked_team, team_of
 from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
-from .common import fail, team_option
+from .common import fail, note_team_root, root_given, team_option
 
 if TYPE_CHECKING:
     from ..client import Client
@@ -37,6 +37,7 @@ __all__ = [
     "daemon_client",
     "local_store",
     "open_backend",
+    "refuse_team_writes_here",
     "resolve_root",
 ]
 
@@ -50,12 +51,33 @@ _RETRY_S = 0.1
 def command_team(root: Path | None) -> TeamConfig | None:
     """The team a command works on (``shmcache --team``, or ``$SHMCACHE_TEAM`` without
     ``--root``), its root checked against the teams file; None for a personal root.
-    A refusal ends the command (exit 1) saying why."""
+    A refusal ends the command (exit 1) saying why. A ``--root`` on the command line wins
+    over ``$SHMCACHE_TEAM``; ``$SHMCACHE_ROOT`` with either team is decided as for
+    library calls (with ``--team``: the team; with ``$SHMCACHE_TEAM``: refused)."""
     try:
-        team = team_of(root, team_option())
+        team = team_of(root if root_given() else None, team_option())
+        if team is not None:
+            note_team_root(team)
         return None if team is None else checked_team(team)
     except ShmCacheError as exc:
         raise fail(exc) from None
+
+
+def refuse_team_writes_here(root: Path | None, action: str) -> None:
+    """End the command (exit 1) if it works on a team's root, which only the team's daemon
+    writes, and that daemon does not run: say so, and how to start it (rather than the
+    store's refusal of a write in place, which is about puts)."""
+    team = command_team(root)
+    if team is None or team.uid == os.geteuid():
+        return
+    raise fail(
+        DaemonUnavailableError(
+            f"team {team.name}'s daemon is not running (nothing answers on {Layout(team.root).socket}), "
+            f"and only it may {action} in the team's root {team.root}: ask an administrator to "
+            f"start it (`systemctl start shmcache-team@{team.name}`, or `sudo -u {team.owner} "
+            f"shmcache serve --team {team.name}`)"
+        )
+    )
 
 
 def resolve_root(root: Path | None) -> Path:
@@ -139,14 +161,19 @@ def daemon_client(root: Path | None, local: bool = False) -> Client | None:
 
 
 @contextmanager
-def open_backend(root: Path | None, local: bool = False) -> Iterator[Store | Client]:
+def open_backend(
+    root: Path | None, local: bool = False, writes: str | None = None
+) -> Iterator[Store | Client]:
     """The daemon's client if one serves ``root`` (and not ``local``), else a local Store;
-    closed afterwards. A live daemon that does not answer ends the command (exit 1)."""
+    closed afterwards. A live daemon that does not answer ends the command (exit 1), and
+    so does a command that ``writes`` (``"evict entries"``) a team's root without its daemon."""
     try:
         client = daemon_client(root, local)
     except (DaemonUnavailableError, UntrustedDaemonError) as exc:
         raise fail(exc) from None
     if client is None:
+        if writes is not None and not local:  # --local: the store's own refusal says why
+            refuse_team_writes_here(root, writes)
         yield local_store(root)
         return
     with client:

@@ -19,7 +19,7 @@ import typer
 from .._store.budget import checked_budget, read_budget
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError
-from .backend import daemon_client, local_store, resolve_root
+from .backend import daemon_client, local_store, refuse_team_writes_here, resolve_root
 from .common import fail, failures_exit_1
 from .options import JsonOption, LocalOption, RootOption
 
@@ -125,6 +125,8 @@ def _call(
         if client is not None:
             with client:
                 return _through_daemon(client, method, max_bytes), True
+        if method == "PUT" and not local:
+            refuse_team_writes_here(root, "set the budget")
         store = local_store(root)
         if method == "PUT":
             store.set_budget(max_bytes, set_by="shmcache budget")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 
 from .._error_table import CLI, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, exit_status, reword
+from .._team.commands import for_team
 from ..errors import ShmCacheError
 
 __all__ = [
@@ -24,20 +26,51 @@ __all__ = [
     "debug_enabled",
     "fail",
     "failures_exit_1",
+    "forget_root_source",
+    "note_root_source",
+    "note_team_root",
     "print_table",
+    "root_given",
     "set_debug",
     "set_team",
     "team_option",
     "warn_or_raise",
 ]
 
-_state = {"debug": False}
+_state = {"debug": False, "root_given": False}
 _team: list[str | None] = [None]
+_worked_on: list[str | None] = [None]
 
 
 def set_team(team: str | None) -> None:
-    """``shmcache --team NAME`` (or ``$SHMCACHE_TEAM``): every command works on that team's root."""
+    """``shmcache --team NAME``: every command works on that team's root. (``$SHMCACHE_TEAM``
+    is not passed here: the core reads it where no root is given, as for library calls.)"""
     _team[0] = team
+
+
+def forget_root_source() -> None:
+    """At the start of each command line (the app's callback, before any ``--root``)."""
+    _state["root_given"] = False
+    _worked_on[0] = None
+
+
+def note_team_root(team: str) -> None:
+    """The command works on ``team``'s root: its errors' suggested commands get ``--team``."""
+    _worked_on[0] = team
+
+
+def note_root_source(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """``--root``'s callback: note whether the root is on the command line (not from
+    ``$SHMCACHE_ROOT``): an explicit root wins over ``$SHMCACHE_TEAM``, as ``root=`` does."""
+    source = ctx.get_parameter_source(param.name or "root")  # typer bundles its own click: by name
+    if source is not None and source.name == "COMMANDLINE":
+        _state["root_given"] = True
+    return value
+
+
+def root_given() -> bool:
+    """Whether this command's ``--root`` (or its group's) was on the command line."""
+    return _state["root_given"]
 
 
 def team_option() -> str | None:
@@ -58,7 +91,7 @@ def fail(exc: BaseException) -> typer.Exit:
     raise (the error table's status, 1); with ``--debug``, raise ``exc`` itself instead."""
     if debug_enabled():
         raise exc
-    typer.echo(f"error: {reword(str(exc), CLI)}", err=True)
+    typer.echo(f"error: {_cli_words(str(exc))}", err=True)
     return typer.Exit(exit_status(exc))
 
 
@@ -67,7 +100,12 @@ def warn_or_raise(exc: BaseException, message: str | None = None) -> None:
     1 later); with ``--debug``, raise ``exc``."""
     if debug_enabled():
         raise exc
-    typer.echo(f"error: {reword(message if message is not None else str(exc), CLI)}", err=True)
+    typer.echo(f"error: {_cli_words(message if message is not None else str(exc))}", err=True)
+
+
+def _cli_words(text: str) -> str:
+    """A message's fixes in flags, naming the team (``--team``) where the command works on one."""
+    return for_team(reword(text, CLI), _worked_on[0])
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import typer
 from .._store import Store
 from .._units import human_bytes
 from ..errors import ShmCacheError
-from .common import fail
+from .common import fail, failures_exit_1
 from .options import RootOption
 
 __all__ = ["demo", "register"]
@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
 
 def demo(
     root: RootOption = None,
-    rows: Annotated[int, typer.Option(help="Rows of the demo feature matrix.")] = 100_000,
+    rows: Annotated[int, typer.Option(min=1, help="Rows of the demo feature matrix.")] = 100_000,
 ) -> None:
     """Put a demo dataset into the cache and read it from 2 spawned workers.
 
@@ -36,15 +36,17 @@ def demo(
 
     import numpy as np
 
-    store = Store(root)
     features = np.random.default_rng(0).standard_normal((rows, 64), dtype=np.float32)
-    info = store.put_array("demo/features", features, overwrite=True)
-    typer.echo(f"put demo/features: {info.shape} {info.dtype}, {human_bytes(info.nbytes)} in {store.root}")
-    shared = store.open_array("demo/features")
-    picked = (0, rows // 2, rows - 1)
-    start = time.perf_counter()
-    with mp.get_context("spawn").Pool(_WORKERS) as pool:
-        sums = pool.map(_row_sum, [(shared, i) for i in picked])
+    with failures_exit_1():  # a full or foreign root, a team's: one line, as every command
+        store = Store(root)
+        info = store.put_array("demo/features", features, overwrite=True)
+        size = human_bytes(info.nbytes)
+        typer.echo(f"put demo/features: {info.shape} {info.dtype}, {size} in {store.root}")
+        shared = store.open_array("demo/features")
+        picked = (0, rows // 2, rows - 1)
+        start = time.perf_counter()
+        with mp.get_context("spawn").Pool(_WORKERS) as pool:
+            sums = pool.map(_row_sum, [(shared, i) for i in picked])
     elapsed = time.perf_counter() - start
     expected = [float(features[i].sum()) for i in picked]
     typer.echo(f"{_WORKERS} spawn workers read rows through a pickled reference in {elapsed:.2f} s")

@@ -161,7 +161,7 @@ def put(
         if not local and (writer := _member_writer(root)) is not None:
             with failures_exit_1():
                 files = [(k, s) for k, s in sources if isinstance(s, Path)]
-                for published_key in _put_as_member(writer, files, pin, overwrite, as_.value):
+                for published_key in _put_as_member(writer, files, pin, overwrite, as_.value, dtype):
                     typer.echo(published_key)
             sources = [(k, s) for k, s in sources if not isinstance(s, Path)]  # URLs: the daemon's
             if not sources:
@@ -283,17 +283,22 @@ def _progress_bar(enabled: bool | None) -> Progress:
 def _member_writer(root: Path | None) -> MemberWriter | None:
     """A team's root (``--team``): its daemon's write channel; None for a personal root."""
     team = command_team(root)
-    return None if team is None else MemberWriter(team.root)
+    return None if team is None else MemberWriter(team.root, team=team.name)
 
 
 def _put_as_member(
-    writer: MemberWriter, sources: Sequence[tuple[str, Path | str]], pin: bool, overwrite: bool, as_: str
+    writer: MemberWriter,
+    sources: Sequence[tuple[str, Path | str]],
+    pin: bool,
+    overwrite: bool,
+    as_: str,
+    dtype: str | None = None,
 ) -> list[str]:
     """Put files into a team's root: read here, with this user's rights, written into the
     files its daemon makes (the daemon never opens them)."""
     published: list[str] = []
     for key, source in sources:
-        published += writer.put_file(key, source, overwrite=overwrite, pin=pin, as_=as_)
+        published += writer.put_file(key, source, overwrite=overwrite, pin=pin, as_=as_, dtype=dtype)
     return published
 
 
@@ -441,7 +446,7 @@ def evict(
 ) -> None:
     """Remove entries; processes that mapped them keep reading their version."""
     failed = False
-    with open_backend(root, local) as control:
+    with open_backend(root, local, writes="evict entries") as control:
         for key in keys:
             try:
                 if prefix:
@@ -462,7 +467,7 @@ def evict(
 
 def cleanup(root: RootOption = None, local: LocalOption = False) -> None:
     """Remove partial writes and orphans left by dead writers."""
-    with open_backend(root, local) as control, failures_exit_1():
+    with open_backend(root, local, writes="clean up") as control, failures_exit_1():
         freed = control.cleanup()
     typer.echo(f"freed {human_bytes(freed)}")
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from .._disk.layout import ENV_ROOT, ENV_SOCKET, SHM_DIR, SOCKET_NAME
+from .common import note_root_source
 
 __all__ = ["JsonOption", "LocalOption", "RootOption", "SocketOption"]
 
@@ -18,6 +19,8 @@ RootOption = Annotated[
         envvar=ENV_ROOT,
         help=f"Cache root (default: ${ENV_ROOT} or {SHM_DIR}/shmcache-<uid>).",
         show_default=False,
+        readable=False,  # the core says why a root is unusable (another user's: CacheRootError)
+        callback=note_root_source,
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
@@ -36,5 +39,6 @@ SocketOption = Annotated[
         envvar=ENV_SOCKET,
         show_default=False,
         help=f"The daemon's Unix socket (default <root>/{SOCKET_NAME}).",
+        readable=False,
     ),
 ]

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_
 import typer
 
 from .._diagnose.logind import removeipc_risk
-from .._disk.layout import SOCKET_NAME
-from ..errors import ShmCacheError
-from .common import debug_enabled, fail
+from .._disk.layout import ENV_TEAM, SOCKET_NAME
+from .._team.config import team_of
+from ..errors import InvalidRequestError, ShmCacheError
+from .common import debug_enabled, fail, team_option
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
@@ -31,8 +32,9 @@ _HELP = f"""Run the daemon: the HTTP control API of the cache, on <root>/{SOCKET
 
 Only processes of the daemon's user (or root) may use the socket. TCP (--host/--port)
 is opt-in and needs --allow-source; a non-loopback address also needs a token.
---team NAME serves a team's root as its service account: the root, budget and sources
-come from /etc/shmcache/teams.toml, and the team's group may use the socket (0660).
+--team NAME (or shmcache --team NAME serve, or $SHMCACHE_TEAM without --root) serves a
+team's root as its service account: the root, budget and sources come from
+/etc/shmcache/teams.toml, and the team's group may use the socket (0660).
 
 Settings: flags > SHMCACHE_* environment > config file > defaults. Stops on SIGTERM or
 SIGINT: running loads are cancelled (nothing partial is published), the socket and
@@ -74,8 +76,9 @@ def _run(**values: Any) -> None:
     except ImportError as exc:
         raise fail(_missing_extra(exc)) from None
     try:
+        values["team"] = _team_to_serve(values.get("team"), values.get("root") is not None)
         settings = load_settings(values)
-    except SettingsError as exc:
+    except (SettingsError, InvalidRequestError) as exc:
         if debug_enabled():
             raise
         typer.echo(f"error: {exc}", err=True)
@@ -88,6 +91,26 @@ def _run(**values: Any) -> None:
     except (ShmCacheError, OSError) as exc:
         raise fail(exc) from None
     raise typer.Exit(status)
+
+
+def _team_to_serve(flag: str | None, root_given: bool) -> str | None:
+    """``serve --team``, else the global ``shmcache --team`` (the same), else
+    ``$SHMCACHE_TEAM`` where no ``--root`` is given, as for every other command (with a
+    notice: a member who exported it for reads is told which root this would serve)."""
+    given = team_option()
+    if flag is not None and given is not None and flag != given:
+        raise InvalidRequestError(
+            f"shmcache --team {given} serve --team {flag}: two teams; give one --team"
+        )
+    team = flag if flag is not None else given
+    if team is None and not root_given:
+        team = team_of(None, None)  # $SHMCACHE_TEAM (refused with $SHMCACHE_ROOT, as for reads)
+        if team is not None:
+            typer.echo(
+                f"notice: serving team {team}'s root (${ENV_TEAM}); `shmcache serve --root ROOT` "
+                "serves another", err=True,
+            )
+    return team
 
 
 def _missing_extra(exc: ImportError) -> ShmCacheError:
@@ -108,7 +131,12 @@ def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Calla
             default=False if _flag_type(field) is bool else None,
             annotation=Annotated[
                 _flag_type(field),
-                typer.Option(flag_name(name), help=_flag_help(name, field), show_default=False),
+                typer.Option(
+                    flag_name(name),
+                    help=_flag_help(name, field),
+                    show_default=False,
+                    **_path_checks(_flag_type(field)),
+                ),
             ],
         )
         for name, field in fields.items()
@@ -122,6 +150,12 @@ def _with_flags(run: Callable[..., None], fields: dict[str, FieldInfo]) -> Calla
     command.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
     command.__doc__ = _HELP
     return command
+
+
+def _path_checks(kind: Any) -> dict[str, Any]:
+    """A path flag is not checked by typer (which calls a root another user keeps private
+    "not readable", a usage error): the settings and the daemon say what is wrong with it."""
+    return {"readable": False} if Path in get_args(kind) or kind is Path else {}
 
 
 def _flag_type(field: FieldInfo) -> Any:

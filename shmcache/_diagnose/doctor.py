@@ -219,7 +219,7 @@ def _check_daemon(root: Path, socket_path: Path) -> tuple[Check, StoreStats | No
         f"no daemon on {socket_path} (optional: reads never need it; `shmcache serve` shares loads)",
         "", details,
     ), None
-    if not socket_path.exists() and not os.path.exists(Layout(root).pid_file):
+    if not os.path.exists(socket_path) and not os.path.exists(Layout(root).pid_file):
         return none
     try:  # httpx: only when there is a socket or a pid file to probe
         from ..client import Client

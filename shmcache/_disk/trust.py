@@ -111,6 +111,20 @@ def refuse_untrusted(
         raise CacheRootError(f"{what} {reason[0]}: {reason[1]}")
 
 
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def check_root(root: str, owner: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """``(st_dev, st_ino)`` of ``root`` if it is ours (or, for ``owner``, that team
     account's) to read; None if it does not exist yet (nothing to read); raises
@@ -125,8 +139,9 @@ def check_root(root: str, owner: tuple[int, int] | None = None) -> tuple[int, in
         ) from exc
     refuse_untrusted(root, st, owner=owner)
     if owner is not None and not os.access(root, os.R_OK | os.X_OK):
+        group, user = _group_name(owner[1]), _user_name(os.getuid())
         raise CacheRootError(
-            f"cannot read team root {root}: {describe_uid(os.getuid())} is not in its group "
-            f"(gid {owner[1]}); ask an administrator to add you (usermod -aG GROUP USER), then log in again"
+            f"cannot read team root {root}: {user} is not in its group {group}; ask an "
+            f"administrator to add you (usermod -aG {group} {user}), then log in again"
         )
     return st.st_dev, st.st_ino

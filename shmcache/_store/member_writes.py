@@ -42,11 +42,13 @@ from .._sources.files import copy_planned, plan_sources
 from .._sources.hf_datasets import arrow_of_dataset, plan_hf_folder, read_hf_split
 from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
+from .._team.commands import for_team
 from ..errors import (
     DaemonUnavailableError,
     InvalidSourceError,
     KeyExistsError,
     KeyNotFoundError,
+    ShmCacheError,
     UnsupportedDataError,
     UntrustedDaemonError,
 )
@@ -99,9 +101,11 @@ def _entry_info(data: dict[str, Any]) -> EntryInfo:
 class MemberWriter:
     """Puts into ``root`` through its daemon (``open``s go to the root directly)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], team: str | None = None) -> None:
         self.root = Path(os.path.abspath(root))
         self.layout = Layout(self.root)
+        self.team = team
+        """The team's name, for the commands the daemon's refusals suggest (``--team NAME``)."""
 
     # ------------------------------------------------------------------ the exchange
 
@@ -135,8 +139,7 @@ class MemberWriter:
             )
         return sock
 
-    @staticmethod
-    def _ask(sock: socket.socket, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    def _ask(self, sock: socket.socket, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         try:
             send_message(sock, body)
         except (BrokenPipeError, ConnectionResetError):
@@ -147,6 +150,13 @@ class MemberWriter:
         answer, fd = got
         try:
             raise_error(answer)
+        except ShmCacheError as exc:  # a quota or budget refusal: its fixes on the team's root
+            if fd is not None:
+                os.close(fd)
+            reworded = for_team(str(exc), self.team)
+            if reworded == str(exc):
+                raise
+            raise type(exc)(reworded) from None
         except BaseException:
             if fd is not None:
                 os.close(fd)
@@ -342,7 +352,7 @@ class MemberWriter:
             if source.kind == "remote":
                 raise InvalidSourceError(
                     f"{path}: a team's daemon loads URLs itself, with its own credentials and only "
-                    "from the team's allow_sources: `shmcache put KEY URL --team NAME`"
+                    "from the team's allow_sources: `shmcache put URL --key KEY --team NAME`"
                 )
             if source.kind == "shards" or not isinstance(source.location, (str, os.PathLike)):
                 raise UnsupportedDataError(
@@ -351,6 +361,8 @@ class MemberWriter:
                 )
             location = Path(os.path.abspath(source.location))
             return self._put_file(key, source.kind, location, overwrite, pin, dtype)
+        except ShmCacheError:  # NotPermittedError, UntrustedDaemonError are PermissionErrors too
+            raise
         except PermissionError as exc:  # a directory on the way that this user may not enter
             raise InvalidSourceError(
                 f"source {path} cannot be read: Permission denied ({exc.filename}); you may put "

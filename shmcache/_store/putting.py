@@ -268,7 +268,7 @@ class Putting:
                 raise CacheRootError(
                     f"team {self.team}'s root {self._root_str} is written by its daemon alone (it runs as "
                     f"{describe_uid(owner[0])}); members put through it: put_array(..., team={self.team!r}), "
-                    f"`shmcache --team {self.team} put KEY PATH`"
+                    f"`shmcache --team {self.team} put PATH --key KEY`"
                 )
             prepare_root(self.root, owner)
             self._prepared = True
