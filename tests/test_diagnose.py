@@ -326,6 +326,18 @@ def test_watch_of_a_missing_command_fails_cleanly(tmp_path: Path) -> None:
     assert result.exit_code == 127 and "cannot run" in result.stderr
 
 
+def test_watch_of_a_command_that_exits_at_once_plots_without_a_warning(tmp_path: Path) -> None:
+    """No process lived long enough to be sampled: the plot has no line to label, and no
+    matplotlib warning ("No artists with labels") reaches the user."""
+    pytest.importorskip("matplotlib")
+    done = subprocess.run(
+        [*CLI, "watch", "--out", str(tmp_path), "--", "sh", "-c", "exit 3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "Warning" not in done.stderr and list(tmp_path.glob("watch-*.png")), done.stderr
+
+
 # A short DataLoader-like run, watched at the default interval. "cow": the main process
 # builds 300k annotation dicts (~80 MiB), forks 2 workers that each read every dict and its
 # path once in 10 batches (~2 s: each read writes reference counts, so pages are copied) and
