@@ -182,6 +182,34 @@ def test_a_fresh_process_puts_a_big_local_parquet_with_flat_memory(root: Path, t
     assert_flat(growths[0], growths[1], "a local Parquet file")
 
 
+def test_one_big_row_group_is_read_in_batches_with_the_memory_of_many_small_ones(
+    root: Path, tmp_path: Path
+) -> None:
+    """~95 MiB of Parquet as ONE row group (as writers with a large row_group_size make):
+    read in ~8 MiB batches, the put grows the process about as much as for the same table
+    in 13 row groups (read whole, one row group grew it by more than the table: +631 MiB
+    for a 244 MiB row group before)."""
+    growths = {}
+    for groups in (13, 1):
+        path = tmp_path / f"g{groups}.parquet"
+        write_big_parquet(path, BIG_ROWS // 2, groups)
+        small = tmp_path / "small.parquet"
+        pq.write_table(pq.ParquetFile(path).read_row_group(0).slice(0, 1000), small)
+        warm_up = f"""
+            import shmcache
+            store = shmcache.Store({str(root)!r})
+            store.put_file("small", {str(small)!r}, overwrite=True)  # every import done
+            """
+        before, after = peak_growth(warm_up, f"store.put_file('g{groups}', {str(path)!r})")
+        growths[groups] = after - before
+        path.unlink()
+    decoded = shmcache.Store(root).info("g1").nbytes
+    assert len(shmcache.Store(root).open_table("g1")) == BIG_ROWS // 2 and decoded > 75 << 20
+    report = f"one row group: +{growths[1] >> 20} MiB, 13: +{growths[13] >> 20} MiB ({decoded >> 20} MiB)"
+    assert growths[1] < growths[13] + decoded // 4, report
+    print(report)
+
+
 @pytest.mark.parametrize("chunks", [1, 25])
 def test_put_table_of_an_arrow_table_or_dataset_makes_no_copy_of_it(root: Path, chunks: int) -> None:
     """A ~190 MiB pyarrow Table (one chunk, or 25 as Parquet row groups and datasets' Arrow
@@ -271,8 +299,10 @@ def test_a_budget_exceeded_mid_stream_publishes_nothing(root: Path, tmp_path: Pa
     store.put_array("other", np.arange(1 << 10, dtype=np.int64))
     with _counted_batches() as batches, pytest.raises(CacheFullError) as refused:
         store.put_file("b", path)
-    assert 1 <= len(batches) < 8, batches  # refused mid-stream, not before the first batch
     assert not store.exists("b") and store.exists("other") and not _tmp_items(root)
+    with _counted_batches() as all_batches:
+        shmcache.Store(root, max_bytes=4 << 20).put_file("whole", path)
+    assert 1 <= len(batches) < len(all_batches), batches  # refused mid-stream, not before the first
     assert not _decoding_threads()
     assert re.search(r"b\.parquet: its table needs more than [\d.]+ KiB", str(refused.value)), refused.value
     roomy = shmcache.Store(root, max_bytes=4 << 20)
