@@ -41,6 +41,7 @@ from shmcache._units import size_in_bytes  # noqa: E402
 from shmcache.errors import CacheFullError, CorruptSourceError, NoRoomError  # noqa: E402
 
 _VOLATILE = ("key", "version", "created")  # what differs between any two puts
+_JSON_BLOCK = table_batches._JSON_BLOCK  # the default (the fixture below lowers it)
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +49,7 @@ def _batches_unjoined(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each batch written alone (small batches are joined up to 8 MiB): these tests' small
     tables cross batch boundaries as big ones do."""
     monkeypatch.setattr(table_batches, "_GROUP", 1)
+    monkeypatch.setattr(table_batches, "_JSON_BLOCK", 1 << 20)  # several blocks of JSON lines too
 
 
 def _tmp_items(root: Path) -> list[Path]:
@@ -360,6 +362,32 @@ def test_a_csv_row_that_does_not_parse_fails_without_a_whole_decode(
     with pytest.raises(CorruptSourceError, match=r"bad\.csv.*Expected 2 columns, got 3"):
         store.put_file("bad", path)
     assert not whole and not store.exists("bad") and not _tmp_items(root) and not _decoding_threads()
+
+
+def test_lines_longer_than_a_block_load(
+    store: shmcache.Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JSON lines of 2 MiB (documents of a language-model corpus) stream in 16 MiB blocks;
+    a 20 MiB line and a 3 MiB CSV field, longer than a block, load too (where the stream
+    meets one, the file is read whole in one block); they were refused: pyarrow's
+    "straddling object ... (try to increase block size?)"."""
+    monkeypatch.setattr(table_batches, "_JSON_BLOCK", _JSON_BLOCK)
+    whole: list[object] = []
+    read_whole = tables.read_table_file
+    monkeypatch.setattr(tables, "read_table_file", lambda *a: whole.append(a) or read_whole(*a))
+    texts = ["short", "x" * (2 << 20), "y" * 100]
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    store.put_file("docs", docs)
+    assert store.open_table("docs").to_arrow().column("text").to_pylist() == texts and not whole
+    texts.append("z" * (20 << 20))
+    docs.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    store.put_file("long", docs)
+    assert store.open_table("long").to_arrow().column("text").to_pylist() == texts
+    rows = tmp_path / "rows.csv"
+    rows.write_text("a,b\n1,short\n2," + "x" * (3 << 20) + "\n3,z\n")
+    store.put_file("rows", rows)
+    assert store.open_table("rows").to_arrow().column("b").to_pylist() == ["short", "x" * (3 << 20), "z"]
 
 
 def test_a_corrupt_parquet_is_a_typed_error_naming_the_file(

@@ -10,6 +10,7 @@ bits on the way (they are stored one byte per value so ``column()`` is a numpy b
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import IO, Any
@@ -328,12 +329,26 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
             fp.seek(0)
             return pa.ipc.open_stream(fp).read_all()
     if suffix == ".csv":
-        import pyarrow.csv as csv
+        import pyarrow.csv as reader
+    else:
+        import pyarrow.json as reader  # type: ignore[no-redef]
+    read = reader.read_csv if suffix == ".csv" else reader.read_json
+    try:
+        return read(fp)
+    except pa.ArrowInvalid as exc:  # a row or line longer than a block (1 MiB): one block
+        if "straddl" not in str(exc):
+            raise
+    fp.seek(0)
+    return read(fp, read_options=reader.ReadOptions(block_size=_whole_block(fp)))
 
-        return csv.read_csv(fp)
-    import pyarrow.json as pjson
 
-    return pjson.read_json(fp)
+def _whole_block(fp: IO[bytes]) -> int:
+    """A CSV/JSON block size that holds the whole file (pyarrow takes at most 2 GiB - 1)."""
+    try:
+        size = os.fstat(fp.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        size = 1 << 30
+    return max(1 << 20, min(size + 1, (1 << 31) - 1))
 
 
 def _read_jsonl_without_arrow(fp: IO[bytes], path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -49,6 +49,7 @@ __all__ = [
 PAGE = 4096  # what a file takes beyond its bytes (its header's page)
 _SLACK = 64 << 20  # a reservation grows by at least this much (fewer space-lock rounds)
 _GROUP = 8 << 20  # consecutive small batches are joined up to this many bytes, then written
+_JSON_BLOCK = 16 << 20  # a JSON lines stream's block: its longest line must fit in one
 
 Reserve = Callable[[int, bool], None]
 """``reserve(nbytes, evict)``: record (and check against the budget and free space) what the
@@ -347,14 +348,27 @@ def _batches(pa: Any, source: Any, suffix: str) -> tuple[Any, Iterator[Any], int
     if suffix == ".csv":
         import pyarrow.csv as pcsv
 
-        reader = pcsv.open_csv(source)
+        reader = _opened(pa, pcsv.open_csv, source)
         return reader.schema, _streamed(pa, reader), None
     import pyarrow.json as pjson
 
     if not hasattr(pjson, "open_json"):  # pyarrow < 20: no streaming JSON reader
         raise ChangedLayout("this pyarrow has no pyarrow.json.open_json")
-    reader = pjson.open_json(source)
+    # Blocks of 16 MiB, not pyarrow's 1 MiB: language-model corpora have documents (lines)
+    # of several MiB, and a line longer than a block fails ("straddling object").
+    reader = _opened(pa, pjson.open_json, source, pjson.ReadOptions(block_size=_JSON_BLOCK))
     return reader.schema, _streamed(pa, reader), None
+
+
+def _opened(pa: Any, open_reader: Callable[..., Any], source: Any, options: Any = None) -> Any:
+    """A CSV/JSON stream reader (it reads its first block); a row longer than the block
+    asks for the whole read (its blocks as large as the file)."""
+    try:
+        return open_reader(source) if options is None else open_reader(source, read_options=options)
+    except pa.ArrowInvalid as exc:
+        if "straddl" in str(exc):
+            raise ChangedLayout(str(exc)) from None
+        raise
 
 
 def _row_groups(pq: Any, source: Any, parquet: Any, sizes: list[int]) -> Iterator[Any]:
@@ -385,9 +399,9 @@ def _streamed(pa: Any, reader: Any) -> Iterator[Any]:
         except StopIteration:
             return
         except pa.ArrowInvalid as exc:
-            if str(exc).startswith("CSV parse error"):
+            if str(exc).startswith("CSV parse error") and "straddl" not in str(exc):
                 raise
-            raise ChangedLayout(str(exc)) from None
+            raise ChangedLayout(str(exc)) from None  # (a row longer than a block: read whole)
         yield batch
 
 
