@@ -124,3 +124,31 @@ def test_good_offsets_from_sliced_and_chunked_arrays_still_load(root: Path) -> N
     stored = store.open_table("k").to_arrow()
     assert stored.column("s").to_pylist() == table.column("s").to_pylist()
     assert stored.column("l").to_pylist() == table.column("l").to_pylist()
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 20, 4, 24], [1 << 20, (1 << 20) + 8, (1 << 20) + 16, (1 << 20) + 24], [0, 8, 16, 1 << 20]],
+    ids=["going back", "all past the data", "last past the data"],
+)
+def test_a_damaged_dictionary_is_refused_before_it_is_decoded(
+    root: Path, tmp_path: Path, offsets: list[int]
+) -> None:
+    """A dictionary column whose dictionary's string offsets were damaged on disk: the
+    decode (or a join of batches) read them blindly: a segfault of the putting process, or
+    bytes from outside the file published. Refused whole, streamed and from memory."""
+    path = tmp_path / "d.arrow"
+    words = pa.array(["abcdefgh", "ijklmnop", "qrstuvwx"]).dictionary_encode()
+    table = pa.table({"c": words, "n": [1, 2, 3]})
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    good = np.array([0, 8, 16, 24], np.int32).tobytes()
+    data = path.read_bytes()
+    assert data.count(good) == 1
+    path.write_bytes(data.replace(good, np.array(offsets, np.int32).tobytes()))
+    store = shmcache.Store(root)
+    with pytest.raises(CorruptSourceError, match=r"d\.arrow.*offset"):
+        store.put_file("k", path)
+    with pytest.raises(CorruptSourceError, match=r"key 'k'.*column 'c'"):
+        store.put_table("k", pa.ipc.open_file(path).read_all())
+    assert not store.exists("k") and not _tmp_items(root)

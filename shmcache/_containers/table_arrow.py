@@ -34,6 +34,7 @@ __all__ = [
     "ARROW_EXTRA",
     "TABLE_SUFFIXES",
     "arrow_column",
+    "check_dictionary",
     "column_errors",
     "encode_table",
     "encode_table_parts",
@@ -134,6 +135,8 @@ def encode_arrow_parts(table: Any, what: str) -> tuple[dict[str, FileArray], dic
     """A pyarrow Table's columns as a table entry's files and meta, a chunked column's
     values left in their chunks' own buffers (:class:`ArrayParts`, written in order): no
     ``combine_chunks`` copy of the table before the write copies it into the cache."""
+    from pyarrow.types import is_dictionary
+
     names = list(table.column_names)
     if len(set(names)) != len(names):
         raise UnsupportedDataError(f"{what}: the table has duplicate column names")
@@ -141,7 +144,11 @@ def encode_arrow_parts(table: Any, what: str) -> tuple[dict[str, FileArray], dic
     descriptions = []
     for i, name in enumerate(names):
         with column_errors(what, name):
-            parts, desc = _chunked_column(table.column(i))
+            column = table.column(i)
+            if is_dictionary(column.type):  # before combine_chunks unifies them
+                for chunk in column.chunks:
+                    check_dictionary(chunk)
+            parts, desc = _chunked_column(column)
         files |= {f"c{i}.{part}": array for part, array in parts.items()}
         descriptions.append(desc)
     return files, table_meta(names, descriptions, table.num_rows)
@@ -180,6 +187,14 @@ def column_errors(what: str, name: str) -> Iterator[None]:
         raise CorruptSourceError(f"{what}: column {name!r}: {exc}") from None
 
 
+def check_dictionary(array: Any) -> None:
+    """A dictionary array's dictionary checked whole (its offsets, its UTF-8) before
+    anything decodes, casts or joins it: pyarrow reads a damaged one's strings blindly
+    (a segfault in the decode, or bytes from outside the file published). A dictionary is
+    the column's distinct values: small, so the full check costs little."""
+    array.dictionary.validate(full=True)
+
+
 def arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One Arrow array (a whole column, or one chunk of it: ``table_stream``) as a table
     column's files and description; :class:`NotTabular` for a type a table cannot hold."""
@@ -192,6 +207,7 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 
     kind = array.type
     if pt.is_dictionary(kind):  # categoricals: stored decoded
+        check_dictionary(array)
         array = array.dictionary_decode()
         kind = array.type
     if pt.is_null(kind):  # every value None: no type to store, and no validity buffer

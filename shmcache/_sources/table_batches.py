@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._containers.table_arrow import check_dictionary
 from .._containers.table_stream import ChangedLayout, TableAppender
 from .._disk.array_parts import FileArray
 from .._disk.npy import NpyHeader
@@ -263,7 +264,7 @@ def _read(pa: Any, batches: Iterator[Any], what: str, suffix: str) -> Generator[
     results: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
 
     def decode() -> None:
-        grouped = _grouped(pa, batches)
+        grouped = _grouped(pa, (_dictionaries_checked(batch) for batch in batches))
         while requests.get():
             try:
                 with _arrow_errors(pa, what, suffix):
@@ -287,6 +288,19 @@ def _read(pa: Any, batches: Iterator[Any], what: str, suffix: str) -> Generator[
     finally:
         requests.put(False)
         thread.join()  # (a decode under way finishes first: one group's time)
+
+
+def _dictionaries_checked(batch: Any) -> Any:
+    """``batch`` (a record batch or table) once its dictionary columns' dictionaries are
+    checked whole (:func:`~shmcache._containers.table_arrow.check_dictionary`): before a
+    join or a decode reads them."""
+    import pyarrow.types as pt
+
+    for column in batch.columns:
+        if pt.is_dictionary(column.type):
+            for chunk in getattr(column, "chunks", (column,)):
+                check_dictionary(chunk)
+    return batch
 
 
 def _grouped(pa: Any, batches: Iterator[Any]) -> Iterator[Any]:
