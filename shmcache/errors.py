@@ -107,9 +107,10 @@ class CacheFullError(ShmCacheError, OSError):
 
 class NoRoomError(CacheFullError):
     """Evicting cannot make room within the budget: it stays exceeded with every entry that
-    may go (neither pinned nor mapped) gone. Nothing was evicted for it. A table put whose
-    size is known ahead (Parquet, Arrow IPC) is refused so before its first batch, with
-    every entry still there."""
+    may go (neither pinned nor mapped) gone, so nothing was evicted for this request (a
+    put that grows as it writes may have evicted for its earlier parts). A Parquet table
+    whose row groups say it cannot fit is refused so before its first batch, with every
+    entry still there."""
 
 
 class QuotaExceededError(CacheFullError):

@@ -173,11 +173,13 @@ def append_table_file(
 
     reading = _read(pa, batches, what, suffix)
     try:
-        # A Parquet's row groups' or an Arrow file's size is about its table's (a CSV's is
-        # not): where not even 80% of it could be made room for, refuse before evicting.
+        # A Parquet's row groups' uncompressed size is about its table's, and rarely twice
+        # it (INT96 timestamps: 12 bytes a value there, 8 here); an Arrow file's size is not
+        # (batches of a few rows carry more metadata than data), nor a CSV's. Where not even
+        # half of it could be made room for, refuse before evicting anything.
         ahead = estimate if estimate is not None else size
-        sure = estimate is not None or suffix in (".feather", ".arrow")
-        reservation.hope(written + ahead, floor=written + ahead * 4 // 5 if sure else None)
+        floor = written + estimate // 2 if estimate is not None else None
+        reservation.hope(written + ahead, floor=floor)
         for batch in reading:
             added.add(batch, before_write)  # (its own errors are not the file's: not mapped)
             if progress is not None and size:
