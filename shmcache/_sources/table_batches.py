@@ -189,9 +189,8 @@ def append_table_file(
             raise
         if estimate is not None and asked <= written + estimate:  # Parquet: its row groups' sizes
             whole = f"about {human_bytes(estimate)} (its row groups' uncompressed size)"
-        elif estimate is None and not sequential and asked <= written + size:  # an Arrow IPC file
-            whole = f"about {human_bytes(size)} (the file's size)"
-        else:  # (or more than an estimate said: dictionary-encoded strings, compressed batches)
+        else:  # (or more than the estimate: dictionary-encoded strings; an IPC file's size is
+            # none: compressed, or of one-row batches, it is far from its table's)
             whole = f"more than {human_bytes(asked)} (the part read so far; the rest is not known yet)"
         raise type(exc)(f"{what}: its table needs {whole}; {exc}") from None  # NoRoomError stays one
     finally:
