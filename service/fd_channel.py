@@ -48,7 +48,7 @@ from shmcache._disk.meta import EntryMeta
 from shmcache._disk.npy import read_source_header_fd
 from shmcache._disk.writer import VersionWriter
 from shmcache._store.catalog import iter_infos
-from shmcache._store.fd_messages import FDS_SOCKET, error_body, recv_message, send_message
+from shmcache._store.fd_messages import FDS_SOCKET, MAX_REQUEST, error_body, recv_message, send_message
 from shmcache._store.locks import DEFAULT_LOCK_TIMEOUT, key_lock
 from shmcache._store.ownership import acting_for, check_quota, owner_name
 from shmcache._store.records import entry_info
@@ -275,7 +275,7 @@ class _Put:
         another) or the connection ends (False). Whatever was not published is removed."""
         try:
             while True:
-                got = recv_message(self.conn)
+                got = recv_message(self.conn, MAX_REQUEST, one_big_at_a_time=True)
                 if got is None:
                     return False
                 body, fd = got

@@ -8,6 +8,8 @@ process with a quota. Members that misbehave speak the protocol raw.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pwd
 import signal
@@ -187,8 +189,10 @@ def test_a_directory_of_thousands_of_files_is_put_and_answered_whole(served: Pat
 
 
 def test_a_message_goes_as_records_with_its_descriptor_and_is_bounded() -> None:
-    """The framing alone: a message of 5 MB arrives whole, its descriptor with it; a peer
-    that hangs up in the middle of a message is a typed error, not a half message."""
+    """The framing alone: a message of 5 MB arrives whole, its descriptor with it; one of
+    100 KB is one record (as an older peer sends and reads); a record but the last of
+    another size, a request over the daemon's 8 MiB, and a peer that hangs up in the middle
+    of a message are typed errors, not half messages."""
     from shmcache._store import fd_messages
     from shmcache.errors import InvalidRequestError
 
@@ -205,7 +209,26 @@ def test_a_message_goes_as_records_with_its_descriptor_and_is_bounded() -> None:
         os.write(got[1], b"x")
         os.close(got[1])
         assert os.read(read_end, 1) == b"x"
-        left.sendall(b"\x01" + b" " * 100)
+        send_message(left, {"op": "begin", "pad": "x" * 100_000})  # what an older peer reads: one record
+        assert json.loads(right.recv(1 << 20)) == {"op": "begin", "pad": "x" * 100_000}
+        left.sendall(b"\x01" + b" " * 100)  # a record but the last of other than RECORD bytes
+        with pytest.raises(InvalidRequestError, match="not 32768 bytes"):
+            recv_message(right)
+        big = {"op": "commit", "extra": ["x" * 1000] * 9000}  # 9 MB: over what the daemon reads
+
+        def send_big() -> None:
+            with contextlib.suppress(OSError):  # the reader gives up and closes
+                send_message(left, big)
+
+        sender = threading.Thread(target=send_big)
+        sender.start()
+        with pytest.raises(InvalidRequestError, match="over the channel's 8388608 bytes"):
+            recv_message(right, fd_messages.MAX_REQUEST, one_big_at_a_time=True)
+        right.close()  # (the rest of that message is never read)
+        sender.join()
+        left.close()
+        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        left.sendall(b"\x01" + b" " * (fd_messages.RECORD - 1))
         left.close()  # the peer hangs up in the middle of a message
         with pytest.raises(InvalidRequestError, match="middle of a message"):
             recv_message(right)

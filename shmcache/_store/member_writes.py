@@ -178,7 +178,6 @@ class MemberWriter:
         before anything is written: a commit over the channel's limit would come after the
         writes, and after what the daemon evicted for them)."""
         commit = {"op": "commit", "extra": [_jsonable(e.extra) for e in entries]}
-        check_fits(commit, f"a put of {len(entries)} entries: put the directory in parts (a key per part)")
         begin = {
             "op": "begin",
             "overwrite": overwrite,
@@ -188,6 +187,9 @@ class MemberWriter:
                 for e in entries
             ],
         }
+        fix = f"a put of {len(entries)} entries: put the directory in parts (a key per part)"
+        for request in (begin, commit):
+            check_fits(request, fix)
         self._ask(sock, begin)
         for index, entry in enumerate(entries):
             for name, fill in entry.files.items():
