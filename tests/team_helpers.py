@@ -4,6 +4,7 @@ root); team roots are unique paths under /dev/shm. Everything is removed afterwa
 
 from __future__ import annotations
 
+import atexit
 import grp
 import os
 import pickle
@@ -271,6 +272,7 @@ class TeamDaemon:
         self.team = team
         name = team.name if name is None else name
         self.log_path = Path(SHM_DIR) / f"shmcache-test-daemon-{uuid.uuid4().hex[:8]}.log"
+        atexit.register(self.log_path.unlink, missing_ok=True)  # a daemon that exited itself too
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         os.fchmod(log_fd, 0o666)
         self.pid = os.fork()
