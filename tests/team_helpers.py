@@ -208,6 +208,18 @@ def real_team(**fields: object) -> Iterator[Team]:
             _run("groupdel", name)
 
 
+@contextmanager
+def team_in_env(**fields: object) -> Iterator[Team]:
+    """:func:`real_team` with ``$SHMCACHE_TEAMS_FILE`` naming its teams file while it lives
+    (what the CLI and ``team=`` read)."""
+    with real_team(**fields) as made:
+        os.environ[ENV_TEAMS_FILE] = str(made.teams.file)
+        try:
+            yield made
+        finally:
+            del os.environ[ENV_TEAMS_FILE]
+
+
 def groups_of(user: User) -> list[int]:
     """The user's groups as the user database says (what a login would give)."""
     return os.getgrouplist(user.name, user.gid)

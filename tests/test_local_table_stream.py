@@ -167,21 +167,28 @@ def test_a_fresh_process_puts_a_big_local_parquet_with_flat_memory(root: Path, t
     of the table and more)."""
     growths = []
     for name, rows, groups in (("half", BIG_ROWS // 2, 13), ("big", BIG_ROWS, 25)):
-        path = tmp_path / f"{name}.parquet"
-        write_big_parquet(path, rows, groups)
-        small = tmp_path / "small.parquet"
-        pq.write_table(pq.ParquetFile(path).read_row_group(0).slice(0, 1000), small)
-        warm_up = f"""
-            import shmcache
-            store = shmcache.Store({str(root)!r})
-            store.put_file("small", {str(small)!r}, overwrite=True)  # every import done
-            """
-        before, after = peak_growth(warm_up, f"store.put_file({name!r}, {str(path)!r})")
+        growth = _put_growth(root, tmp_path, name, rows, groups)
         decoded = shmcache.Store(root).info(name).nbytes
         assert decoded > 75 << 20 and len(shmcache.Store(root).open_table(name)) == rows
-        growths.append((after - before, decoded))
-        path.unlink()
+        growths.append((growth, decoded))
     assert_flat(growths[0], growths[1], "a local Parquet file")
+
+
+def _put_growth(root: Path, tmp_path: Path, key: str, rows: int, groups: int) -> int:
+    """The peak RSS a fresh process gains putting a big Parquet file of ``rows`` rows in
+    ``groups`` row groups as ``key`` (its imports done first, on a small file)."""
+    path = tmp_path / f"{key}.parquet"
+    write_big_parquet(path, rows, groups)
+    small = tmp_path / "small.parquet"
+    pq.write_table(pq.ParquetFile(path).read_row_group(0).slice(0, 1000), small)
+    warm_up = f"""
+        import shmcache
+        store = shmcache.Store({str(root)!r})
+        store.put_file("small", {str(small)!r}, overwrite=True)  # every import done
+        """
+    before, after = peak_growth(warm_up, f"store.put_file({key!r}, {str(path)!r})")
+    path.unlink()
+    return after - before
 
 
 def test_one_big_row_group_is_read_in_batches_with_the_memory_of_many_small_ones(
@@ -191,20 +198,7 @@ def test_one_big_row_group_is_read_in_batches_with_the_memory_of_many_small_ones
     read in ~8 MiB batches, the put grows the process about as much as for the same table
     in 13 row groups (read whole, one row group grew it by more than the table: +631 MiB
     for a 244 MiB row group before)."""
-    growths = {}
-    for groups in (13, 1):
-        path = tmp_path / f"g{groups}.parquet"
-        write_big_parquet(path, BIG_ROWS // 2, groups)
-        small = tmp_path / "small.parquet"
-        pq.write_table(pq.ParquetFile(path).read_row_group(0).slice(0, 1000), small)
-        warm_up = f"""
-            import shmcache
-            store = shmcache.Store({str(root)!r})
-            store.put_file("small", {str(small)!r}, overwrite=True)  # every import done
-            """
-        before, after = peak_growth(warm_up, f"store.put_file('g{groups}', {str(path)!r})")
-        growths[groups] = after - before
-        path.unlink()
+    growths = {groups: _put_growth(root, tmp_path, f"g{groups}", BIG_ROWS // 2, groups) for groups in (13, 1)}
     decoded = shmcache.Store(root).info("g1").nbytes
     assert len(shmcache.Store(root).open_table("g1")) == BIG_ROWS // 2 and decoded > 75 << 20
     report = f"one row group: +{growths[1] >> 20} MiB, 13: +{growths[13] >> 20} MiB ({decoded >> 20} MiB)"

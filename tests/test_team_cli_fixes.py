@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from team_helpers import Team, TeamDaemon, User, as_user, real_team
+from team_helpers import Team, TeamDaemon, User, as_user, team_in_env
 from typer.testing import CliRunner
 
 import shmcache
@@ -28,7 +28,7 @@ from shmcache import (
     Store,
 )
 from shmcache._cli.app import app
-from shmcache._disk.layout import ENV_TEAMS_FILE, SHM_DIR
+from shmcache._disk.layout import SHM_DIR
 
 KiB = 1 << 10
 QUOTA = 256 * KiB
@@ -37,12 +37,8 @@ RUNNER = CliRunner()
 
 @pytest.fixture(scope="module")
 def team() -> Iterator[Team]:
-    with real_team(budget="64MiB", user_quota=f"{QUOTA // KiB}KiB") as made:
-        os.environ[ENV_TEAMS_FILE] = str(made.teams.file)
-        try:
-            yield made
-        finally:
-            del os.environ[ENV_TEAMS_FILE]
+    with team_in_env(budget="64MiB", user_quota=f"{QUOTA // KiB}KiB") as made:
+        yield made
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from shmcache.client import Client
-from team_helpers import Team, TeamDaemon, User, as_user, become, real_team
+from team_helpers import Team, TeamDaemon, User, as_user, become, team_in_env
 from typer.testing import CliRunner
 
 import shmcache
@@ -32,7 +32,7 @@ from shmcache import (
     Store,
 )
 from shmcache._cli.app import app
-from shmcache._disk.layout import ENV_TEAMS_FILE, SHM_DIR
+from shmcache._disk.layout import SHM_DIR
 from shmcache._store.fd_messages import FDS_SOCKET, recv_message, send_message
 
 KiB = 1 << 10
@@ -66,12 +66,8 @@ def homes(team: Team) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def team(data_dir: Path) -> Iterator[Team]:
-    with real_team(budget="64MiB", user_quota=f"{QUOTA // KiB}KiB", allow_sources=[str(data_dir)]) as made:
-        os.environ[ENV_TEAMS_FILE] = str(made.teams.file)
-        try:
-            yield made
-        finally:
-            del os.environ[ENV_TEAMS_FILE]
+    with team_in_env(budget="64MiB", user_quota=f"{QUOTA // KiB}KiB", allow_sources=[str(data_dir)]) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")

@@ -8,26 +8,21 @@ users cannot be made. A module of its own: each test starts its own daemon of th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from cli_helpers import cli
-from team_helpers import Team, TeamDaemon, real_team
+from team_helpers import Team, TeamDaemon, team_in_env
 
 from shmcache import CacheRootError, Store
-from shmcache._disk.layout import ENV_ROOT, ENV_TEAM, ENV_TEAMS_FILE
+from shmcache._disk.layout import ENV_ROOT, ENV_TEAM
 
 
 @pytest.fixture(scope="module")
 def team() -> Iterator[Team]:
-    with real_team(budget="64MiB") as made:
-        os.environ[ENV_TEAMS_FILE] = str(made.teams.file)
-        try:
-            yield made
-        finally:
-            del os.environ[ENV_TEAMS_FILE]
+    with team_in_env(budget="64MiB") as made:
+        yield made
 
 
 def _serves_the_team_root(team: Team, daemon: TeamDaemon) -> str:
