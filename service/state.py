@@ -220,25 +220,36 @@ class MappingScans:
 
 def record_configured_budget(store: Store, settings: Settings) -> None:
     """Make a budget given to the daemon (``--max-bytes``/``--max-fraction``, from a flag, the
-    environment or the config file) the root's, which every writer keeps. The daemon's
-    setting wins over a different recorded one, and says so in the log; a daemon given no
-    budget keeps the one the root records."""
+    environment or the config file; a team's ``budget`` in the teams file) the root's,
+    which every writer keeps. The daemon's setting wins over a different recorded one, and
+    says so in the log; a daemon given no budget keeps the one the root records, except a
+    team's: a budget the teams file set goes when the file no longer sets one (an admin
+    who removed the line expects no budget after the restart, not the old one)."""
     configured = settings.budget_bytes(total_bytes(store.root))
     recorded = read_budget(store.layout)
+    from_teams_file = f"teams file [teams.{settings.team}]" if settings.team is not None else None
     if configured is None:
-        if recorded is not None:
+        if recorded is not None and recorded.set_by == from_teams_file:
+            logger.warning(
+                "the teams file no longer sets a budget for team %s: the budget of %d bytes it set "
+                "is removed", settings.team, recorded.max_bytes,
+            )
+            store.set_budget(None, set_by=from_teams_file)
+        elif recorded is not None:
             logger.info("budget of %s: %d bytes, recorded in the root (set by %s)",
                         store.root, recorded.max_bytes, recorded.set_by)
         return
-    if recorded is not None and recorded.max_bytes == configured:
+    set_by = from_teams_file or (
+        "shmcache serve --max-fraction" if settings.max_fraction is not None else "shmcache serve --max-bytes"
+    )
+    if recorded is not None and recorded.max_bytes == configured and recorded.set_by == set_by:
         return
-    if recorded is not None:
+    if recorded is not None and recorded.max_bytes != configured:
         logger.warning(
             "the root %s recorded a budget of %d bytes (set by %s); the daemon's setting replaces it "
             "with %d bytes", store.root, recorded.max_bytes, recorded.set_by, configured,
         )
-    flag = "--max-fraction" if settings.max_fraction is not None else "--max-bytes"
-    store.set_budget(configured, set_by=f"shmcache serve {flag}")
+    store.set_budget(configured, set_by=set_by)
 
 
 def limit_malloc_arenas(arenas: int = _MALLOC_ARENAS) -> None:
