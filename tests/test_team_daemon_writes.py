@@ -140,6 +140,49 @@ def test_members_put_through_the_daemon_and_read_each_others_entries(team: Team,
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (team.service.uid, team.gid, 0o640)
 
 
+def _hold_mapped(user: User, team: str, key: str) -> tuple[int, int]:
+    """A forked child running as ``user`` that maps ``key`` and holds it until its stdin
+    pipe closes: ``(pid, write end)``, once it maps it."""
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child process
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(hold_w)
+            become(user)
+            array = shmcache.open_array(key, team=team)
+            os.write(ready_w, b"1" if array.size else b"0")
+            os.read(hold_r, 1)  # until the test closes its end
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(hold_r)
+    assert os.read(ready_r, 1) == b"1"
+    os.close(ready_r)
+    return pid, hold_w
+
+
+def test_ls_says_that_mapped_by_lists_a_members_own_processes_only(team: Team, daemon: TeamDaemon) -> None:
+    as_user(team.a, _put, team.name, "a/held", 1000)
+    pid, hold = _hold_mapped(team.b, team.name, "a/held")
+    try:
+        code, out = as_user(team.a, _cli, "--team", team.name, "ls", "a/held")
+        table, _, notice = out.partition("notice:")
+        assert code == 0 and "MAPPED BY lists only the processes" in notice, out
+        assert str(pid) not in table, out  # b's reader is hidden from a
+        # root sees it, or is refused too (a forked child that changed its uid is not
+        # dumpable, and a container may drop CAP_SYS_PTRACE) and says so
+        code, out = _cli("--team", team.name, "ls", "a/held")
+        table, _, notice = out.partition("notice:")
+        assert code == 0 and (str(pid) in table or "MAPPED BY lists only" in notice), out
+    finally:
+        os.close(hold)
+        os.waitpid(pid, 0)
+
+
 def _put_in_place(team: str) -> None:
     Store(team=team).put_array("a/in-place", np.arange(3))
 

@@ -419,6 +419,25 @@ def list_command(
         for e in entries
     ]
     print_table(("KEY", "KIND", "DTYPE", "SHAPE", "SIZE", "OWNER", "PINNED", "MAPPED BY", "AGE"), rows)
+    _note_hidden_mappers(local_store(root).root, mapped)
+
+
+def _note_hidden_mappers(root: Path, mapped: MappingScan) -> None:
+    """In a root others read (a team's), say that MAPPED BY lists only the processes whose
+    maps this user may read: an empty cell there is not "nobody reads it". (Root may be
+    refused too: a process that changed its uid is not dumpable, and a container may drop
+    CAP_SYS_PTRACE.)"""
+    try:
+        shared = os.stat(root).st_uid != os.geteuid()
+    except OSError:
+        return
+    if shared and mapped.unreadable:
+        typer.echo(
+            f"notice: MAPPED BY lists only the processes whose /proc/PID/maps you may read: "
+            f"{mapped.unreadable} other processes (other users') could not be read, and may map "
+            "these entries",
+            err=True,
+        )
 
 
 def info(

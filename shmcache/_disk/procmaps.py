@@ -32,9 +32,12 @@ class MappingScan:
     """Batch -> ``(first byte, end, pid)`` of each mapping of its manifest: which of its
     packed entries a process maps (``pids_by_version`` has the batch's name: any of them).
     A reader maps the manifest once per 64 MiB window (``mapped.SharedManifest``): all the
-    entries of a window it mapped, which
-    is the truth about memory (the manifest's pages go only with the batch and its last
-    mapping); a private writable array maps just its entry's pages."""
+    entries of a window it mapped, which is the truth about memory (the manifest's pages
+    go only with the batch and its last mapping); a private writable array maps just its
+    entry's pages."""
+    unreadable: int = 0
+    """Processes whose maps this process may not read (another user's, without
+    privileges): in a team root, other members' readers, which the scan cannot see."""
 
     def pids_of(self, version: str) -> set[int]:
         """PIDs mapping ``version``: for an entry packed in its batch's manifest, those
@@ -51,13 +54,15 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
     """Scan every readable ``/proc/<pid>/maps`` for files under ``objects_dir``.
 
     Processes whose maps we may not read (another user's, without privileges) are
-    skipped: they cannot map this user's 0700 cache anyway.
+    skipped and counted (``unreadable``): they cannot map this user's 0700 cache, but in a
+    team root they are other members' readers.
     """
     prefix = os.path.realpath(objects_dir) + "/"
     needle = prefix.encode()
     pids_by_version: dict[str, set[int]] = defaultdict(set)
     packed: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     deleted_extent: dict[tuple[str, str], int] = {}
+    unreadable = 0
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except FileNotFoundError:  # no procfs: report nothing mapped
@@ -66,7 +71,10 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
         try:
             with open(f"/proc/{pid}/maps", "rb") as maps:
                 data = maps.read()
-        except OSError:  # exited meanwhile, or not ours to read
+        except PermissionError:  # not ours to read
+            unreadable += 1
+            continue
+        except OSError:  # exited meanwhile
             continue
         if needle not in data:
             continue
@@ -88,7 +96,7 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
             if deleted:
                 ident = (fields[3], fields[4])  # device, inode
                 deleted_extent[ident] = max(deleted_extent.get(ident, 0), end - start)
-    return MappingScan(dict(pids_by_version), sum(deleted_extent.values()), dict(packed))
+    return MappingScan(dict(pids_by_version), sum(deleted_extent.values()), dict(packed), unreadable)
 
 
 def mapped_versions(objects_dir: Path) -> dict[str, set[int]]:
