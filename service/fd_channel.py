@@ -57,6 +57,7 @@ from shmcache._store.writing import ITEM_TYPES, publish, version_meta
 from shmcache.errors import (
     CacheRootError,
     CorruptSourceError,
+    DaemonBusyError,
     InvalidRequestError,
     KeyExistsError,
     KeyNotFoundError,
@@ -96,6 +97,9 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _PAGE = 4096
 _MAX_ENTRIES = 100_000
 _MAX_SESSIONS = 64
+_MAX_SESSIONS_PER_UID = 16
+"""One member's share of the sessions: a grid search of one member, or a member's stuck
+process holding its connections, leaves the others room (their writes wait, not fail)."""
 _MAX_FILE = 1 << 50
 
 
@@ -153,6 +157,8 @@ class FdChannel:
         self._pending: dict[int, int] = {}
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._per_uid: dict[int, int] = {}
+        """Sessions per member uid (under ``_conns_lock``)."""
 
     # ------------------------------------------------------------------ listening
 
@@ -202,18 +208,35 @@ class FdChannel:
             why = self.refusal(uid)
             if why is not None:
                 logger.warning("refused a write connection from pid %d (uid %d): %s", pid, uid, why)
-                with contextlib.suppress(OSError):
-                    send_message(conn, error_body(UnauthorizedError(why)))
-                conn.close()
+                _refuse(conn, UnauthorizedError(why))
                 continue
-            if not self._sessions.acquire(blocking=False):
-                with contextlib.suppress(OSError):
-                    send_message(conn, error_body(InvalidRequestError("too many puts at once; try again")))
-                conn.close()
+            busy = self._take_session(uid)
+            if busy is not None:
+                _refuse(conn, DaemonBusyError(busy))
                 continue
             threading.Thread(
                 target=self._serve, args=(conn, uid), name=f"shmcache-put-{uid}", daemon=True
             ).start()
+
+    def _take_session(self, uid: int) -> str | None:
+        """Count a session for ``uid``; why not where none is free (the member waits and
+        connects again: ``MemberWriter``)."""
+        with self._conns_lock:
+            if self._per_uid.get(uid, 0) >= _MAX_SESSIONS_PER_UID:
+                return f"you have {_MAX_SESSIONS_PER_UID} writes in progress, a member's most at once"
+            if not self._sessions.acquire(blocking=False):
+                return f"the daemon serves {_MAX_SESSIONS} writes at once, its most"
+            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+        return None
+
+    def _end_session(self, uid: int) -> None:
+        with self._conns_lock:
+            left = self._per_uid.get(uid, 0) - 1
+            if left > 0:
+                self._per_uid[uid] = left
+            else:
+                self._per_uid.pop(uid, None)
+            self._sessions.release()
 
     def _serve(self, conn: socket.socket, uid: int) -> None:
         with self._conns_lock:
@@ -229,7 +252,7 @@ class FdChannel:
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
-            self._sessions.release()
+            self._end_session(uid)
 
     # ------------------------------------------------------------------ quota
 
@@ -251,6 +274,20 @@ class FdChannel:
                 self._pending[uid] = left
             else:
                 self._pending.pop(uid, None)
+
+
+def _refuse(conn: socket.socket, error: ShmCacheError) -> None:
+    """Answer a connection ``error`` and hang up so that the member reads why. Closing a
+    socket with a request unread in it resets the peer, whose pending answer is then lost
+    (``ConnectionResetError``): shut it first (the member's later sends fail with EPIPE
+    instead of queueing), take what it sent already, then close."""
+    with contextlib.suppress(OSError):
+        send_message(conn, error_body(error))
+        conn.shutdown(socket.SHUT_RDWR)
+        conn.setblocking(False)
+        while conn.recv(1 << 16, socket.MSG_TRUNC):
+            pass
+    conn.close()
 
 
 class _Put:

@@ -20,6 +20,7 @@ from .errors import (
     CacheFullError,
     CacheRootError,
     CorruptEntryError,
+    DaemonBusyError,
     InvalidKeyError,
     InvalidRequestError,
     InvalidSourceError,
@@ -98,6 +99,7 @@ ERRORS: tuple[ErrorRow, ...] = (  # most specific first: the first matching row 
     ErrorRow(UnsupportedDataError, 415),
     ErrorRow(InvalidSourceError, 400),  # SourceNotFound, CorruptSource, SourceNotAllowed
     ErrorRow(LockTimeoutError, 503),
+    ErrorRow(DaemonBusyError, 503),
     ErrorRow(TooManyOpenFilesError, 503),  # the daemon's descriptors, not the request's fault
     ErrorRow(CacheRootError, 500),
     ErrorRow(UnknownTeamError, 404),

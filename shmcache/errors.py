@@ -30,6 +30,7 @@ The tree (built-in bases in brackets)::
     │   └── SourceNotAllowedError   [PermissionError]   outside the daemon's --allow-source
     │   (control plane: raised by the daemon, re-raised by shmcache.client)
     ├── DaemonUnavailableError      [ConnectionError]   no daemon answers
+    │   └── DaemonBusyError                             a team daemon had no write session for 10 min
     ├── DaemonRunningError          [RuntimeError]      another daemon serves the root
     ├── UntrustedDaemonError        [PermissionError]   another user listens on the daemon's socket
     ├── UnauthorizedError           [PermissionError]   missing or wrong TCP token
@@ -48,6 +49,7 @@ __all__ = [
     "CacheRootError",
     "CorruptEntryError",
     "CorruptSourceError",
+    "DaemonBusyError",
     "DaemonRunningError",
     "DaemonUnavailableError",
     "GPUUnavailableError",
@@ -140,6 +142,12 @@ class LockTimeoutError(ShmCacheError, TimeoutError):
 
 class DaemonUnavailableError(ShmCacheError, ConnectionError):
     """The shmcache daemon is not reachable."""
+
+
+class DaemonBusyError(DaemonUnavailableError):
+    """A team's daemon served as many writes at once as it takes (in all, or from you)
+    for as long as the caller waited: members' writes wait their turn, and this says the
+    wait ran out."""
 
 
 class DaemonRunningError(ShmCacheError, RuntimeError):

@@ -11,13 +11,16 @@ not (no confused deputy).
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,6 +47,7 @@ from .._sources.planned import Planned
 from .._sources.tables import is_table_file, read_table_source
 from .._team.commands import for_team
 from ..errors import (
+    DaemonBusyError,
     DaemonUnavailableError,
     InvalidSourceError,
     KeyExistsError,
@@ -56,7 +60,25 @@ from .fd_messages import FDS_SOCKET, check_fits, raise_error, recv_message, send
 from .putting import _as_storable_array
 from .records import EntryInfo
 
-__all__ = ["MemberWriter", "Pending"]
+__all__ = ["BUSY_WAIT_S", "MemberWriter", "Pending"]
+
+logger = logging.getLogger(__name__)
+
+BUSY_WAIT_S = 600.0
+"""How long a member's write waits for a turn while the daemon serves as many writes as
+it takes (64, 16 per member): a grid search whose experiments all ``cache()`` at once
+queues, and each gets its turn, instead of failing at start."""
+
+_T = TypeVar("_T")
+
+
+class _RefusedAtAccept(Exception):
+    """The daemon had no session for this connection (a :class:`DaemonBusyError` as the
+    answer to its first request): nothing was done, so the whole exchange may run again."""
+
+    def __init__(self, busy: DaemonBusyError) -> None:
+        super().__init__(str(busy))
+        self.busy = busy
 
 Fill = np.ndarray | Planned
 """What fills one file: an array (its ``.npy`` is written), or a planned source (copied)."""
@@ -139,7 +161,34 @@ class MemberWriter:
             )
         return sock
 
-    def _ask(self, sock: socket.socket, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    def _session(self, exchange: Callable[[socket.socket], _T]) -> _T:
+        """``exchange(sock)`` over a new connection, run again on a new one (backing off,
+        up to :data:`BUSY_WAIT_S`) while the daemon has no session to give it."""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        delay = 0.01
+        while True:
+            sock = self._connect()
+            try:
+                return exchange(sock)
+            except _RefusedAtAccept as refused:
+                if time.monotonic() + delay > deadline:
+                    raise DaemonBusyError(
+                        f"{refused.busy}; waited {BUSY_WAIT_S:.0f} s for a turn (the writes in "
+                        "progress, or a loader that cache() runs while holding its turn, took longer): "
+                        "try again later"
+                    ) from None
+                if delay == 0.01:
+                    logger.info("the daemon of %s is busy (%s): waiting for a turn", self.root, refused.busy)
+            finally:
+                sock.close()
+            time.sleep(delay * random.uniform(0.5, 1.5))  # jitter: waiting members do not retry in step
+            delay = min(delay * 2, 0.5)
+
+    def _ask(
+        self, sock: socket.socket, body: dict[str, Any], first: bool = False
+    ) -> tuple[dict[str, Any], int | None]:
+        """Send ``body`` and read the answer (raised where it is an error). ``first``: the
+        connection's first request, whose busy answer means the daemon had no session."""
         try:
             send_message(sock, body)
         except (BrokenPipeError, ConnectionResetError):
@@ -150,6 +199,12 @@ class MemberWriter:
         answer, fd = got
         try:
             raise_error(answer)
+        except DaemonBusyError as busy:
+            if fd is not None:
+                os.close(fd)
+            if first:
+                raise _RefusedAtAccept(busy) from None
+            raise
         except ShmCacheError as exc:  # a quota or budget refusal: its fixes on the team's root
             if fd is not None:
                 os.close(fd)
@@ -165,14 +220,10 @@ class MemberWriter:
 
     def put(self, entries: list[Pending], *, overwrite: bool = False, pin: bool = False) -> list[EntryInfo]:
         """Publish ``entries`` at once through the daemon; nothing if anything fails."""
-        sock = self._connect()
-        try:
-            return self._put_on(sock, entries, overwrite, pin)
-        finally:
-            sock.close()
+        return self._session(lambda sock: self._put_on(sock, entries, overwrite, pin, first=True))
 
     def _put_on(
-        self, sock: socket.socket, entries: list[Pending], overwrite: bool, pin: bool
+        self, sock: socket.socket, entries: list[Pending], overwrite: bool, pin: bool, first: bool
     ) -> list[EntryInfo]:
         """One put over an open connection: begin, fill each file, commit (its size checked
         before anything is written: a commit over the channel's limit would come after the
@@ -190,7 +241,7 @@ class MemberWriter:
         fix = f"a put of {len(entries)} entries: put the directory in parts (a key per part)"
         for request in (begin, commit):
             check_fits(request, fix)
-        self._ask(sock, begin)
+        self._ask(sock, begin, first)
         for index, entry in enumerate(entries):
             for name, fill in entry.files.items():
                 _, fd = self._ask(sock, {"op": "file", "entry": index, "name": name})
@@ -206,11 +257,7 @@ class MemberWriter:
     def evict(self, key: str) -> int:
         """Evict ``key`` through the daemon (your own entry; a team admin: any); the bytes freed."""
         validate_key(key)
-        sock = self._connect()
-        try:
-            answer, _ = self._ask(sock, {"op": "evict", "key": key})
-        finally:
-            sock.close()
+        answer, _ = self._session(lambda sock: self._ask(sock, {"op": "evict", "key": key}, first=True))
         return int(answer["freed"])
 
     # ------------------------------------------------------------------ the put functions
@@ -309,18 +356,20 @@ class MemberWriter:
         found = self._cached(key, opener, wanted)
         if found is not None:
             return found
-        sock = self._connect()
-        try:
-            self._ask(sock, {"op": "lock", "key": validate_key(key)})
+
+        def locked_load(sock: socket.socket) -> np.ndarray | None:
+            self._ask(sock, {"op": "lock", "key": validate_key(key)}, first=True)
             found = self._cached(key, opener, wanted)
             if found is not None:
                 return found
             array = _as_storable_array(loader(), f"the value that cache()'s loader returned for {key!r}")
             extra = {} if wanted is None else {"cache_version": wanted}
-            self._put_on(sock, [Pending(key, "array", {"data": array}, extra)], wanted is not None, False)
-        finally:
-            sock.close()
-        return opener(key)
+            pending = [Pending(key, "array", {"data": array}, extra)]
+            self._put_on(sock, pending, wanted is not None, False, first=False)
+            return None
+
+        found = self._session(locked_load)
+        return opener(key) if found is None else found
 
     def _cached(self, key: str, opener: Callable[[str], np.ndarray], wanted: str | None) -> np.ndarray | None:
         try:
