@@ -23,6 +23,7 @@ from .table_chunks import chunk_files, number_values
 from .table_encode import (
     NotTabular,
     check_offsets,
+    check_utf8,
     encode_column_values,
     encode_table_records,
     list_description,
@@ -266,6 +267,7 @@ def _arrow_strings(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     data = array.buffers()[2]
     offsets, start, stop = _sliced_offsets(array, data.size if data is not None else 0)
     values = np.frombuffer(data, dtype=np.uint8)[start:stop] if data is not None else np.empty(0, np.uint8)
+    check_utf8(offsets, values)
     return {"bytes": values, "offsets": offsets}, {"kind": "string", "dtype": "str", "arrow": "large_string"}
 
 
