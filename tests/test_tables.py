@@ -105,6 +105,23 @@ def test_empty_tables(store: shmcache.Store) -> None:
     assert typed.to_arrow().num_rows == 0 and typed.column("t").dtype == np.dtype("datetime64[ns]")
 
 
+def test_a_table_of_rows_but_no_column_keeps_its_rows(store: shmcache.Store, tmp_path: Path) -> None:
+    """A table with rows and no column (columns dropped, JSON lines of ``{}``): ``len``,
+    rows and ``to_arrow`` all say its rows (``to_arrow`` said 0)."""
+    rowless = pa.table({"a": [1, 2, 3]}).drop(["a"])
+    assert (rowless.num_rows, rowless.num_columns) == (3, 0)
+    (tmp_path / "e.jsonl").write_text("{}\n" * 3)
+    feather.write_feather(rowless, tmp_path / "e.arrow")
+    store.put_table("t", rowless)
+    store.put_table("d", [{}, {}, {}])
+    store.put_file("j", tmp_path / "e.jsonl")
+    store.put_file("a", tmp_path / "e.arrow")
+    for key in ("t", "d", "j", "a"):
+        table = store.open_table(key)
+        assert (len(table), table.columns, list(table)) == (3, [], [{}, {}, {}]), key
+        assert (table.to_arrow().num_rows, table.to_arrow().num_columns) == (3, 0), key
+
+
 @pytest.mark.parametrize("suffix", [".parquet", ".feather", ".arrow", ".csv", ".jsonl"])
 def test_table_files_through_put_file_and_put_table(
     store: shmcache.Store, tmp_path: Path, suffix: str

@@ -387,6 +387,8 @@ def _read_jsonl_without_arrow(fp: IO[bytes], path: str) -> tuple[dict[str, np.nd
 def to_arrow(columns: list[dict[str, Any]], files: Mapping[str, np.ndarray], length: int) -> Any:
     """A pyarrow Table over a table entry's mapped files (no copy but bool columns)."""
     pa = require_pyarrow("SharedTable.to_arrow()")
+    if not columns:  # from_arrays([]) has 0 rows: a table of rows but no column lost them
+        return pa.Table.from_arrays([pa.nulls(length)], names=["rows"]).select([])
     arrays = [_to_arrow_column(pa, i, desc, files, length) for i, desc in enumerate(columns)]
     return pa.Table.from_arrays(arrays, names=[desc["name"] for desc in columns])
 
