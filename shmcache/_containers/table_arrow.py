@@ -350,22 +350,40 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
         import pyarrow.csv as reader
     else:
         import pyarrow.json as reader  # type: ignore[no-redef]
+        if _file_size(fp) == 0:  # JSON lines of no record: no row, no column (as without pyarrow)
+            return pa.table({})
     read = reader.read_csv if suffix == ".csv" else reader.read_json
     try:
-        return read(fp)
+        return _rowless_as_strings(pa, read(fp))
     except pa.ArrowInvalid as exc:  # a row or line longer than a block (1 MiB): one block
         if "straddl" not in str(exc):
             raise
     fp.seek(0)
-    return read(fp, read_options=reader.ReadOptions(block_size=_whole_block(fp)))
+    return _rowless_as_strings(pa, read(fp, read_options=reader.ReadOptions(block_size=_whole_block(fp))))
+
+
+def _rowless_as_strings(pa: Any, table: Any) -> Any:
+    """A CSV/JSON table of no row (a header-only CSV) with its columns that no value typed
+    (Arrow type null, which a table cannot hold) as strings: an empty table of its
+    columns, as a Parquet or Arrow file of no row is, not a refusal of "missing" values."""
+    if table.num_rows or not any(pa.types.is_null(f.type) for f in table.schema):
+        return table
+    fields = [f.with_type(pa.large_string()) if pa.types.is_null(f.type) else f for f in table.schema]
+    return table.cast(pa.schema(fields, metadata=table.schema.metadata))
+
+
+def _file_size(fp: IO[bytes]) -> int:
+    """The size of the file ``fp`` reads (its position kept)."""
+    position = fp.tell()
+    try:
+        return fp.seek(0, os.SEEK_END)
+    finally:
+        fp.seek(position)
 
 
 def _whole_block(fp: IO[bytes]) -> int:
     """A CSV/JSON block size that holds the whole file (pyarrow takes at most 2 GiB - 1)."""
-    try:
-        size = os.fstat(fp.fileno()).st_size
-    except (AttributeError, OSError, ValueError):
-        size = 1 << 30
+    size = _file_size(fp)
     return max(1 << 20, min(size + 1, (1 << 31) - 1))
 
 
