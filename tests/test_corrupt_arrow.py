@@ -136,7 +136,9 @@ def test_a_damaged_dictionary_is_refused_before_it_is_decoded(
 ) -> None:
     """A dictionary column whose dictionary's string offsets were damaged on disk: the
     decode (or a join of batches) read them blindly: a segfault of the putting process, or
-    bytes from outside the file published. Refused whole, streamed and from memory."""
+    bytes from outside the file published. Refused whole, streamed and from memory, by the
+    one check (``table_arrow.check_dictionaries``), naming the column (streamed, the
+    message named the file only)."""
     path = tmp_path / "d.arrow"
     words = pa.array(["abcdefgh", "ijklmnop", "qrstuvwx"]).dictionary_encode()
     table = pa.table({"c": words, "n": [1, 2, 3]})
@@ -147,7 +149,7 @@ def test_a_damaged_dictionary_is_refused_before_it_is_decoded(
     assert data.count(good) == 1
     path.write_bytes(data.replace(good, np.array(offsets, np.int32).tobytes()))
     store = shmcache.Store(root)
-    with pytest.raises(CorruptSourceError, match=r"d\.arrow.*offset"):
+    with pytest.raises(CorruptSourceError, match=r"d\.arrow: column 'c'.*offset"):
         store.put_file("k", path)
     with pytest.raises(CorruptSourceError, match=r"key 'k'.*column 'c'"):
         store.put_table("k", pa.ipc.open_file(path).read_all())

@@ -35,10 +35,11 @@ __all__ = [
     "ARROW_EXTRA",
     "TABLE_SUFFIXES",
     "arrow_column",
-    "check_dictionary",
+    "check_dictionaries",
     "column_errors",
     "encode_table",
     "encode_table_parts",
+    "is_straddling_error",
     "read_arrow_table",
     "read_table_file",
     "require_pyarrow",
@@ -136,20 +137,15 @@ def encode_arrow_parts(table: Any, what: str) -> tuple[dict[str, FileArray], dic
     """A pyarrow Table's columns as a table entry's files and meta, a chunked column's
     values left in their chunks' own buffers (:class:`ArrayParts`, written in order): no
     ``combine_chunks`` copy of the table before the write copies it into the cache."""
-    from pyarrow.types import is_dictionary
-
     names = list(table.column_names)
     if len(set(names)) != len(names):
         raise UnsupportedDataError(f"{what}: the table has duplicate column names")
+    check_dictionaries(table, what)  # before combine_chunks unifies them
     files: dict[str, FileArray] = {}
     descriptions = []
     for i, name in enumerate(names):
         with column_errors(what, name):
-            column = table.column(i)
-            if is_dictionary(column.type):  # before combine_chunks unifies them
-                for chunk in column.chunks:
-                    check_dictionary(chunk)
-            parts, desc = _chunked_column(column)
+            parts, desc = _chunked_column(table.column(i))
         files |= {f"c{i}.{part}": array for part, array in parts.items()}
         descriptions.append(desc)
     return files, table_meta(names, descriptions, table.num_rows)
@@ -188,17 +184,35 @@ def column_errors(what: str, name: str) -> Iterator[None]:
         raise CorruptSourceError(f"{what}: column {name!r}: {exc}") from None
 
 
-def check_dictionary(array: Any) -> None:
-    """A dictionary array's dictionary checked whole (its offsets, its UTF-8) before
-    anything decodes, casts or joins it: pyarrow reads a damaged one's strings blindly
-    (a segfault in the decode, or bytes from outside the file published). A dictionary is
-    the column's distinct values: small, so the full check costs little."""
-    array.dictionary.validate(full=True)
+def check_dictionaries(data: Any, what: str) -> Any:
+    """``data`` (a pyarrow Table or RecordBatch) once each dictionary column's dictionaries
+    are checked whole (their offsets, their UTF-8), before anything joins, casts or decodes
+    them: pyarrow reads a damaged one's strings blindly (a segfault in the decode, or bytes
+    from outside the file published). A dictionary is the column's distinct values: small,
+    so the full check costs little. The one check of every put of Arrow data: a whole table
+    (:func:`encode_arrow_parts`) and each batch streamed (``table_batches``); a damaged
+    one is a CorruptSourceError naming ``what`` and the column."""
+    import pyarrow.types as pt
+
+    for name, column in zip(data.column_names, data.columns, strict=True):
+        if pt.is_dictionary(column.type):
+            with column_errors(what, name):
+                for chunk in getattr(column, "chunks", (column,)):
+                    chunk.dictionary.validate(full=True)
+    return data
+
+
+def is_straddling_error(exc: BaseException) -> bool:
+    """Whether pyarrow's CSV/JSON reader refused a row or line longer than its block
+    ("straddling object straddles two block boundaries"): the file is then read again in
+    one block as large as itself, not refused."""
+    return "straddl" in str(exc)
 
 
 def arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One Arrow array (a whole column, or one chunk of it: ``table_stream``) as a table
-    column's files and description; :class:`NotTabular` for a type a table cannot hold."""
+    column's files and description; :class:`NotTabular` for a type a table cannot hold.
+    A dictionary array's dictionary must have passed :func:`check_dictionaries`."""
     return _arrow_column(array)
 
 
@@ -207,8 +221,7 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     import pyarrow.types as pt
 
     kind = array.type
-    if pt.is_dictionary(kind):  # categoricals: stored decoded
-        check_dictionary(array)
+    if pt.is_dictionary(kind):  # categoricals: stored decoded (checked: check_dictionaries)
         array = array.dictionary_decode()
         kind = array.type
     if pt.is_null(kind):  # every value None: no type to store, and no validity buffer
@@ -356,7 +369,7 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
     try:
         return _rowless_as_strings(pa, read(fp))
     except pa.ArrowInvalid as exc:  # a row or line longer than a block (1 MiB): one block
-        if "straddl" not in str(exc):
+        if not is_straddling_error(exc):
             raise
     fp.seek(0)
     return _rowless_as_strings(pa, read(fp, read_options=reader.ReadOptions(block_size=_whole_block(fp))))
