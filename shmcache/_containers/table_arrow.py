@@ -40,6 +40,7 @@ __all__ = [
     "encode_table",
     "encode_table_parts",
     "is_straddling_error",
+    "nullable_schema",
     "read_arrow_table",
     "read_table_file",
     "require_pyarrow",
@@ -200,6 +201,25 @@ def check_dictionaries(data: Any, what: str) -> Any:
                 for chunk in getattr(column, "chunks", (column,)):
                     chunk.dictionary.validate(full=True)
     return data
+
+
+def nullable_schema(schema: Any) -> Any:
+    """``schema`` with every field (and a list's item) nullable and no metadata: what two
+    files' schemas must agree on to be one table. A table entry records no nullability
+    (its validity bitmap is there where a null is), so files that differ only in a
+    field's ``nullable`` flag (one writer declared it, another did not) are one table."""
+    import pyarrow as pa
+
+    def relaxed(kind: Any) -> Any:
+        if pa.types.is_large_list(kind):
+            return pa.large_list(relaxed(kind.value_type))
+        if pa.types.is_fixed_size_list(kind):
+            return pa.list_(relaxed(kind.value_type), kind.list_size)
+        if pa.types.is_list(kind):
+            return pa.list_(relaxed(kind.value_type))
+        return kind
+
+    return pa.schema([pa.field(f.name, relaxed(f.type)) for f in schema])
 
 
 def is_straddling_error(exc: BaseException) -> bool:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._containers.table_arrow import check_dictionaries, is_straddling_error
+from .._containers.table_arrow import check_dictionaries, is_straddling_error, nullable_schema
 from .._containers.table_stream import ChangedLayout, TableAppender
 from .._disk.array_parts import FileArray
 from .._disk.npy import NpyHeader
@@ -144,7 +144,7 @@ def append_table_file(
         raise ChangedLayout(f"{what}: {schema} from the first block has null-typed columns")
     if appender is None:
         appender = TableAppender(schema, create, table or what)
-    elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
+    elif not nullable_schema(schema).equals(nullable_schema(appender.schema)):  # nullable: not recorded
         if suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
             raise ChangedLayout(f"{what}: {schema} after {appender.schema}")
         raise InvalidSourceError(
