@@ -27,6 +27,7 @@ The tree (built-in bases in brackets)::
     ├── InvalidSourceError                              a source cannot be loaded
     │   ├── SourceNotFoundError     [FileNotFoundError]
     │   ├── CorruptSourceError      [ValueError]
+    │   ├── SourceKindError         [ValueError]        put_file's as_ names no kind it makes
     │   └── SourceNotAllowedError   [PermissionError]   outside the daemon's --allow-source
     │   (control plane: raised by the daemon, re-raised by shmcache.client)
     ├── DaemonUnavailableError      [ConnectionError]   no daemon answers
@@ -68,6 +69,7 @@ __all__ = [
     "NotPermittedError",
     "QuotaExceededError",
     "ShmCacheError",
+    "SourceKindError",
     "SourceNotAllowedError",
     "SourceNotFoundError",
     "TeamConfigError",
@@ -164,6 +166,11 @@ class SourceNotFoundError(InvalidSourceError, FileNotFoundError):
 
 class CorruptSourceError(InvalidSourceError, ValueError):
     """A source file is truncated, corrupt or not an ``.npy``/``.npz`` file."""
+
+
+class SourceKindError(InvalidSourceError, ValueError):
+    """``put_file``'s ``as_`` names no kind of entry it makes from the source: the message
+    names the source and the kinds it takes (a ValueError, as the check raised before)."""
 
 
 class CorruptEntryError(ShmCacheError, ValueError):

@@ -268,7 +268,7 @@ def test_put_file_auto_arrays_blobs_and_mixed(store: Store, root: Path, tmp_path
     assert bytes(raw["x.npy"]) == (mixed / "x.npy").read_bytes()
     assert store.put_file("one", mixed / "notes.txt", as_="blobs") == ["one"]
     assert list(store.open_blobs("one").names) == ["notes.txt"]
-    with pytest.raises(ValueError, match="as_ must be one of"):
+    with pytest.raises(ValueError, match="no kind put_file makes"):
         store.put_file("k", mixed, as_="images")
 
 

@@ -136,7 +136,9 @@ def test_a_damaged_dictionary_is_refused_before_it_is_decoded(
 ) -> None:
     """A dictionary column whose dictionary's string offsets were damaged on disk: the
     decode (or a join of batches) read them blindly: a segfault of the putting process, or
-    bytes from outside the file published. Refused whole, streamed and from memory."""
+    bytes from outside the file published. Refused whole, streamed and from memory, by the
+    one check (``table_arrow.check_dictionaries``), naming the column (streamed, the
+    message named the file only)."""
     path = tmp_path / "d.arrow"
     words = pa.array(["abcdefgh", "ijklmnop", "qrstuvwx"]).dictionary_encode()
     table = pa.table({"c": words, "n": [1, 2, 3]})
@@ -147,8 +149,71 @@ def test_a_damaged_dictionary_is_refused_before_it_is_decoded(
     assert data.count(good) == 1
     path.write_bytes(data.replace(good, np.array(offsets, np.int32).tobytes()))
     store = shmcache.Store(root)
-    with pytest.raises(CorruptSourceError, match=r"d\.arrow.*offset"):
+    with pytest.raises(CorruptSourceError, match=r"d\.arrow: column 'c'.*offset"):
         store.put_file("k", path)
     with pytest.raises(CorruptSourceError, match=r"key 'k'.*column 'c'"):
         store.put_table("k", pa.ipc.open_file(path).read_all())
     assert not store.exists("k") and not _tmp_items(root)
+
+
+def _not_utf8(kind: Any = None, nulls: bool = False) -> Any:
+    """Three strings, the second two bytes that are not UTF-8 (``kind``: string or
+    large_string; ``nulls``: the third one null)."""
+    kind = kind or pa.string()
+    width = np.int64 if kind == pa.large_string() else np.int32
+    valid = pa.py_buffer(np.packbits([1, 1, 0], bitorder="little")) if nulls else None
+    offsets = pa.py_buffer(np.array([0, 2, 4, 4], width))
+    return pa.Array.from_buffers(kind, 3, [valid, offsets, pa.py_buffer(b"ok\xff\xfe")])
+
+
+NOT_UTF8: dict[str, Callable[[], Any]] = {
+    "string": _not_utf8,
+    "large_string": lambda: _not_utf8(pa.large_string()),
+    "with nulls": lambda: _not_utf8(nulls=True),
+    "a character split by an offset": lambda: pa.Array.from_buffers(
+        pa.string(), 2, [None, pa.py_buffer(np.array([0, 1, 2], np.int32)), pa.py_buffer("é".encode())]
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_UTF8))
+def test_strings_that_are_not_utf8_are_refused_at_put(root: Path, tmp_path: Path, case: str) -> None:
+    """pyarrow's IPC and Parquet readers pass a string column's bytes unchecked: published,
+    every read of the row raised UnicodeDecodeError. Refused at put, naming the file (or
+    key) and the column: streamed, decoded whole, from memory in one chunk or several."""
+    column = NOT_UTF8[case]()
+    good = pa.array(["a", "b", "c"], column.type)
+    table = pa.Table.from_batches(
+        [pa.record_batch([c, pa.array(np.arange(len(c)))], names=["c", "n"]) for c in (good, column)]
+    )
+    arrow, parquet = tmp_path / "bad.arrow", tmp_path / "bad.parquet"
+    with pa.ipc.new_file(arrow, table.schema) as writer:
+        writer.write_table(table)
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(table, parquet)
+    store = shmcache.Store(root)
+    store.put_array("other", np.arange(3))
+    for path in (arrow, parquet):
+        with pytest.raises(CorruptSourceError, match=rf"{path.name}: column 'c'.*not UTF-8"):
+            store.put_file("k", path)
+        with pytest.MonkeyPatch.context() as patch:  # the whole decode
+            patch.setattr(tables, "has_pyarrow", lambda: False)
+            with pytest.raises(CorruptSourceError, match=rf"{path.name}: column 'c'.*not UTF-8"):
+                store.put_file("k", path)
+    for data in (table, table.combine_chunks(), pa.table({"c": column})):
+        with pytest.raises(CorruptSourceError, match=r"key 'k'.*column 'c'.*not UTF-8"):
+            store.put_table("k", data)
+    assert not store.exists("k") and store.exists("other") and not _tmp_items(root)
+
+
+def test_binary_columns_are_not_checked_as_text(root: Path) -> None:
+    """Bytes that are not UTF-8 in a binary column are not corrupt: the column is refused
+    as a type a table cannot hold (UnsupportedDataError), not as a damaged source; valid
+    multi-byte strings still load."""
+    store = shmcache.Store(root)
+    for kind in (pa.binary(), pa.large_binary()):
+        with pytest.raises(shmcache.UnsupportedDataError, match="binary"):
+            store.put_table("k", pa.table({"b": pa.array([b"\xff", b"x"], kind)}))
+    words = pa.array(["é", "日本", None, "ok"])
+    store.put_table("k", pa.table({"s": words}))
+    assert [row["s"] for row in store.open_table("k")] == ["é", "日本", None, "ok"]

@@ -27,6 +27,7 @@ BUILTIN_OF: dict[type[Exception], type[Exception]] = {
     errors.DaemonUnavailableError: ConnectionError,
     errors.SourceNotFoundError: FileNotFoundError,
     errors.CorruptSourceError: ValueError,
+    errors.SourceKindError: ValueError,
     errors.CorruptEntryError: ValueError,
     errors.CacheRootError: PermissionError,
     errors.TooManyOpenFilesError: OSError,

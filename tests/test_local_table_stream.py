@@ -528,3 +528,22 @@ def test_progress_is_reported_per_batch_and_a_cancel_mid_stream_publishes_nothin
             store.put_file(f"{key}-c", path, progress=cancel)
         assert len(batches) == 1, (path.name, batches)  # stopped after the first batch
         assert not store.exists(f"{key}-c") and not _tmp_items(root) and not _decoding_threads()
+
+
+def test_a_progress_error_at_the_last_call_publishes_nothing(
+    store: shmcache.Store, root: Path, tmp_path: Path
+) -> None:
+    """The last ``progress(size, size)`` of a table file came after the entry was published:
+    a callback that raised there made the put fail though its entry was there (a caller
+    retried, or distrusted it). It now comes before the publish, as every kind's: the error
+    cancels the put, and nothing is published."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"a": list(range(100))}), path)
+
+    def fail_at_the_end(done: int, total: int) -> None:
+        if done == total:
+            raise _Cancelled
+
+    with pytest.raises(_Cancelled):
+        store.put_file("k", path, progress=fail_at_the_end)
+    assert not store.exists("k") and not _tmp_items(root)

@@ -178,7 +178,7 @@ def test_a_prefix_of_other_files_is_the_blobs_entry_of_the_local_folder(
     assert store.put_file("one", f"s3://{bucket}/imgs/b.txt", storage_options=s3.options(), as_="blobs")
     store.put_file("one-l", tmp_path / "imgs" / "b.txt", as_="blobs")
     _same_as_local(store, root, "one", "one-l")
-    with pytest.raises(ValueError, match="as_ must be one of"):
+    with pytest.raises(ValueError, match="no kind put_file makes"):
         store.put_file("x", url, storage_options=s3.options(), as_="nope")
 
 

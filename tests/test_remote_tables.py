@@ -34,6 +34,7 @@ from table_memory import BIG_ROWS, assert_flat, mixed_table, peak_growth, write_
 
 import shmcache  # noqa: E402
 from shmcache._disk.layout import Layout  # noqa: E402
+from shmcache._sources import remote_tables  # noqa: E402
 from shmcache.errors import CacheFullError, CorruptSourceError, InvalidSourceError  # noqa: E402
 
 
@@ -145,6 +146,37 @@ def test_a_prefix_of_csv_objects_whose_types_differ_by_block_is_read_whole(
     with pytest.raises(InvalidSourceError, match="do not share one schema"):
         store.put_file("p2", f"s3://{bucket}/p/", storage_options=s3.options())
     assert not store.exists("p2") and not _tmp_items(root)
+
+
+def test_a_prefix_of_objects_whose_fields_differ_in_nullability_only_is_one_table(
+    store: shmcache.Store, root: Path, s3: MotoServer, bucket: str
+) -> None:
+    """One writer declared a field (and a list's items) not nullable, another did not: a
+    table entry records no nullability, so they are one table (refused as "do not share one
+    schema" before), streamed and read whole alike; a field of another type still differs."""
+    strict = pa.schema([pa.field("a", pa.int64(), nullable=False),
+                        pa.field("l", pa.list_(pa.field("item", pa.float32(), nullable=False)))])
+    first = pa.table({"a": [1, 2], "l": [[1.0], [2.0, 3.0]]}, schema=strict)
+    loose = pa.schema([("a", pa.int64()), ("l", pa.list_(pa.float32()))])
+    second = pa.table({"a": [3, None], "l": [None, [4.0]]}, schema=loose)
+    for i, table in enumerate((first, second)):
+        body = io.BytesIO()
+        pq.write_table(table, body)
+        put_object(s3, bucket, f"n/{i}.parquet", body.getvalue())
+    url = f"s3://{bucket}/n/"
+    expected = [{"a": 1, "l": [1.0]}, {"a": 2, "l": [2.0, 3.0]}, {"a": 3, "l": None}, {"a": None, "l": [4.0]}]
+    store.put_file("n", url, storage_options=s3.options())
+    assert store.open_table("n")[:] == expected
+    with pytest.MonkeyPatch.context() as patch:  # the whole read (several objects: concatenated)
+        patch.setattr(remote_tables, "has_pyarrow", lambda: False)
+        store.put_file("w", url, storage_options=s3.options())
+    assert store.open_table("w")[:] == expected
+    body = io.BytesIO()
+    pq.write_table(pa.table({"a": pa.array([5], pa.int32()), "l": [[5.0]]}), body)
+    put_object(s3, bucket, "n/2.parquet", body.getvalue())
+    with pytest.raises(InvalidSourceError, match="do not share one schema"):
+        store.put_file("n2", url, storage_options=s3.options())
+    assert not store.exists("n2") and not _tmp_items(root)
 
 
 def test_a_damaged_row_group_fails_typed_after_the_first_ones_were_written(

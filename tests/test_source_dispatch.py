@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from shmcache.service.sources import is_up_to_date
 
-from shmcache import Store
+import shmcache
+from shmcache import InvalidSourceError, SourceKindError, Store
 from shmcache._sources.dispatch import classify_source, plan_source
 from tests.source_times import age
 
@@ -28,8 +29,31 @@ def test_each_kind_of_source_is_told_apart(tmp_path: Path) -> None:
     assert classify_source(tmp_path / "t.jsonl").kind == "table"
     assert classify_source(tmp_path / "t.jsonl", as_="blobs").kind == "blobs"
     assert classify_source(images).kind == "blobs"  # a directory without array files
-    with pytest.raises(ValueError, match="as_ must be one of"):
+    with pytest.raises(ValueError, match="no kind put_file makes"):
         classify_source(tmp_path / "a.npy", as_="tables")
+
+
+@pytest.mark.parametrize("as_", ["table", "tables", "", None, "AUTO"])
+def test_an_unknown_as_is_a_typed_error_naming_the_source_and_the_kinds(
+    store: Store, tmp_path: Path, as_: object
+) -> None:
+    """``put_file(path, as_="table")`` raised a bare ValueError: now a SourceKindError (an
+    InvalidSourceError, still a ValueError) naming the source and the kinds, from
+    put_file, plan_file and shmcache.put_file alike; nothing published."""
+    (tmp_path / "t.jsonl").write_text('{"x": 1}\n')
+    for source in (tmp_path / "t.jsonl", tmp_path, [tmp_path / "a.tar"], "s3://bucket/t.parquet"):
+        for put in (
+            store.put_file,
+            store.plan_file,
+            lambda k, p, **kw: shmcache.put_file(k, p, root=store.root, **kw),
+        ):
+            with pytest.raises(SourceKindError) as info:
+                put("k", source, as_=as_)
+            message = str(info.value)
+            assert isinstance(info.value, ValueError) and isinstance(info.value, InvalidSourceError)
+            shown = str(source[0]) if isinstance(source, list) else str(source)
+            assert shown in message and all(repr(kind) in message for kind in ("auto", "arrays", "blobs"))
+    assert store.list() == []
 
 
 def test_plan_file_is_the_dispatch_s_plan(store: Store, tmp_path: Path) -> None:

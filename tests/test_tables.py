@@ -105,6 +105,45 @@ def test_empty_tables(store: shmcache.Store) -> None:
     assert typed.to_arrow().num_rows == 0 and typed.column("t").dtype == np.dtype("datetime64[ns]")
 
 
+def test_a_table_of_rows_but_no_column_keeps_its_rows(store: shmcache.Store, tmp_path: Path) -> None:
+    """A table with rows and no column (columns dropped, JSON lines of ``{}``): ``len``,
+    rows and ``to_arrow`` all say its rows (``to_arrow`` said 0)."""
+    rowless = pa.table({"a": [1, 2, 3]}).drop(["a"])
+    assert (rowless.num_rows, rowless.num_columns) == (3, 0)
+    (tmp_path / "e.jsonl").write_text("{}\n" * 3)
+    feather.write_feather(rowless, tmp_path / "e.arrow")
+    store.put_table("t", rowless)
+    store.put_table("d", [{}, {}, {}])
+    store.put_file("j", tmp_path / "e.jsonl")
+    store.put_file("a", tmp_path / "e.arrow")
+    for key in ("t", "d", "j", "a"):
+        table = store.open_table(key)
+        assert (len(table), table.columns, list(table)) == (3, [], [{}, {}, {}]), key
+        assert (table.to_arrow().num_rows, table.to_arrow().num_columns) == (3, 0), key
+
+
+def test_table_files_of_no_row_are_empty_tables(store: shmcache.Store, tmp_path: Path) -> None:
+    """A header-only CSV was refused as holding a column of "every value missing" (Arrow's
+    null type): it is an empty table of its columns as strings, as a Parquet file of no row
+    is one of its columns. An empty JSON lines file (or blank lines) was "not a readable
+    jsonl file" with pyarrow (an empty table without it): an empty table. put_file and
+    put_table of the path alike."""
+    (tmp_path / "h.csv").write_text("a,b\n")
+    (tmp_path / "e.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("\n\n")
+    pq.write_table(pa.table({"a": pa.array([], pa.int64())}), tmp_path / "e.parquet")
+    expected = {"h.csv": ["a", "b"], "e.jsonl": [], "b.jsonl": [], "e.parquet": ["a"]}
+    for name, columns in expected.items():
+        for key, put in (("f", store.put_file), ("t", store.put_table)):
+            put(key, tmp_path / name, overwrite=True)
+            table = store.open_table(key)
+            assert (len(table), table.columns, table.to_arrow().num_rows) == (0, columns, 0), name
+    assert store.open_table("f").schema == {"a": "int64"}
+    store.put_file("h", tmp_path / "h.csv")
+    strings = pa.schema([("a", pa.large_string()), ("b", pa.large_string())])
+    assert store.open_table("h").to_arrow().schema == strings
+
+
 @pytest.mark.parametrize("suffix", [".parquet", ".feather", ".arrow", ".csv", ".jsonl"])
 def test_table_files_through_put_file_and_put_table(
     store: shmcache.Store, tmp_path: Path, suffix: str

@@ -23,6 +23,7 @@ from .table_chunks import chunk_files, number_values
 from .table_encode import (
     NotTabular,
     check_offsets,
+    check_utf8,
     encode_column_values,
     encode_table_records,
     list_description,
@@ -34,10 +35,12 @@ __all__ = [
     "ARROW_EXTRA",
     "TABLE_SUFFIXES",
     "arrow_column",
-    "check_dictionary",
+    "check_dictionaries",
     "column_errors",
     "encode_table",
     "encode_table_parts",
+    "is_straddling_error",
+    "nullable_schema",
     "read_arrow_table",
     "read_table_file",
     "require_pyarrow",
@@ -135,20 +138,15 @@ def encode_arrow_parts(table: Any, what: str) -> tuple[dict[str, FileArray], dic
     """A pyarrow Table's columns as a table entry's files and meta, a chunked column's
     values left in their chunks' own buffers (:class:`ArrayParts`, written in order): no
     ``combine_chunks`` copy of the table before the write copies it into the cache."""
-    from pyarrow.types import is_dictionary
-
     names = list(table.column_names)
     if len(set(names)) != len(names):
         raise UnsupportedDataError(f"{what}: the table has duplicate column names")
+    check_dictionaries(table, what)  # before combine_chunks unifies them
     files: dict[str, FileArray] = {}
     descriptions = []
     for i, name in enumerate(names):
         with column_errors(what, name):
-            column = table.column(i)
-            if is_dictionary(column.type):  # before combine_chunks unifies them
-                for chunk in column.chunks:
-                    check_dictionary(chunk)
-            parts, desc = _chunked_column(column)
+            parts, desc = _chunked_column(table.column(i))
         files |= {f"c{i}.{part}": array for part, array in parts.items()}
         descriptions.append(desc)
     return files, table_meta(names, descriptions, table.num_rows)
@@ -187,17 +185,54 @@ def column_errors(what: str, name: str) -> Iterator[None]:
         raise CorruptSourceError(f"{what}: column {name!r}: {exc}") from None
 
 
-def check_dictionary(array: Any) -> None:
-    """A dictionary array's dictionary checked whole (its offsets, its UTF-8) before
-    anything decodes, casts or joins it: pyarrow reads a damaged one's strings blindly
-    (a segfault in the decode, or bytes from outside the file published). A dictionary is
-    the column's distinct values: small, so the full check costs little."""
-    array.dictionary.validate(full=True)
+def check_dictionaries(data: Any, what: str) -> Any:
+    """``data`` (a pyarrow Table or RecordBatch) once each dictionary column's dictionaries
+    are checked whole (their offsets, their UTF-8), before anything joins, casts or decodes
+    them: pyarrow reads a damaged one's strings blindly (a segfault in the decode, or bytes
+    from outside the file published). A dictionary is the column's distinct values: small,
+    so the full check costs little. The one check of every put of Arrow data: a whole table
+    (:func:`encode_arrow_parts`) and each batch streamed (``table_batches``); a damaged
+    one is a CorruptSourceError naming ``what`` and the column."""
+    import pyarrow.types as pt
+
+    for name, column in zip(data.column_names, data.columns, strict=True):
+        if pt.is_dictionary(column.type):
+            with column_errors(what, name):
+                for chunk in getattr(column, "chunks", (column,)):
+                    chunk.dictionary.validate(full=True)
+    return data
+
+
+def nullable_schema(schema: Any) -> Any:
+    """``schema`` with every field (and a list's item) nullable and no metadata: what two
+    files' schemas must agree on to be one table. A table entry records no nullability
+    (its validity bitmap is there where a null is), so files that differ only in a
+    field's ``nullable`` flag (one writer declared it, another did not) are one table."""
+    import pyarrow as pa
+
+    def relaxed(kind: Any) -> Any:
+        if pa.types.is_large_list(kind):
+            return pa.large_list(relaxed(kind.value_type))
+        if pa.types.is_fixed_size_list(kind):
+            return pa.list_(relaxed(kind.value_type), kind.list_size)
+        if pa.types.is_list(kind):
+            return pa.list_(relaxed(kind.value_type))
+        return kind
+
+    return pa.schema([pa.field(f.name, relaxed(f.type)) for f in schema])
+
+
+def is_straddling_error(exc: BaseException) -> bool:
+    """Whether pyarrow's CSV/JSON reader refused a row or line longer than its block
+    ("straddling object straddles two block boundaries"): the file is then read again in
+    one block as large as itself, not refused."""
+    return "straddl" in str(exc)
 
 
 def arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One Arrow array (a whole column, or one chunk of it: ``table_stream``) as a table
-    column's files and description; :class:`NotTabular` for a type a table cannot hold."""
+    column's files and description; :class:`NotTabular` for a type a table cannot hold.
+    A dictionary array's dictionary must have passed :func:`check_dictionaries`."""
     return _arrow_column(array)
 
 
@@ -206,8 +241,7 @@ def _arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     import pyarrow.types as pt
 
     kind = array.type
-    if pt.is_dictionary(kind):  # categoricals: stored decoded
-        check_dictionary(array)
+    if pt.is_dictionary(kind):  # categoricals: stored decoded (checked: check_dictionaries)
         array = array.dictionary_decode()
         kind = array.type
     if pt.is_null(kind):  # every value None: no type to store, and no validity buffer
@@ -266,6 +300,7 @@ def _arrow_strings(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     data = array.buffers()[2]
     offsets, start, stop = _sliced_offsets(array, data.size if data is not None else 0)
     values = np.frombuffer(data, dtype=np.uint8)[start:stop] if data is not None else np.empty(0, np.uint8)
+    check_utf8(offsets, values)
     return {"bytes": values, "offsets": offsets}, {"kind": "string", "dtype": "str", "arrow": "large_string"}
 
 
@@ -348,22 +383,40 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
         import pyarrow.csv as reader
     else:
         import pyarrow.json as reader  # type: ignore[no-redef]
+        if _file_size(fp) == 0:  # JSON lines of no record: no row, no column (as without pyarrow)
+            return pa.table({})
     read = reader.read_csv if suffix == ".csv" else reader.read_json
     try:
-        return read(fp)
+        return _rowless_as_strings(pa, read(fp))
     except pa.ArrowInvalid as exc:  # a row or line longer than a block (1 MiB): one block
-        if "straddl" not in str(exc):
+        if not is_straddling_error(exc):
             raise
     fp.seek(0)
-    return read(fp, read_options=reader.ReadOptions(block_size=_whole_block(fp)))
+    return _rowless_as_strings(pa, read(fp, read_options=reader.ReadOptions(block_size=_whole_block(fp))))
+
+
+def _rowless_as_strings(pa: Any, table: Any) -> Any:
+    """A CSV/JSON table of no row (a header-only CSV) with its columns that no value typed
+    (Arrow type null, which a table cannot hold) as strings: an empty table of its
+    columns, as a Parquet or Arrow file of no row is, not a refusal of "missing" values."""
+    if table.num_rows or not any(pa.types.is_null(f.type) for f in table.schema):
+        return table
+    fields = [f.with_type(pa.large_string()) if pa.types.is_null(f.type) else f for f in table.schema]
+    return table.cast(pa.schema(fields, metadata=table.schema.metadata))
+
+
+def _file_size(fp: IO[bytes]) -> int:
+    """The size of the file ``fp`` reads (its position kept)."""
+    position = fp.tell()
+    try:
+        return fp.seek(0, os.SEEK_END)
+    finally:
+        fp.seek(position)
 
 
 def _whole_block(fp: IO[bytes]) -> int:
     """A CSV/JSON block size that holds the whole file (pyarrow takes at most 2 GiB - 1)."""
-    try:
-        size = os.fstat(fp.fileno()).st_size
-    except (AttributeError, OSError, ValueError):
-        size = 1 << 30
+    size = _file_size(fp)
     return max(1 << 20, min(size + 1, (1 << 31) - 1))
 
 
@@ -385,6 +438,8 @@ def _read_jsonl_without_arrow(fp: IO[bytes], path: str) -> tuple[dict[str, np.nd
 def to_arrow(columns: list[dict[str, Any]], files: Mapping[str, np.ndarray], length: int) -> Any:
     """A pyarrow Table over a table entry's mapped files (no copy but bool columns)."""
     pa = require_pyarrow("SharedTable.to_arrow()")
+    if not columns:  # from_arrays([]) has 0 rows: a table of rows but no column lost them
+        return pa.Table.from_arrays([pa.nulls(length)], names=["rows"]).select([])
     arrays = [_to_arrow_column(pa, i, desc, files, length) for i, desc in enumerate(columns)]
     return pa.Table.from_arrays(arrays, names=[desc["name"] for desc in columns])
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._disk.array_parts import ArrayParts, FileArray
-from .table_encode import arrow_name, check_offsets, list_description
+from .table_encode import arrow_name, check_offsets, check_utf8, list_description
 
 __all__ = ["chunk_files", "number_values"]
 
@@ -102,6 +102,8 @@ def _offsets_and_ranges(
         offsets = np.frombuffer(buffers[1], dtype=kind, count=count + 1, offset=chunk.offset * kind.itemsize)
         data = buffers[data_index]
         check_offsets(offsets, len(chunk.values) if nested else data.size if data is not None else 0)
+        if not nested:
+            check_utf8(offsets, data)
         start, stop = int(offsets[0]), int(offsets[count])
         # in int64: past 2 GiB of earlier chunks the shift no longer fits an int32 chunk's offsets
         np.subtract(offsets[:count], np.int64(start - base), out=out[row : row + count], casting="unsafe")

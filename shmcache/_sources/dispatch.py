@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import InvalidSourceError
+from ..errors import InvalidSourceError, SourceKindError
 from .blobs import AS_KINDS, directory_fingerprint, plan_blobs, put_kind
 from .files import ArrayFiles, array_files_under, plan_sources
 from .hf_datasets import hf_fingerprint, is_hf_folder, plan_hf_folder, planned_entries
@@ -47,7 +47,12 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
     without array files), tar shards (``.tar`` files, a pattern or a list of them: one blobs
     entry) or array files (a raw token file when ``dtype`` is given)."""
     if as_ not in AS_KINDS:
-        raise ValueError(f"as_ must be one of {', '.join(AS_KINDS)}; got {as_!r}")
+        shown = path if isinstance(path, (str, os.PathLike)) else ", ".join(map(str, path))
+        raise SourceKindError(
+            f"{shown}: as_={as_!r} is no kind put_file makes; as_ is 'auto' (a table file "
+            "is a table, array files arrays, a directory of other files blobs), 'arrays' (an "
+            "entry per array file) or 'blobs' (every file as bytes in one entry)"
+        )
     if not isinstance(path, (str, os.PathLike)):
         if any(isinstance(p, str) and is_url(p) for p in path):
             raise InvalidSourceError(

@@ -402,14 +402,16 @@ def read_remote_table(
 
 
 def _read_tables(plan: RemotePlan, part_size: int | None) -> tuple[dict[str, FileArray], dict[str, Any]]:
-    from .._containers.table_arrow import encode_arrow_parts, read_arrow_table
+    from .._containers.table_arrow import encode_arrow_parts, nullable_schema, read_arrow_table
 
     pa = require_pyarrow(f"table objects under {plan.url}")
     tables = []
     for item in plan.items:
         with _table_bytes(plan, item, part_size) as fp, remote_errors(item.url, plan.secrets):
             tables.append(read_arrow_table(fp, item.url, item.suffix))
-    try:
+    try:  # fields that differ in their nullable flag only: one table (nullability is not recorded)
+        schema = nullable_schema(tables[0].schema) if tables else None
+        tables = [t.cast(schema) if nullable_schema(t.schema).equals(schema) else t for t in tables]
         table = pa.concat_tables(tables)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise InvalidSourceError(

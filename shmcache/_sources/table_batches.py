@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._containers.table_arrow import check_dictionary
+from .._containers.table_arrow import check_dictionaries, is_straddling_error, nullable_schema
 from .._containers.table_stream import ChangedLayout, TableAppender
 from .._disk.array_parts import FileArray
 from .._disk.npy import NpyHeader
@@ -144,7 +144,7 @@ def append_table_file(
         raise ChangedLayout(f"{what}: {schema} from the first block has null-typed columns")
     if appender is None:
         appender = TableAppender(schema, create, table or what)
-    elif not schema.remove_metadata().equals(appender.schema.remove_metadata()):
+    elif not nullable_schema(schema).equals(nullable_schema(appender.schema)):  # nullable: not recorded
         if suffix in (".csv", ".jsonl"):  # types from a first block: the whole files' may agree
             raise ChangedLayout(f"{what}: {schema} after {appender.schema}")
         raise InvalidSourceError(
@@ -265,7 +265,7 @@ def _read(pa: Any, batches: Iterator[Any], what: str, suffix: str) -> Generator[
     results: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
 
     def decode() -> None:
-        grouped = _grouped(pa, (_dictionaries_checked(batch) for batch in batches))
+        grouped = _grouped(pa, (check_dictionaries(batch, what) for batch in batches))  # before a join
         while requests.get():
             try:
                 with _arrow_errors(pa, what, suffix):
@@ -289,19 +289,6 @@ def _read(pa: Any, batches: Iterator[Any], what: str, suffix: str) -> Generator[
     finally:
         requests.put(False)
         thread.join()  # (a decode under way finishes first: one group's time)
-
-
-def _dictionaries_checked(batch: Any) -> Any:
-    """``batch`` (a record batch or table) once its dictionary columns' dictionaries are
-    checked whole (:func:`~shmcache._containers.table_arrow.check_dictionary`): before a
-    join or a decode reads them."""
-    import pyarrow.types as pt
-
-    for column in batch.columns:
-        if pt.is_dictionary(column.type):
-            for chunk in getattr(column, "chunks", (column,)):
-                check_dictionary(chunk)
-    return batch
 
 
 def _grouped(pa: Any, batches: Iterator[Any]) -> Iterator[Any]:
@@ -381,7 +368,7 @@ def _opened(pa: Any, open_reader: Callable[..., Any], source: Any, options: Any 
     try:
         return open_reader(source) if options is None else open_reader(source, read_options=options)
     except pa.ArrowInvalid as exc:
-        if "straddl" in str(exc):
+        if is_straddling_error(exc) or "Empty JSON" in str(exc):  # (no line at all: read whole)
             raise ChangedLayout(str(exc)) from None
         raise
 
@@ -414,7 +401,7 @@ def _streamed(pa: Any, reader: Any) -> Iterator[Any]:
         except StopIteration:
             return
         except pa.ArrowInvalid as exc:
-            if str(exc).startswith("CSV parse error") and "straddl" not in str(exc):
+            if str(exc).startswith("CSV parse error") and not is_straddling_error(exc):
                 raise
             raise ChangedLayout(str(exc)) from None  # (a row longer than a block: read whole)
         yield batch

@@ -85,7 +85,9 @@ class PuttingFiles(Putting):
         members, HDF5 datasets, strided torch tensors, goes through Python in pieces).
         ``progress(bytes_done, bytes_total)`` is called as data is copied, from the calling
         thread (a directory of big files is copied by a few threads: see ``copy_pool``); an
-        exception it raises cancels the load, and nothing is published. Returns the published keys.
+        exception it raises cancels the load, and nothing is published: every call, the last
+        (``bytes_done == bytes_total``) included, comes before the publish, so a put that
+        raised never left an entry behind. Returns the published keys.
 
         With ``allowed_dirs``, every file must lie beneath one of them (links resolved) and
         is opened without following any link: what the daemon loads for ``--allow-source``.
@@ -221,18 +223,18 @@ class PuttingFiles(Putting):
         progress: Callable[[int, int], None] | None,
     ) -> builtins.list[str]:
         """``put_file`` of a local table file, read batch by batch (progress: the file's
-        bytes read, after each batch, and all of them when published)."""
-        size = 0
+        bytes read, after each batch, and all of them once written, before the publish: an
+        error the last call raises cancels the put as any other does, never follows a
+        published entry)."""
 
         def load(writer: VersionWriter, reserve: Reserve) -> LoadedTable:
-            nonlocal size
             table = load_table_source(path, writer, reserve, allowed, progress)
-            size = int(table.extra["source_fingerprint"]["size"])
+            if progress is not None:
+                size = int(table.extra["source_fingerprint"]["size"])
+                progress(size, size)
             return table
 
         self._put_loaded_table(key, load, overwrite, pin)
-        if progress is not None:
-            progress(size, size)
         return [key]
 
     def _put_remote(
