@@ -323,11 +323,24 @@ class Client:
                 raise TimeoutError(f"job {job_id} is still {job.state} after {timeout:g} s")
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
-            job = self.job(job_id)
+            job = self.refresh(job)
 
     def job(self, job_id: str) -> Job:
         """A load job's state and progress."""
         return Job.from_json(self._request("GET", f"/v1/jobs/{quote(job_id, safe='')}"))
+
+    def refresh(self, job: Job) -> Job:
+        """``job``'s state now. A daemon gone since (killed, or stopped: its loads end with
+        it) raises :class:`~shmcache.DaemonUnavailableError` saying so, not only that no
+        daemon answers, which reads as if the load had never begun."""
+        try:
+            return self.job(job.id)
+        except DaemonUnavailableError as exc:
+            raise DaemonUnavailableError(
+                f"the daemon stopped during the load of {job.key!r} (job {job.id}), which ended "
+                f"with it: nothing more of it will be published (`shmcache ls {job.key}` shows "
+                f"whether it was published before; put it again once a daemon runs). {exc}"
+            ) from None
 
     def jobs(self) -> builtins.list[Job]:
         """Queued and running jobs, and the last finished ones."""

@@ -64,7 +64,7 @@ def put_through(
             task = bar.add_task(title, total=None)
             delay = _POLL_MIN_S
             while True:
-                jobs = [client.job(job.id) if job.active else job for job in jobs]
+                jobs = [client.refresh(job) if job.active else job for job in jobs]
                 totals = [job.bytes_total for job in jobs]
                 known = all(t is not None for t in totals)
                 bar.update(task, completed=sum(job.bytes_done for job in jobs),
