@@ -40,6 +40,9 @@ GROUP_BYTES = 8 << 20
 """About the bytes of one group of record batches: smaller groups start the copy sooner
 but hand over more often (a thread wake-up and a file open per file per group)."""
 
+FIRST_GROUP_BYTES = 1 << 20
+"""The first group's: the copy waits for it alone."""
+
 Reserve = Callable[[int, int], None]
 """``reserve(nbytes, files)``: the entry's data bytes and file count, before any is written."""
 
@@ -129,20 +132,24 @@ def _hand_over(
     crcs: dict[str, int],
 ) -> None:
     """Append ``parts`` (after ``first``: the headers, with the first group) to their
-    files on the writer thread, then chain their CRC-32s here, meanwhile."""
-    flat = {name: [a.reshape(-1).view(np.uint8) for a in arrays if a.size] for name, arrays in parts.items()}
-    named = list(first) + [name for name in flat if name not in first]
-    behind.append([(paths[name], [*first.get(name, []), *flat.get(name, [])]) for name in named])
-    for name, data in flat.items():
+    files on the writer thread, then chain their CRC-32s here, meanwhile (reading the
+    same pages as the copy, at the same time: checksumming a group before handing it
+    over made the copies ~10% slower on 2 cores)."""
+    data = {}
+    for name in [*first, *(name for name in parts if name not in first)]:
+        data[name] = [a.reshape(-1).view(np.uint8) for a in parts.get(name, []) if a.size]
+    behind.append([(paths[name], [*first.get(name, []), *pieces]) for name, pieces in data.items()])
+    for name, pieces in data.items():
         crc = crcs[name]
-        for piece in data:
+        for piece in pieces:
             crc = crc32(piece, crc)
         crcs[name] = crc
 
 
 def _groups(table: Any, nbytes: int) -> Iterator[list[Any]]:
-    """The table's non-empty record batches in runs of about :data:`GROUP_BYTES`."""
-    rows = max(1, table.num_rows * GROUP_BYTES // max(1, nbytes))
+    """The table's non-empty record batches in runs of about :data:`GROUP_BYTES` (the
+    first of about :data:`FIRST_GROUP_BYTES`: the copy starts sooner)."""
+    rows = max(1, table.num_rows * FIRST_GROUP_BYTES // max(1, nbytes))
     group: list[Any] = []
     count = 0
     for batch in table.to_batches():
@@ -153,5 +160,6 @@ def _groups(table: Any, nbytes: int) -> Iterator[list[Any]]:
         if count >= rows:
             yield group
             group, count = [], 0
+            rows = max(1, table.num_rows * GROUP_BYTES // max(1, nbytes))
     if group:
         yield group
