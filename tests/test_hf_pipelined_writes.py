@@ -86,15 +86,32 @@ def store(tmp_path: Path) -> Iterator[Store]:
     yield Store(tmp_path / "root")
 
 
-@pytest.mark.parametrize("group_bytes", [1, table_write.GROUP_BYTES])
+def _one_batch_a_group(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Groups of one record batch each; returns the count of hand-overs to the thread."""
+    for name in ("GROUP_BYTES", "FIRST_GROUP_BYTES", "FILE_BYTES"):
+        monkeypatch.setattr(table_write, name, 1)
+    handed = [0]
+    append = WriteBehind.append
+
+    def counted(self: WriteBehind, appends: Any) -> None:
+        handed[0] += 1
+        append(self, appends)
+
+    monkeypatch.setattr(WriteBehind, "append", counted)
+    return handed
+
+
+@pytest.mark.parametrize("small", [True, False])
 def test_the_stored_files_are_those_of_the_whole_encode(
-    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group_bytes: int
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: bool
 ) -> None:
     """Groups of one batch each (offsets rebased across groups) or all batches in one."""
-    monkeypatch.setattr(table_write, "GROUP_BYTES", group_bytes)
+    handed = _one_batch_a_group(monkeypatch) if small else None
     shards = [[_batch(0, 700), _batch(700, 1), _batch(701, 300)], [_batch(1001, 999), _batch(2000, 5)]]
     folder = _folder(tmp_path / "ds", shards)
     store.put_file("hf", folder)
+    if handed is not None:
+        assert handed == [5 + 1]  # a group a batch, then the offsets' ends
     table = pa.Table.from_batches([b for shard in shards for b in shard])
     files, meta = encode_arrow(table, "the table")
     stored, stored_meta = _stored(store, "hf")
@@ -122,11 +139,27 @@ def test_offsets_going_back_in_a_later_group_fail_the_put(
 ) -> None:
     """Earlier groups are already written when the bad one is encoded: the put fails
     with the typed error naming the column, and none of it is published."""
-    monkeypatch.setattr(table_write, "GROUP_BYTES", 1)
+    handed = _one_batch_a_group(monkeypatch)
     folder = _folder(tmp_path / "ds", [[_good(0), _good(3)], [_good(6), _strings_going_back(), _good(9)]])
     with pytest.raises(CorruptSourceError, match=r"ds: column 's'.*go back"):
         store.put_file("hf", folder)
+    assert handed == [3]  # three groups were written before
     _nothing_left(store)
+
+
+@pytest.mark.parametrize("rows", [0, 40])
+def test_tables_with_no_column_streamed(store: Store, tmp_path: Path, rows: int) -> None:
+    """Every column written whole (nulls), or no row at all: as the whole encode."""
+    batch = pa.record_batch({"holes": pa.array([None if i % 3 else i for i in range(rows)], pa.int32())})
+    folder = _folder(tmp_path / "ds", [[batch]])
+    store.put_file("hf", folder)
+    files, meta = encode_arrow(pa.Table.from_batches([batch]), "the table")
+    stored, stored_meta = _stored(store, "hf")
+    assert sorted(stored) == sorted(files)
+    for name, array in files.items():
+        np.testing.assert_array_equal(stored[name], array, err_msg=name)
+    assert stored_meta["columns"] == meta["columns"] and stored_meta["length"] == rows
+    store.verify("hf")
 
 
 def test_a_batch_claiming_more_rows_than_its_buffers_hold_is_refused(store: Store, tmp_path: Path) -> None:

@@ -42,6 +42,10 @@ but hand over more often (a thread wake-up and a file open per file per group)."
 
 FIRST_GROUP_BYTES = 1 << 20
 """The first group's: the copy waits for it alone."""
+FILE_BYTES = 256 << 10
+"""At least this much a file in a group (a group's bytes grow with the number of files):
+each group opens every file once (``O_APPEND``; no descriptor is held between groups, so
+a table of a thousand columns stays under the usual limit of open files)."""
 
 Reserve = Callable[[int, int], None]
 """``reserve(nbytes, files)``: the entry's data bytes and file count, before any is written."""
@@ -108,7 +112,7 @@ def _write_streams(
         os.close(writer.create_file(version, f"{name}.npy"))
     names = table.column_names
     with WriteBehind() as behind:
-        for group in _groups(table, nbytes):
+        for group in _groups(table, nbytes, len(planned) * FILE_BYTES):
             parts: dict[str, list[np.ndarray]] = {}
             for i, stream in streams.items():
                 with column_errors(what, names[i]):
@@ -146,10 +150,10 @@ def _hand_over(
         crcs[name] = crc
 
 
-def _groups(table: Any, nbytes: int) -> Iterator[list[Any]]:
+def _groups(table: Any, nbytes: int, least: int) -> Iterator[list[Any]]:
     """The table's non-empty record batches in runs of about :data:`GROUP_BYTES` (the
-    first of about :data:`FIRST_GROUP_BYTES`: the copy starts sooner)."""
-    rows = max(1, table.num_rows * FIRST_GROUP_BYTES // max(1, nbytes))
+    first of about :data:`FIRST_GROUP_BYTES`: the copy starts sooner), or ``least``."""
+    rows = max(1, table.num_rows * max(FIRST_GROUP_BYTES, least) // max(1, nbytes))
     group: list[Any] = []
     count = 0
     for batch in table.to_batches():
@@ -160,6 +164,6 @@ def _groups(table: Any, nbytes: int) -> Iterator[list[Any]]:
         if count >= rows:
             yield group
             group, count = [], 0
-            rows = max(1, table.num_rows * GROUP_BYTES // max(1, nbytes))
+            rows = max(1, table.num_rows * max(GROUP_BYTES, least) // max(1, nbytes))
     if group:
         yield group
