@@ -86,6 +86,12 @@ def store(tmp_path: Path) -> Iterator[Store]:
     yield Store(tmp_path / "root")
 
 
+@pytest.fixture(autouse=True)
+def threaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tables here are small: copied on the thread all the same (unless a test says)."""
+    monkeypatch.setattr(table_write, "THREAD_BYTES", 0)
+
+
 def _one_batch_a_group(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Groups of one record batch each; returns the count of hand-overs to the thread."""
     for name in ("GROUP_BYTES", "FIRST_GROUP_BYTES", "FILE_BYTES"):
@@ -101,11 +107,14 @@ def _one_batch_a_group(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return handed
 
 
-@pytest.mark.parametrize("small", [True, False])
+@pytest.mark.parametrize(("small", "thread"), [(True, True), (False, True), (True, False)])
 def test_the_stored_files_are_those_of_the_whole_encode(
-    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: bool
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: bool, thread: bool
 ) -> None:
-    """Groups of one batch each (offsets rebased across groups) or all batches in one."""
+    """Groups of one batch each (offsets rebased across groups) or all batches in one; on
+    the writer thread, or (a small table) on the calling thread alone."""
+    if not thread:
+        monkeypatch.setattr(table_write, "THREAD_BYTES", 1 << 40)
     handed = _one_batch_a_group(monkeypatch) if small else None
     shards = [[_batch(0, 700), _batch(700, 1), _batch(701, 300)], [_batch(1001, 999), _batch(2000, 5)]]
     folder = _folder(tmp_path / "ds", shards)
@@ -204,7 +213,7 @@ def test_the_writer_thread_running_out_of_space_is_cache_full(
         monkeypatch.setattr(Putting, "_reserve", reserve_then_fill)
         with pytest.raises(CacheFullError) as info:
             store.put_file("hf", folder)
-        assert any(frame.name == "_append_all" for frame in info.traceback)  # the thread's
+        assert any(frame.name == "_run" for frame in info.traceback)  # raised on the thread
         assert [e.key for e in store.list()] == ["first"]
         assert os.listdir(Layout(store.root).tmp) == []
         assert not [t for t in threading.enumerate() if t.name == "shmcache-write-behind"]

@@ -42,6 +42,10 @@ but hand over more often (a thread wake-up and a file open per file per group)."
 
 FIRST_GROUP_BYTES = 1 << 20
 """The first group's: the copy waits for it alone."""
+THREAD_BYTES = 4 << 20
+"""Smaller tables are written by the calling thread alone (a 1 MiB folder's put: 5.3 ms
+with the thread, 4.6 ms before it; the thread and its hand-overs cost more than they
+overlap)."""
 FILE_BYTES = 256 << 10
 """At least this much a file in a group (a group's bytes grow with the number of files):
 each group opens every file once (``O_APPEND``; no descriptor is held between groups, so
@@ -111,7 +115,7 @@ def _write_streams(
         crcs[name], first[name] = crc32(header), [header]
         os.close(writer.create_file(version, f"{name}.npy"))
     names = table.column_names
-    with WriteBehind() as behind:
+    with WriteBehind(threaded=nbytes >= THREAD_BYTES) as behind:
         for group in _groups(table, nbytes, len(planned) * FILE_BYTES):
             parts: dict[str, list[np.ndarray]] = {}
             for i, stream in streams.items():

@@ -39,21 +39,22 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 
 
 class WriteBehind:
-    """One writer thread (or, where no thread can start, the caller itself)."""
+    """One writer thread (or the caller itself: ``threaded=False``, for appends too small
+    to pay for a thread, or where no thread can start)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threaded: bool = True) -> None:
         self._cond = threading.Condition()
         self._pending: Appends | None = None
         self._busy = False
         self._closing = False
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(
-            target=self._run, name="shmcache-write-behind", daemon=True
-        )
-        try:
-            self._thread.start()
-        except RuntimeError:  # no more threads (a process or cgroup limit): write inline
-            self._thread = None
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="shmcache-write-behind", daemon=True)
+            try:
+                self._thread.start()
+            except RuntimeError:  # no more threads (a process or cgroup limit): write inline
+                self._thread = None
 
     def __enter__(self) -> WriteBehind:
         return self
