@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from .._disk.array_parts import ArrayParts, FileArray
+from ..errors import CorruptSourceError
 from .table_encode import arrow_name, check_offsets, check_utf8, list_description
 
-__all__ = ["chunk_files", "number_values"]
+__all__ = ["ColumnStream", "chunk_files", "column_stream", "number_values", "rebased_offsets"]
 
 
 def chunk_files(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]] | None:
@@ -66,6 +67,106 @@ def chunk_files(column: Any) -> tuple[dict[str, FileArray], dict[str, Any]] | No
     return None
 
 
+class ColumnStream:
+    """A column :func:`chunk_files` takes, encoded a group of its chunks at a time (a
+    pipelined write: one group's parts are written while the next is encoded). The whole
+    files' dtypes and shapes are known first (for their headers, and to reserve their
+    bytes before anything is written); :meth:`encode` gives each group's parts in order,
+    :meth:`close` the offsets' end."""
+
+    def __init__(
+        self,
+        desc: dict[str, Any],
+        files: dict[str, tuple[np.dtype[Any], tuple[int, ...]]],
+        dtype: np.dtype[Any],
+        wide: type[np.signedinteger[Any]] | None,
+        size: int | None,
+    ) -> None:
+        self.desc, self.files = desc, files
+        self._dtype, self._wide, self._size = dtype, wide, size
+        self._base = 0  # strings, lists: the items of earlier groups
+
+    @property
+    def nbytes(self) -> int:
+        return sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in self.files.values())
+
+    def encode(self, chunks: list[Any]) -> dict[str, list[np.ndarray]]:
+        """The parts (views of the chunks' buffers; rebased offsets) of non-empty
+        ``chunks``, which follow those of every earlier call."""
+        dtype, size = self._dtype, self._size
+        if self._wide is None:
+            if size is None:
+                return {"values": [_values(c, dtype) for c in chunks]}
+            flat = [_values(c.values, dtype)[c.offset * size : (c.offset + len(c)) * size] for c in chunks]
+            return {"values": flat}
+        offsets, parts, self._base = rebased_offsets(
+            chunks, self._wide, dtype, "values" in self.files, self._base, close=False
+        )
+        return {"values" if "values" in self.files else "bytes": parts, "offsets": [offsets]}
+
+    def close(self) -> dict[str, list[np.ndarray]]:
+        """The last offset (the items of every group), checked against the planned size."""
+        if self._wide is None:
+            return {}
+        data = self.files["values" if "values" in self.files else "bytes"]
+        if self._base != data[1][0]:
+            raise CorruptSourceError(
+                f"a string or list column's offsets cover {self._base} items, not {data[1][0]}"
+            )
+        return {"offsets": [np.array([self._base], np.int64)]}
+
+
+def column_stream(column: Any) -> ColumnStream | None:
+    """A :class:`ColumnStream` of a ChunkedArray :func:`chunk_files` takes; None for any
+    other column (the caller encodes it whole). A string or list column's items are summed
+    from each chunk's end offsets here (two numpy scalars a chunk; not pyarrow's
+    ``binary_length``, which reads an IPC file's offsets buffer past its end, unchecked,
+    when a batch claims more rows than it holds: a segfault); such a buffer, or ends out of
+    their data, raise :class:`CorruptSourceError` as the whole encode does."""
+    import pyarrow.types as pt
+
+    chunks = [chunk for chunk in column.chunks if len(chunk)]
+    if not chunks or column.null_count:
+        return None
+    rows, kind = len(column), column.type
+    if _is_number(pt, kind):
+        dtype = np.dtype(kind.to_pandas_dtype())
+        desc = {"kind": "number", "dtype": dtype.str, "arrow": arrow_name(dtype)}
+        return ColumnStream(desc, {"values": (dtype, (rows,))}, dtype, None, None)
+    if pt.is_fixed_size_list(kind) and _is_number(pt, kind.value_type):
+        if any(c.values.null_count for c in chunks):
+            return None
+        size, dtype = kind.list_size, np.dtype(kind.value_type.to_pandas_dtype())
+        desc = list_description(dtype, size)
+        return ColumnStream(desc, {"values": (dtype, (rows, size))}, dtype, None, size)
+    if pt.is_string(kind) or pt.is_large_string(kind):
+        wide, nested, dtype = np.int64 if pt.is_large_string(kind) else np.int32, False, np.dtype(np.uint8)
+        desc, part = {"kind": "string", "dtype": "str", "arrow": "large_string"}, "bytes"
+    elif (pt.is_list(kind) or pt.is_large_list(kind)) and _is_number(pt, kind.value_type):
+        if any(c.values.null_count for c in chunks):
+            return None
+        wide, nested = np.int64 if pt.is_large_list(kind) else np.int32, True
+        dtype = np.dtype(kind.value_type.to_pandas_dtype())
+        desc, part = list_description(dtype, None), "values"
+    else:
+        return None
+    items, item = 0, np.dtype(wide)
+    for chunk in chunks:
+        count, buffers = len(chunk), chunk.buffers()
+        offsets = _view(buffers[1], item, chunk.offset, count + 1)
+        data = buffers[3 if nested else 2]
+        limit = len(chunk.values) if nested else data.size if data is not None else 0
+        start, stop = int(offsets[0]), int(offsets[count])
+        if start < 0 or stop > limit or stop < start:
+            check_offsets(offsets, limit)
+        items += stop - start
+    files: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {
+        part: (dtype, (items,)),
+        "offsets": (np.dtype(np.int64), (rows + 1,)),
+    }
+    return ColumnStream(desc, files, dtype, wide, None)
+
+
 def _is_number(pt: Any, kind: Any) -> bool:
     return bool(pt.is_integer(kind) or pt.is_floating(kind))
 
@@ -81,8 +182,16 @@ def _values(array: Any, dtype: np.dtype[Any]) -> np.ndarray:
 
 
 def _view(buffer: Any, dtype: np.dtype[Any], start: int, count: int) -> np.ndarray:
-    """``count`` items of ``dtype`` from item ``start`` of an Arrow buffer (no copy)."""
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=start * dtype.itemsize)
+    """``count`` items of ``dtype`` from item ``start`` of an Arrow buffer (no copy); a
+    buffer too short for them (an IPC batch claiming more rows than it holds: pyarrow's
+    reader lets it through) is CorruptSourceError."""
+    try:
+        return np.frombuffer(buffer, dtype=dtype, count=count, offset=start * dtype.itemsize)
+    except ValueError:
+        size = 0 if buffer is None else buffer.size
+        raise CorruptSourceError(
+            f"a buffer of {size} bytes holds fewer than the {count} items from item {start} its batch claims"
+        ) from None
 
 
 def _offsets_and_ranges(
@@ -90,27 +199,52 @@ def _offsets_and_ranges(
 ) -> tuple[np.ndarray, ArrayParts]:
     """The int64 offsets of the chunks' items laid end to end, and the parts of their data
     each chunk's offsets cover: strings' bytes (``buffers()[2]``), or a list's child values
-    (``buffers()[3]``, from the child's own offset: ``chunk.values`` is the whole child).
-    One ``buffers()`` call and two numpy views a chunk (~10 us)."""
+    (``buffers()[3]``, from the child's own offset: ``chunk.values`` is the whole child)."""
+    out, parts, _ = rebased_offsets(chunks, wide, dtype, nested, 0, close=True)
+    return out, ArrayParts.of(parts) if parts else ArrayParts((), dtype, (0,))
+
+
+def rebased_offsets(
+    chunks: list[Any],
+    wide: type[np.signedinteger[Any]],
+    dtype: np.dtype[Any],
+    nested: bool,
+    base: int,
+    *,
+    close: bool,
+) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """:func:`_offsets_and_ranges` of chunks whose items follow ``base`` items of earlier
+    ones: their offsets shifted by ``base`` (and the end offset after them if ``close``),
+    their data's parts, and the items before the next chunk. One ``buffers()`` call and
+    two numpy views a chunk (~8 us); the offsets are checked as ``check_offsets`` does,
+    each chunk's ends here and their order in one pass over the rebased offsets (a chunk's
+    last offset is the next one's first)."""
     rows = sum(len(c) for c in chunks)
-    out = np.empty(rows + 1, dtype=np.int64)
+    out = np.empty(rows + close, dtype=np.int64)
     kind, data_index = np.dtype(wide), 3 if nested else 2
-    parts, row, base = [], 0, 0
+    parts, row = [], 0
+    strings: list[tuple[np.ndarray, Any]] = []  # UTF-8 checked once the offsets are known good
     for chunk in chunks:
         count = len(chunk)
         buffers = chunk.buffers()
-        offsets = np.frombuffer(buffers[1], dtype=kind, count=count + 1, offset=chunk.offset * kind.itemsize)
+        offsets = _view(buffers[1], kind, chunk.offset, count + 1)
         data = buffers[data_index]
-        check_offsets(offsets, len(chunk.values) if nested else data.size if data is not None else 0)
-        if not nested:
-            check_utf8(offsets, data)
         start, stop = int(offsets[0]), int(offsets[count])
+        if start < 0 or stop > (len(chunk.values) if nested else data.size if data is not None else 0):
+            check_offsets(offsets, len(chunk.values) if nested else data.size if data is not None else 0)
+        if not nested:
+            strings.append((offsets, data))
         # in int64: past 2 GiB of earlier chunks the shift no longer fits an int32 chunk's offsets
         np.subtract(offsets[:count], np.int64(start - base), out=out[row : row + count], casting="unsafe")
         if stop > start:
             first = start + (chunk.values.offset if nested else 0)
-            parts.append(_view(buffers[data_index], dtype, first, stop - start))
+            parts.append(_view(data, dtype, first, stop - start))
         row += count
         base += stop - start
-    out[rows] = base
-    return out, ArrayParts.of(parts) if parts else ArrayParts((), dtype, (0,))
+    if close:
+        out[rows] = base
+    if rows and (int(out[rows - 1]) > base or not bool((out[1:] >= out[:-1]).all())):
+        raise CorruptSourceError("a string or list column's offsets go back (a corrupt Arrow file or buffer)")
+    for offsets, data in strings:
+        check_utf8(offsets, data)
+    return out, parts, base

@@ -39,7 +39,15 @@ from .blobs import tree_fingerprint
 from .planned import PlannedEntry
 from .source_files import SourceFile, check_unchanged, open_checked
 
-__all__ = ["HfSplit", "arrow_of_dataset", "is_hf_folder", "open_hf_split", "plan_hf_folder", "read_hf_split"]
+__all__ = [
+    "HfSplit",
+    "arrow_of_dataset",
+    "is_hf_folder",
+    "open_hf_split",
+    "open_hf_table",
+    "plan_hf_folder",
+    "read_hf_split",
+]
 
 _MAX_JSON = 16 << 20
 """A ``state.json`` or ``dataset_dict.json`` larger than this is not one ``datasets`` wrote."""
@@ -152,6 +160,22 @@ def open_hf_split(
     before the caller's write), so the files are checked unchanged when the block ends
     without an error, after the caller has written them; a file changed meanwhile raises."""
     what = f"dataset folder {split.folder}"
+    with open_hf_table(split, allowed) as (table, extra):
+        files, meta = encode_arrow_parts(table, what)
+        yield files, meta | extra
+
+
+@contextmanager
+def open_hf_table(
+    split: HfSplit, allowed: Sequence[str | os.PathLike[str]] = (), *, populate: bool = True
+) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """One split's Arrow streams as one pyarrow Table (its columns' chunks views of
+    read-only mappings of the checked files, or of their bytes read: see
+    :func:`_read_stream`) and the meta naming its source; the files are checked unchanged
+    when the block ends without an error, after the caller has written the table.
+    ``populate=False``: the mappings' pages are mapped in as they are first read (by a
+    caller that reads them on two threads), not all at once here."""
+    what = f"dataset folder {split.folder}"
     pa = require_pyarrow(what)
     tops = tuple(os.path.realpath(top) for top in allowed)
     tables, checked = [], []
@@ -159,14 +183,13 @@ def open_hf_split(
         for path in split.files:
             fd, file = open_checked(str(path), tops)
             checked.append((fd, file))
-            tables.append(_read_stream(pa, fd, file, mapped=not tops))
+            tables.append(_read_stream(pa, fd, file, mapped=not tops, populate=populate))
         try:
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         except pa.ArrowInvalid as exc:
             raise CorruptSourceError(f"{what}: its data files differ in schema ({exc})") from None
-        files, meta = encode_arrow_parts(table, what)
         fingerprint = tree_fingerprint(file for _, file in checked)  # "racy": see source_files
-        yield files, meta | {"source": str(split.folder), "source_fingerprint": fingerprint}
+        yield table, {"source": str(split.folder), "source_fingerprint": fingerprint}
         for fd, file in checked:
             check_unchanged(fd, file)
     finally:
@@ -187,7 +210,7 @@ def hf_fingerprint(folder: Path) -> dict[str, int] | None:
     }
 
 
-def _read_stream(pa: Any, fd: int, file: SourceFile, *, mapped: bool) -> Any:
+def _read_stream(pa: Any, fd: int, file: SourceFile, *, mapped: bool, populate: bool = True) -> Any:
     """The Arrow table of one stream file. ``mapped``: on a read-only mapping of the file
     (no copy; the table's buffers keep it alive). A confined load (a daemon's, whose
     sources belong to its clients) reads the file into memory instead: a client that
@@ -197,7 +220,7 @@ def _read_stream(pa: Any, fd: int, file: SourceFile, *, mapped: bool) -> Any:
     if mapped:
         # its pages are mapped in at once, not faulted one by one as the writer reads them
         # (a 265 MiB folder's put: 0.50 -> 0.40 s)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         data: Any = mmap.mmap(fd, file.size, flags=flags, prot=mmap.PROT_READ)
     else:
         data = pread_exactly(fd, file.size, 0, lambda done: CorruptSourceError(

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._containers.table_write import write_arrow_table
 from .._disk.entry_tree import crash_point
 from .._disk.fs import descriptors_typed
 from .._disk.keys import validate_key
@@ -19,7 +20,7 @@ from .._disk.layout import ARRAY_FILE
 from .._disk.writer import VersionWriter
 from .._sources.dispatch import classify_source, plan_source
 from .._sources.files import copy_planned, plan_sources, planned_bytes, release_planned
-from .._sources.hf_datasets import open_hf_split, plan_hf_folder
+from .._sources.hf_datasets import open_hf_table, plan_hf_folder
 from .._sources.planned import Planned
 from .._sources.table_batches import LoadedTable, Reserve
 from .._sources.tables import load_table_source
@@ -196,14 +197,19 @@ class PuttingFiles(Putting):
         with self._writer() as writer:
             versions, held = [], 0
             for i, split in enumerate(splits):
-                with open_hf_split(split, allowed) as (files, extra):  # checked unchanged after the writes
-                    held += sum(int(a.nbytes) for a in files.values()) + _PAGE * (len(files) + 1)
+
+                def reserve(nbytes: int, count: int, i: int = i) -> None:
+                    nonlocal held
+                    held += nbytes + _PAGE * (count + 1)
                     self._reserve(writer, held, keys[: i + 1] if overwrite else ())  # all the writer holds
+
+                # checked unchanged after the writes; mapped, not populated: the encoding and the
+                # copy (two threads) map the pages in
+                with open_hf_table(split, allowed, populate=False) as (table, extra):
                     version = writer.new_version()
-                    crcs, headers = {}, {}
-                    for name, array in files.items():
-                        crcs[name], headers[name] = writer.write_array(version, f"{name}.npy", array)
-                meta = version_meta(split.key, "table", version, headers, crcs, pin) | dict(extra)
+                    what = f"dataset folder {split.folder}"
+                    headers, crcs, columns = write_arrow_table(table, what, writer, version, reserve)
+                meta = version_meta(split.key, "table", version, headers, crcs, pin) | columns | dict(extra)
                 meta["shape"] = [meta.get("length", 0)]
                 meta.setdefault("dtype", ITEM_TYPES.get("table"))
                 writer.write_meta(version, meta)
