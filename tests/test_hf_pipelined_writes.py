@@ -269,3 +269,49 @@ def test_without_a_thread_the_caller_writes(tmp_path: Path, monkeypatch: pytest.
         behind.append([(str(tmp_path / "a"), [b"abc"])])
         behind.finish()
     assert (tmp_path / "a").read_bytes() == b"abc"
+
+
+def test_after_its_first_error_the_thread_writes_nothing_more(tmp_path: Path) -> None:
+    """A group handed over while the thread was failing the one before is not written, and
+    the first error is the one raised (the thread stopped at it)."""
+    big, later = tmp_path / "big", tmp_path / "later"
+    big.write_bytes(b"")
+    later.write_bytes(b"")
+    writer = WriteBehind()
+    try:
+        writer.append([(str(big), [np.zeros(64 << 20, dtype=np.uint8)]), (str(tmp_path / "missing"), [b"x"])])
+        writer.append([(str(later), [b"handed over before the thread failed"])])  # while it copies 64 MiB
+        with pytest.raises(FileNotFoundError):
+            writer.finish()
+    finally:
+        writer.close()
+    assert later.read_bytes() == b""
+
+
+def test_an_interrupt_while_the_thread_starts_leaves_no_thread(tmp_path: Path) -> None:
+    """Ctrl+C can land in ``Thread.start()`` (it waits for the thread): the ``with`` never
+    runs, so the constructor itself must stop the thread it started."""
+    import _thread
+    import random
+
+    def alive() -> int:
+        return sum(t.name == "shmcache-write-behind" for t in threading.enumerate())
+
+    before = alive()
+    interrupted = 0
+    for _ in range(300):
+        timer = threading.Timer(random.uniform(0, 0.0003), _thread.interrupt_main)
+        try:
+            timer.start()
+            try:
+                with WriteBehind():
+                    pass
+            finally:
+                timer.join()
+        except KeyboardInterrupt:
+            interrupted += 1
+            timer.join()
+    assert interrupted
+    for thread in [t for t in threading.enumerate() if t.name == "shmcache-write-behind"]:
+        thread.join(5)
+    assert alive() == before

@@ -55,6 +55,9 @@ class WriteBehind:
                 self._thread.start()
             except RuntimeError:  # no more threads (a process or cgroup limit): write inline
                 self._thread = None
+            except BaseException:  # an interrupt while it starts: no `with` will close it
+                self.close()
+                raise
 
     def __enter__(self) -> WriteBehind:
         return self
@@ -89,10 +92,15 @@ class WriteBehind:
         thread = self._thread
         if thread is None:
             return
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
         interrupted: BaseException | None = None
+        while True:  # an interrupt while taking the lock must not leave the thread waiting
+            try:
+                with self._cond:
+                    self._closing = True
+                    self._cond.notify_all()
+                break
+            except BaseException as exc:
+                interrupted = interrupted or exc
         while thread.is_alive():
             try:
                 thread.join()
@@ -111,7 +119,7 @@ class WriteBehind:
             with self._cond:
                 while self._pending is None and not self._closing:
                     self._cond.wait()
-                if self._closing:
+                if self._closing or self._error is not None:  # after an error: nothing more
                     return
                 appends, self._pending, self._busy = self._pending, None, True
                 self._cond.notify_all()
@@ -120,7 +128,7 @@ class WriteBehind:
                     _append_all(appends, lambda: self._closing)
             except BaseException as exc:
                 with self._cond:
-                    self._error = exc
+                    self._error = self._error or exc  # the first error is the one raised
             finally:
                 with self._cond:
                     self._busy = False
