@@ -6,12 +6,15 @@ A batch is gathered in one indexing operation over the cache's pages (``__getite
 advanced indexing of a large 1-D tensor took 35x as long here), then split into ``x`` and
 ``y = x`` shifted by one. Window ``i`` starts at a position drawn from ``(seed, epoch,
 i)`` by a hash, so the windows do not depend on which process (main or DataLoader
-worker) gathers them, and the Dataset pickles as its key (workers map the entry lazily).
+worker) gathers them. The Dataset holds the version of the entry it was made from (its
+windows are sized from it): it pickles as a reference to that version (workers map it
+lazily), never as the key, whose next version may hold other tokens, or fewer.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +25,8 @@ from torch.utils.data import Dataset
 from ._api import get_store
 from ._batches import GatheredBatch
 from ._containers.shared import SharedRagged
-from .errors import UnsupportedDataError
+from ._disk.mapped import origin_of
+from .errors import KeyNotFoundError, UnsupportedDataError
 
 __all__ = ["TokenWindows"]
 
@@ -102,8 +106,10 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self._length = (len(tokens) - 1) // block_size if length is None else int(length)
         if self._length < 1:
             raise ValueError(f"length must be a positive number of windows, not {length!r}")
-        self._pid = -1
-        self._array: np.ndarray | None = None
+        self._array: np.ndarray | None = tokens  # this version, whatever is put under the key later
+        found = origin_of(tokens)
+        self._version = "?" if found is None else found[0][1]
+        self._ref = pickle.dumps(tokens)  # a reference to this version (root, version, range)
         self._span = np.arange(block_size + 1, dtype=np.int64)
         try:  # the widening done by numpy where it has the type (a third faster than torch's)
             self._widen: np.dtype | None = torch.empty(0, dtype=dtype).numpy().dtype
@@ -118,9 +124,16 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self._length
 
     def _tokens(self) -> np.ndarray:
-        if self._pid != os.getpid() or self._array is None:  # first use here (or a fresh worker)
-            self._array = _token_array(get_store(self._root), self._key)
-            self._pid = os.getpid()
+        if self._array is None:  # first use in a process this Dataset was pickled to
+            try:
+                self._array = pickle.loads(self._ref)
+            except KeyNotFoundError:
+                raise KeyNotFoundError(
+                    f"TokenWindows over {self._key!r}: the version it was made from "
+                    f"({self._version}) was replaced or evicted since (its windows were sized "
+                    "from it); make a new TokenWindows to read the entry's current version"
+                ) from None
+        assert self._array is not None
         return self._array
 
     def starts(self, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -153,7 +166,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_pid"], state["_array"] = -1, None
+        state["_array"] = None  # a fork keeps its parent's mapping; a pickle sends ``_ref``
         return state
 
 

@@ -14,7 +14,7 @@ from token_datasets import write_megatron
 from torch.utils.data import DataLoader
 
 from shmcache import Store
-from shmcache.errors import UnsupportedDataError
+from shmcache.errors import KeyNotFoundError, UnsupportedDataError
 from shmcache.torch import GatheredBatch, TokenWindows, collate
 
 TOKENS = 5_000
@@ -87,7 +87,7 @@ def test_refusals(store: Store, tokens: np.ndarray) -> None:
         TokenWindows("floats", 2, root=store.root)
 
 
-def test_pickles_as_its_key(store: Store, tokens: np.ndarray) -> None:
+def test_pickles_as_its_version(store: Store, tokens: np.ndarray) -> None:
     dataset = TokenWindows("train", BLOCK, root=store.root)
     dataset[0]  # mapped here: the mapping must not travel
     payload = pickle.dumps(dataset)
@@ -113,3 +113,47 @@ def test_dataloader_gives_the_same_batches_with_and_without_workers(
     _check_windows(x, y, dataset.starts(range(256)), tokens)
     plain = list(DataLoader(dataset, batch_size=32, **workers))  # torch's default_collate re-stacks
     assert torch.equal(torch.cat([b[0] for b in plain]), x)
+
+
+def _overwrite(store: Store, tmp_path: Path, values: np.ndarray) -> None:
+    values.tofile(tmp_path / "train.bin")
+    store.put_file("train", tmp_path / "train.bin", dtype="uint16", overwrite=True)
+
+
+def _last_window(dataset: TokenWindows, **workers: object) -> torch.Tensor:
+    loader = DataLoader(
+        dataset, batch_size=8, collate_fn=collate, timeout=BATCH_TIMEOUT_S if workers else 0, **workers
+    )
+    return list(loader)[-1][0][-1]  # type: ignore[no-any-return]
+
+
+def test_reads_the_version_it_was_made_from_after_an_overwrite(
+    store: Store, tokens: np.ndarray, tmp_path: Path
+) -> None:
+    """Its windows are sized from that version: a shorter one under the key gave numpy's
+    IndexError, a same-length one another dataset's tokens."""
+    dataset = TokenWindows("train", BLOCK, shuffle=False, root=store.root)
+    _overwrite(store, tmp_path, tokens[:100])  # shorter
+    want = tokens[(len(dataset) - 1) * BLOCK :][:BLOCK]
+    np.testing.assert_array_equal(_last_window(dataset).numpy(), want)  # mapped here since __init__
+    copy = pickle.loads(pickle.dumps(dataset))  # attaches the version again, as a worker does
+    with pytest.raises(KeyNotFoundError, match="make a new TokenWindows"):
+        copy[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_read_its_version_or_refuse(
+    store: Store, tokens: np.ndarray, tmp_path: Path, context: str
+) -> None:
+    """A forked worker inherits the version's mapping; a spawned one attaches the version
+    and finds it gone: KeyNotFoundError, never the new version's tokens."""
+    dataset = TokenWindows("train", BLOCK, shuffle=False, root=store.root)
+    _overwrite(store, tmp_path, tokens[::-1].copy())  # same length, other tokens
+    want = tokens[(len(dataset) - 1) * BLOCK :][:BLOCK]
+    workers = {"num_workers": 2, "multiprocessing_context": context}
+    if context == "fork":
+        np.testing.assert_array_equal(_last_window(dataset, **workers).numpy(), want)
+    else:
+        with pytest.raises(KeyNotFoundError, match=r"version it was made from .* was replaced or evicted"):
+            _last_window(dataset, **workers)
