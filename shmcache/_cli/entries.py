@@ -126,8 +126,9 @@ def put(
         str | None,
         typer.Option(
             "--dtype",
-            help="PATH is a raw token file of this dtype (e.g. uint16 for nanoGPT's train.bin): one "
-            "1-D array. A Megatron .bin/.idx pair needs none: it becomes a ragged entry of its documents.",
+            help="PATH is a raw token file of this integer dtype (e.g. uint16 for nanoGPT's train.bin; "
+            "uint8..uint64, int8..int64): one 1-D array. A Megatron .bin/.idx pair needs none: it "
+            "becomes a ragged entry of its documents.",
             show_default=False,
         ),
     ] = None,
