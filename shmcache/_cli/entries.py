@@ -224,9 +224,10 @@ def _sources(path: str, key: str) -> list[tuple[str, Path | str]]:
     if is_url(path):
         return [(key, path)]
     literal = Path(path).expanduser()
-    if not literal.exists() and Path(f"{literal}.idx").is_file():
-        literal = Path(f"{literal}.idx")  # a Megatron dataset named by its prefix (the daemon wants a file)
-    if literal.exists() or not glob.has_magic(path) or is_shard_source(path):  # shards: one entry
+    exists = os.path.exists(literal)  # False for a name too long to be a file (a brace pattern)
+    if not exists and os.path.isfile(f"{literal}.idx"):
+        literal, exists = Path(f"{literal}.idx"), True  # a Megatron dataset named by its prefix
+    if exists or not glob.has_magic(path) or is_shard_source(path):  # shards: one entry
         return [(key, literal)]
     matches = sorted(glob.glob(os.path.expanduser(path)))
     if not matches:

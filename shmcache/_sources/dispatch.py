@@ -8,13 +8,14 @@ decided once."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import InvalidSourceError, SourceKindError
+from ..errors import InvalidSourceError, SourceKindError, SourceNotFoundError
 from .blobs import AS_KINDS, directory_fingerprint, plan_blobs, put_kind
 from .files import ArrayFiles, array_files_under, plan_sources
 from .hf_datasets import hf_fingerprint, is_hf_folder, plan_hf_folder, planned_entries
@@ -84,6 +85,7 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
         path = local
     if as_ == "auto" and dtype is None and is_shard_source(path):  # as_="blobs": the .tar file itself
         return Source("shards", path)
+    _refuse_too_long(path)
     if as_ == "auto" and dtype is None and is_hf_folder(path):  # save_to_disk: tables, not 3 blobs
         return Source("hf", path)
     kind, listing = put_kind(Path(path), as_)
@@ -92,6 +94,20 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
     if kind == "blobs":
         return Source("blobs", path)
     return Source("arrays", path, listing)
+
+
+def _refuse_too_long(path: str | os.PathLike[str]) -> None:
+    """A name longer than the filesystem takes is a typed error, not the OSError of the
+    first ``stat`` (a pattern is expanded first: its names are looked up one by one)."""
+    try:
+        os.lstat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            text = os.fspath(path)
+            shown = text if len(text) <= 200 else text[:200] + "..."
+            raise SourceNotFoundError(
+                f"source {shown} does not exist: its name is too long for a file"
+            ) from None
 
 
 def _shown(path: ShardSource) -> str:
