@@ -139,6 +139,33 @@ def test_cli_refuses_dtype_for_tar_shards_and_floats(root: Path, tmp_path: Path)
     assert shmcache.Store(root).list() == []
 
 
+def test_cli_puts_a_glob_of_token_files_each_under_its_name(root: Path, tmp_path: Path) -> None:
+    """Each match was put under ``key/<name>.bin`` (the suffix kept: .bin is no array
+    suffix), a Megatron pair matched by ``*`` twice (its .bin and its .idx)."""
+    data = tmp_path / "owt"
+    data.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(data / "train.bin")
+    np.arange(50, dtype=np.uint16).tofile(data / "val.bin")
+    code, out, err = cli(
+        "put", str(data / "*.bin"), "-k", "owt", "--dtype", "uint16", "--local", "--root", str(root)
+    )
+    assert code == 0 and out.split() == ["owt/train", "owt/val"], err
+    np.testing.assert_array_equal(shmcache.open_array("owt/val", root=root), np.arange(50, dtype=np.uint16))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_megatron(corpus / "books", [[[1, 2, 3]], [[4, 5]]])
+    write_megatron(corpus / "web", [[[6, 7]]])
+    code, out, err = cli("put", str(corpus / "*"), "-k", "c", "--local", "--root", str(root))
+    assert code == 0 and out.split() == ["c/books", "c/web"], err
+    assert [d.tolist() for d in shmcache.open_ragged("c/books", root=root)] == [[1, 2, 3], [4, 5]]
+    _shard(data / "shard-000.tar")
+    code, out, err = cli(
+        "put", str(data / "*.tar"), "-k", "s", "--dtype", "uint16", "--local", "--root", str(root)
+    )
+    assert code == 1 and "names tar shards" in err and "does not exist" not in err, err
+    assert sorted(e.key for e in shmcache.Store(root).list()) == ["c/books", "c/web", "owt/train", "owt/val"]
+
+
 # ---------------------------------------------------------------- Megatron
 
 
