@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cli_helpers import CLI, cli, save
-from service_helpers import disk_usage
+from service_helpers import disk_usage, fresh_root, wait_for
 
 import shmcache
 from shmcache._disk.layout import Layout
@@ -158,3 +160,43 @@ def test_python_dash_m_runs_the_cli(store: shmcache.Store) -> None:
     assert done.returncode == 1  # the exit status comes through
     assert done.stdout.startswith("evicted m (") and done.stderr.startswith("error: no entry 'missing'")
     assert not store.exists("m")
+
+
+@pytest.fixture
+def other(tmp_path: Path) -> Iterator[Path]:
+    """A second fresh root on /dev/shm."""
+    path = fresh_root()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_root_goes_before_the_command_too(root: Path, other: Path, tmp_path: Path) -> None:
+    """``shmcache --root R put ...`` was a usage error (exit 2) though ``--team`` works there.
+    The global one wins over $SHMCACHE_ROOT (``root`` is that variable here), the command's
+    own --root over the global one, as a subcommand's over ``budget --root``."""
+    save(tmp_path / "a.npy", np.arange(3))
+    code, out, err = cli("--root", str(other), "put", str(tmp_path / "a.npy"), "-k", "a", "--local")
+    assert code == 0 and out.split() == ["a"], err
+    assert cli("--root", str(other), "ls")[1].splitlines()[1].split()[0] == "a"
+    assert shmcache.Store(other).exists("a") and not shmcache.Store(root).exists("a")
+    assert cli("--root", str(other), "root")[1].strip() == str(other)
+    assert cli("--root", str(other), "root", "--root", str(root))[1].strip() == str(root)
+    assert cli("root")[1].strip() == str(root)  # the next command line: no global root left over
+    code, out, err = cli("--root", str(other), "budget", "set", "1MiB", "--local")
+    assert code == 0 and shmcache.Store(other).budget == 1 << 20, err
+    code, _, err = cli("--root", str(other), "--team", "vision", "ls")
+    assert code == 1 and "not both" in err, err  # as `shmcache --team vision ls --root R`
+
+
+@pytest.mark.slow
+def test_serve_takes_the_global_root(root: Path, other: Path) -> None:
+    daemon = subprocess.Popen(
+        [*CLI, "--root", str(other), "serve"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: (other / "daemon.sock").is_socket() or daemon.poll() is not None, 60, "the daemon")
+        code, out, err = cli("--root", str(other), "stats")
+        assert code == 0 and "daemon:   running" in out, (out, err)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.communicate(timeout=60)

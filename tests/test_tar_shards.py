@@ -18,7 +18,7 @@ from shmcache import CorruptSourceError, InvalidSourceError, SourceNotAllowedErr
 from shmcache._disk.layout import Layout
 from shmcache._disk.meta import read_meta
 from shmcache._sources import blobs
-from shmcache._sources.tar_shards import MAX_EXPANSIONS, expand_braces, shard_paths
+from shmcache._sources.tar_shards import MAX_BRACE_DEPTH, MAX_EXPANSIONS, expand_braces, shard_paths
 from tests.cli_helpers import cli
 from tests.service_helpers import load
 from tests.source_times import age
@@ -255,6 +255,34 @@ def test_brace_expansion_is_bounded_and_shell_like() -> None:
             expand_braces(pattern)
     with pytest.raises(InvalidSourceError, match="more than 100,000"):
         shard_paths("/nonexistent/{0..9999999999}.tar")  # refused before any file is looked at
+
+
+def _nested(depth: int) -> str:
+    return "{a," * depth + "b" + "}" * depth
+
+
+def test_brace_nesting_is_bounded_and_braces_are_paired_once(store: Store, tmp_path: Path) -> None:
+    """1,500 nested groups raised a raw RecursionError (mutual recursion per level); each
+    unclosed '{' was scanned to the pattern's end (20,000 of them: ~9 s)."""
+    assert expand_braces(_nested(MAX_BRACE_DEPTH)) == ["a"] * MAX_BRACE_DEPTH + ["b"]
+    assert expand_braces("{x{a,b}}-{{lit}}") == ["{xa}-{{lit}}", "{xb}-{{lit}}"]  # literal groups stay
+    assert expand_braces("{" * 20 + "{a,b}") == ["{" * 20 + "a", "{" * 20 + "b"]  # unclosed: not nesting
+    for pattern in (_nested(MAX_BRACE_DEPTH + 1), _nested(1500)):
+        with pytest.raises(InvalidSourceError, match=f"nests braces more than {MAX_BRACE_DEPTH} deep"):
+            expand_braces(pattern)
+    unclosed = "{" * 20_000 + "a,b}"
+    assert expand_braces(unclosed) == ["{" * 19_999 + "a", "{" * 19_999 + "b"]
+    with pytest.raises(InvalidSourceError, match="nests braces more than 8 deep"):
+        store.put_file("k", str(tmp_path / f"{_nested(1500)}.tar"))
+    with pytest.raises(SourceNotFoundError, match="its name is too long for a file"):
+        store.put_file("k", str(tmp_path / ("x" * 5000 + ".npy")))  # was a raw OSError (ENAMETOOLONG)
+    assert store.list() == []
+
+
+def test_cli_refuses_a_deep_brace_pattern_clearly(root: Path, tmp_path: Path) -> None:
+    """The CLI said '[Errno 36] File name too long' (looking the pattern up as a file)."""
+    code, out, err = cli("put", str(tmp_path / f"{_nested(1500)}.tar"), "--key", "web", "--local")
+    assert code == 1 and out == "" and "nests braces more than 8 deep" in err and "Errno" not in err, err
 
 
 def test_allowed_dirs_confine_every_shard(store: Store, tmp_path: Path) -> None:

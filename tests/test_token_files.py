@@ -4,7 +4,9 @@ before anything is copied."""
 
 from __future__ import annotations
 
+import io
 import struct
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +56,10 @@ def test_size_not_a_multiple_of_the_itemsize_is_refused(store: Store, tmp_path: 
         (None, InvalidSourceError, "a raw token file needs its dtype"),
         ("object", UnsupportedDataError, "not a plain number type"),
         ("U4", UnsupportedDataError, "not a plain number type"),
+        ("bool", UnsupportedDataError, "'bool' is not an integer type; a token file holds integer token ids"),
+        ("f2", UnsupportedDataError, "'f2' is not an integer type; .* pass one of uint8, uint16"),
+        ("float32", UnsupportedDataError, "'float32' is not an integer type"),
+        ("c8", UnsupportedDataError, "'c8' is not an integer type"),
         ("nonsense", UnsupportedDataError, "is not a numpy dtype"),
     ],
 )
@@ -88,6 +94,76 @@ def test_cli_put_with_dtype(root: Path, tmp_path: Path) -> None:
     odd.write_bytes(bytes(3))
     code, out, err = cli("put", str(odd), "--key", "odd", "--dtype", "uint16", "--local", "--root", str(root))
     assert code != 0 and "not a whole number of uint16" in err
+
+
+def _shard(path: Path) -> Path:
+    with tarfile.open(path, "w") as tar:
+        member = tarfile.TarInfo("000000.txt")
+        member.size = 5
+        tar.addfile(member, io.BytesIO(b"hello"))
+    return path
+
+
+@pytest.mark.parametrize("shards", ["shard-000.tar", "shard-{000..000}.tar", "shard-*.tar", "list"])
+def test_dtype_is_refused_for_tar_shards(store: Store, tmp_path: Path, shards: str) -> None:
+    """An archive's bytes (headers, padding) were published as a 1-D "token" array."""
+    _shard(tmp_path / "shard-000.tar")
+    source: object = [tmp_path / "shard-000.tar"] if shards == "list" else tmp_path / shards
+    with pytest.raises(InvalidSourceError, match="names tar shards, whose bytes are archive headers"):
+        store.put_file("s", source, dtype="uint16")  # type: ignore[arg-type]
+    with pytest.raises(InvalidSourceError, match="not tokens: put it without dtype"):
+        store.plan_file("s", source, dtype="uint16")  # type: ignore[arg-type]
+    assert not store.exists("s") and store.list() == []
+    with pytest.raises(InvalidSourceError, match=r"s3://bucket/shards-\{0\.\.9\}\.tar names tar shards"):
+        store.put_file("s", "s3://bucket/shards-{0..9}.tar", dtype="uint16")  # refused before any request
+
+
+def test_dtype_is_refused_with_as_blobs(store: Store, tmp_path: Path) -> None:
+    """as_="blobs" kept the file as bytes and dropped the dtype silently."""
+    (tmp_path / "train.bin").write_bytes(bytes(8))
+    with pytest.raises(InvalidSourceError, match="dtype= reads a raw token file as one array"):
+        store.put_file("t", tmp_path / "train.bin", as_="blobs", dtype="uint16")
+    assert not store.exists("t")
+
+
+def test_cli_refuses_dtype_for_tar_shards_and_floats(root: Path, tmp_path: Path) -> None:
+    shard = _shard(tmp_path / "shard-000.tar")
+    code, out, err = cli("put", str(shard), "-k", "s", "--dtype", "uint16", "--local", "--root", str(root))
+    assert code != 0 and out == "" and "names tar shards" in err and "Traceback" not in err
+    (tmp_path / "train.bin").write_bytes(bytes(8))
+    for dtype in ("bool", "f2"):
+        code, out, err = cli(
+            "put", str(tmp_path / "train.bin"), "-k", "t", "--dtype", dtype, "--local", "--root", str(root)
+        )
+        assert code != 0 and f"dtype {dtype!r} is not an integer type" in err, err
+    assert shmcache.Store(root).list() == []
+
+
+def test_cli_puts_a_glob_of_token_files_each_under_its_name(root: Path, tmp_path: Path) -> None:
+    """Each match was put under ``key/<name>.bin`` (the suffix kept: .bin is no array
+    suffix), a Megatron pair matched by ``*`` twice (its .bin and its .idx)."""
+    data = tmp_path / "owt"
+    data.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(data / "train.bin")
+    np.arange(50, dtype=np.uint16).tofile(data / "val.bin")
+    code, out, err = cli(
+        "put", str(data / "*.bin"), "-k", "owt", "--dtype", "uint16", "--local", "--root", str(root)
+    )
+    assert code == 0 and out.split() == ["owt/train", "owt/val"], err
+    np.testing.assert_array_equal(shmcache.open_array("owt/val", root=root), np.arange(50, dtype=np.uint16))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_megatron(corpus / "books", [[[1, 2, 3]], [[4, 5]]])
+    write_megatron(corpus / "web", [[[6, 7]]])
+    code, out, err = cli("put", str(corpus / "*"), "-k", "c", "--local", "--root", str(root))
+    assert code == 0 and out.split() == ["c/books", "c/web"], err
+    assert [d.tolist() for d in shmcache.open_ragged("c/books", root=root)] == [[1, 2, 3], [4, 5]]
+    _shard(data / "shard-000.tar")
+    code, out, err = cli(
+        "put", str(data / "*.tar"), "-k", "s", "--dtype", "uint16", "--local", "--root", str(root)
+    )
+    assert code == 1 and "names tar shards" in err and "does not exist" not in err, err
+    assert sorted(e.key for e in shmcache.Store(root).list()) == ["c/books", "c/web", "owt/train", "owt/val"]
 
 
 # ---------------------------------------------------------------- Megatron

@@ -1,7 +1,8 @@
 """The ``shmcache`` command: put, list, inspect, evict and clean up a cache root; run the
 daemon; diagnose memory.
 
-Every command takes ``--root`` (default: ``$SHMCACHE_ROOT`` or ``/dev/shm/shmcache-<uid>``).
+Every command takes ``--root`` (default: ``$SHMCACHE_ROOT`` or ``/dev/shm/shmcache-<uid>``),
+after it or before it (``shmcache --root R ls``, as ``--team``).
 Exit codes: 0 ok, 1 the operation failed (message, no traceback unless ``--debug``),
 2 usage error, 130 interrupted.
 
@@ -13,11 +14,12 @@ re-exports the helpers they share (:func:`fail`, :func:`debug_enabled`).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from .._disk.layout import ENV_TEAM
+from .._disk.layout import ENV_ROOT, ENV_TEAM, SHM_DIR
 from . import api_docs, budget, demo, diagnose, entries, root, serve
 from .common import debug_enabled, fail, forget_root_source, set_debug, set_team
 
@@ -47,9 +49,19 @@ def _options(
             "commands without --root.",
         ),
     ] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(
+            "--root",
+            show_default=False,
+            readable=False,  # the core says why a root is unusable
+            help=f"Cache root for the command (shmcache --root R ls, as shmcache ls --root R; the "
+            f"command's own --root wins); default: ${ENV_ROOT} or {SHM_DIR}/shmcache-<uid>.",
+        ),
+    ] = None,
 ) -> None:
     set_debug(debug)
-    forget_root_source()
+    forget_root_source(root)
     source = ctx.get_parameter_source("team")  # typer bundles its own click: compared by name
     from_env = source is not None and source.name == "ENVIRONMENT"
     set_team(None if from_env else team)  # the core reads the variable where no --root is given

@@ -27,6 +27,7 @@ __all__ = [
     "fail",
     "failures_exit_1",
     "forget_root_source",
+    "global_root",
     "note_root_source",
     "note_team_root",
     "print_table",
@@ -39,6 +40,7 @@ __all__ = [
 
 _state = {"debug": False, "root_given": False}
 _team: list[str | None] = [None]
+_global_root: list[Path | None] = [None]
 _worked_on: list[str | None] = [None]
 
 
@@ -48,9 +50,11 @@ def set_team(team: str | None) -> None:
     _team[0] = team
 
 
-def forget_root_source() -> None:
-    """At the start of each command line (the app's callback, before any ``--root``)."""
-    _state["root_given"] = False
+def forget_root_source(root: Path | None = None) -> None:
+    """At the start of each command line (the app's callback, before any command's
+    ``--root``): ``root`` is the global ``shmcache --root R COMMAND``, None without one."""
+    _state["root_given"] = root is not None
+    _global_root[0] = root
     _worked_on[0] = None
 
 
@@ -65,7 +69,13 @@ def note_root_source(ctx: typer.Context, param: typer.CallbackParam, value: Path
     source = ctx.get_parameter_source(param.name or "root")  # typer bundles its own click: by name
     if source is not None and source.name == "COMMANDLINE":
         _state["root_given"] = True
-    return value
+        return value
+    return value if _global_root[0] is None else _global_root[0]  # `shmcache --root R`: over the env
+
+
+def global_root() -> Path | None:
+    """``shmcache --root R COMMAND``'s R (a command's own ``--root`` wins over it)."""
+    return _global_root[0]
 
 
 def root_given() -> bool:

@@ -25,6 +25,7 @@ from .._disk.procmaps import MappingScan
 from .._error_table import CLI, fix
 from .._sources.files import PLANNERS
 from .._sources.tar_shards import is_shard_source
+from .._sources.token_files import is_token_source
 from .._sources.urls import is_url
 from .._store import EntryInfo, Store, StoreStats
 from .._store.maintenance import linked_keys
@@ -126,8 +127,9 @@ def put(
         str | None,
         typer.Option(
             "--dtype",
-            help="PATH is a raw token file of this dtype (e.g. uint16 for nanoGPT's train.bin): one "
-            "1-D array. A Megatron .bin/.idx pair needs none: it becomes a ragged entry of its documents.",
+            help="PATH is a raw token file of this integer dtype (e.g. uint16 for nanoGPT's train.bin; "
+            "uint8..uint64, int8..int64): one 1-D array. A Megatron .bin/.idx pair needs none: it "
+            "becomes a ragged entry of its documents.",
             show_default=False,
         ),
     ] = None,
@@ -156,7 +158,7 @@ def put(
         set_team(team)
     try:
         with failures_exit_1():
-            sources = _sources(path, key)
+            sources = _sources(path, key, dtype)
             options = _storage_options(storage_option or [])
         if not local and (writer := _member_writer(root)) is not None:
             with failures_exit_1():
@@ -216,30 +218,38 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def _sources(path: str, key: str) -> list[tuple[str, Path | str]]:
+def _sources(path: str, key: str, dtype: str | None = None) -> list[tuple[str, Path | str]]:
     """``(key, source)`` pairs for PATH: itself if it exists (or is a URL), else the matches
-    of a glob, each under ``key/<name without its suffix>`` (suffixes ``put_file`` takes)."""
+    of a glob, each under ``key/<name without its suffix>`` (suffixes ``put_file`` takes, and
+    a token file's: a raw one with ``dtype``, a Megatron pair, put once however many of its
+    two files match)."""
     validate_key(key)
     if is_url(path):
         return [(key, path)]
     literal = Path(path).expanduser()
-    if not literal.exists() and Path(f"{literal}.idx").is_file():
-        literal = Path(f"{literal}.idx")  # a Megatron dataset named by its prefix (the daemon wants a file)
-    if literal.exists() or not glob.has_magic(path) or is_shard_source(path):  # shards: one entry
+    exists = os.path.exists(literal)  # False for a name too long to be a file (a brace pattern)
+    if not exists and os.path.isfile(f"{literal}.idx"):
+        literal, exists = Path(f"{literal}.idx"), True  # a Megatron dataset named by its prefix
+    if exists or not glob.has_magic(path) or is_shard_source(path):  # shards: one entry
         return [(key, literal)]
     matches = sorted(glob.glob(os.path.expanduser(path)))
     if not matches:
         raise SourceNotFoundError(f"no file or directory matches {path!r}")
     pairs: dict[str, Path | str] = {}
     for match in matches:
-        name = Path(match).name
-        stem = name.rsplit(".", 1)[0] if Path(match).suffix.lower() in PLANNERS else name
+        source = Path(match)
+        megatron = dtype is None and is_token_source(source)
+        if megatron:
+            source = source.with_suffix(".idx")  # the pair, whichever of its files matched
+        token = (dtype is not None and not source.is_dir()) or megatron
+        name = source.name
+        stem = name.rsplit(".", 1)[0] if source.suffix.lower() in PLANNERS or token else name
         child = validate_key(f"{key}/{stem}")
-        if child in pairs:
+        if child in pairs and not (megatron and pairs[child] == source):
             raise InvalidKeyError(
                 f"{pairs[child]} and {match} would both be put as {child!r}; narrow the pattern"
             )
-        pairs[child] = Path(match)
+        pairs[child] = source
     return list(pairs.items())
 
 

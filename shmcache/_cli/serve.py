@@ -21,7 +21,7 @@ from .._diagnose.logind import removeipc_risk
 from .._disk.layout import ENV_TEAM, SOCKET_NAME
 from .._team.config import team_of
 from ..errors import InvalidRequestError, ShmCacheError
-from .common import debug_enabled, fail, team_option
+from .common import debug_enabled, fail, global_root, team_option
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
@@ -75,6 +75,8 @@ def _run(**values: Any) -> None:
         from ..service import serve as run_daemon
     except ImportError as exc:
         raise fail(_missing_extra(exc)) from None
+    if values.get("root") is None and global_root() is not None:  # shmcache --root R serve
+        values["root"] = global_root()
     try:
         values["team"] = _team_to_serve(values.get("team"), values.get("root") is not None)
         settings = load_settings(values)

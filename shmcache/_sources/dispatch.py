@@ -8,13 +8,14 @@ decided once."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import InvalidSourceError, SourceKindError
+from ..errors import InvalidSourceError, SourceKindError, SourceNotFoundError
 from .blobs import AS_KINDS, directory_fingerprint, plan_blobs, put_kind
 from .files import ArrayFiles, array_files_under, plan_sources
 from .hf_datasets import hf_fingerprint, is_hf_folder, plan_hf_folder, planned_entries
@@ -23,7 +24,7 @@ from .source_files import stat_fingerprint
 from .tables import is_table_file, plan_table_file
 from .tar_shards import ShardSource, is_shard_source, plan_shards, shards_fingerprint
 from .token_files import refuse_dtype_for
-from .urls import is_url, local_path_of
+from .urls import is_url, local_path_of, redact_url
 
 __all__ = ["Loaded", "Source", "classify_source", "is_current", "plan_source"]
 
@@ -47,11 +48,22 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
     without array files), tar shards (``.tar`` files, a pattern or a list of them: one blobs
     entry) or array files (a raw token file when ``dtype`` is given)."""
     if as_ not in AS_KINDS:
-        shown = path if isinstance(path, (str, os.PathLike)) else ", ".join(map(str, path))
         raise SourceKindError(
-            f"{shown}: as_={as_!r} is no kind put_file makes; as_ is 'auto' (a table file "
+            f"{_shown(path)}: as_={as_!r} is no kind put_file makes; as_ is 'auto' (a table file "
             "is a table, array files arrays, a directory of other files blobs), 'arrays' (an "
             "entry per array file) or 'blobs' (every file as bytes in one entry)"
+        )
+    if dtype is not None and as_ == "blobs":
+        raise SourceKindError(
+            "dtype= reads a raw token file as one array; as_='blobs' keeps files as bytes: "
+            "pass one or the other"
+        )
+    if dtype is not None and is_shard_source(path):
+        shown = _shown(path)
+        raise InvalidSourceError(
+            f"dtype= is for a raw token file (e.g. nanoGPT's train.bin); {shown} names tar shards, "
+            "whose bytes are archive headers and members, not tokens: put it without dtype (one "
+            "blobs entry, a blob per member), or extract the token file and put that with dtype"
         )
     if not isinstance(path, (str, os.PathLike)):
         if any(isinstance(p, str) and is_url(p) for p in path):
@@ -73,6 +85,7 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
         path = local
     if as_ == "auto" and dtype is None and is_shard_source(path):  # as_="blobs": the .tar file itself
         return Source("shards", path)
+    _refuse_too_long(path)
     if as_ == "auto" and dtype is None and is_hf_folder(path):  # save_to_disk: tables, not 3 blobs
         return Source("hf", path)
     kind, listing = put_kind(Path(path), as_)
@@ -81,6 +94,26 @@ def classify_source(path: ShardSource, as_: str = "auto", dtype: Any = None) -> 
     if kind == "blobs":
         return Source("blobs", path)
     return Source("arrays", path, listing)
+
+
+def _refuse_too_long(path: str | os.PathLike[str]) -> None:
+    """A name longer than the filesystem takes is a typed error, not the OSError of the
+    first ``stat`` (a pattern is expanded first: its names are looked up one by one)."""
+    try:
+        os.lstat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            text = os.fspath(path)
+            shown = text if len(text) <= 200 else text[:200] + "..."
+            raise SourceNotFoundError(
+                f"source {shown} does not exist: its name is too long for a file"
+            ) from None
+
+
+def _shown(path: ShardSource) -> str:
+    """``path`` (a path, URL or list of them) as an error message names it: no URL secrets."""
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    return ", ".join(redact_url(str(p)) if is_url(p) else os.fspath(p) for p in paths)
 
 
 def _local(location: ShardSource) -> str | os.PathLike[str]:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import tarfile
 
 __all__ = [
+    "MAX_BRACE_DEPTH",
     "MAX_EXPANSIONS",
     "check_shard_name",
     "collect_members",
@@ -51,6 +52,8 @@ __all__ = [
 
 MAX_EXPANSIONS = 100_000
 """Names a brace pattern may expand to (``{0..99999}``); more is refused, not truncated."""
+MAX_BRACE_DEPTH = 8
+"""Brace groups nested deeper than this are refused (``{a,{b,{c,...}}}``)."""
 _MAX_HEADER_READ = 1 << 20
 """A GNU long name or pax record larger than this is refused (tarfile would read it whole)."""
 _BLOCK = 512
@@ -82,16 +85,50 @@ def is_shard_source(source: Any) -> bool:
 
 def expand_braces(pattern: str, limit: int = MAX_EXPANSIONS) -> list[str]:
     """``pattern`` with its brace groups expanded as the shell does: ``{a,b}`` alternatives
-    and ``{000..099}`` (zero padded as written) or ``{0..10..2}`` ranges, nested too; a
-    ``{`` that is neither stays literal. More than ``limit`` names is refused."""
+    and ``{000..099}`` (zero padded as written) or ``{0..10..2}`` ranges, nested up to
+    :data:`MAX_BRACE_DEPTH` deep; a ``{`` that is neither stays literal. More than ``limit``
+    names is refused. Time is linear in the pattern's length (its braces are paired once,
+    by a stack) besides the names it makes."""
+    closing = _pair_braces(pattern)
+    return _expand(pattern, 0, len(pattern), closing, limit)
+
+
+def _pair_braces(pattern: str) -> dict[int, int]:
+    """Where the ``}`` closing each ``{`` that has one is (an unclosed ``{`` is literal);
+    nesting deeper than :data:`MAX_BRACE_DEPTH` is refused."""
+    closing: dict[int, int] = {}
+    opened: list[int] = []
+    for j, char in enumerate(pattern):
+        if char == "{":
+            opened.append(j)
+        elif char == "}" and opened:
+            closing[opened.pop()] = j
+    ends: list[int] = []  # where the pairs enclosing position j close (unclosed '{' are no pair)
+    for j in range(len(pattern)):
+        if j not in closing:
+            continue
+        while ends and ends[-1] < j:
+            ends.pop()
+        ends.append(closing[j])
+        if len(ends) > MAX_BRACE_DEPTH:
+            shown = pattern if len(pattern) <= 200 else pattern[:200] + "..."
+            raise InvalidSourceError(
+                f"brace pattern {shown!r} nests braces more than {MAX_BRACE_DEPTH} deep; "
+                "name the shards with a flatter pattern (e.g. {a,b,c}-{000..099}.tar) or a list"
+            )
+    return closing
+
+
+def _expand(pattern: str, lo: int, hi: int, closing: dict[int, int], limit: int) -> list[str]:
+    """The names ``pattern[lo:hi]`` expands to (``closing``: its brace pairs)."""
     results = [""]
-    literal_start = i = 0
-    while i < len(pattern):
+    literal_start = i = lo
+    while i < hi:
         if pattern[i] != "{":
             i += 1
             continue
-        end = _closing(pattern, i)
-        alternatives = None if end < 0 else _alternatives(pattern[i + 1 : end], limit)
+        end = closing.get(i, -1)
+        alternatives = None if end < 0 else _alternatives(pattern, i + 1, end, closing, limit)
         if alternatives is None:
             i += 1
             continue
@@ -102,34 +139,26 @@ def expand_braces(pattern: str, limit: int = MAX_EXPANSIONS) -> list[str]:
             )
         results = [r + head + alt for r in results for alt in alternatives]
         i = literal_start = end + 1
-    tail = pattern[literal_start:]
+    tail = pattern[literal_start:hi]
     return [r + tail for r in results]
 
 
-def _closing(text: str, start: int) -> int:
-    depth = 0
-    for j in range(start, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return j
-    return -1
-
-
-def _alternatives(body: str, limit: int) -> list[str] | None:
-    parts, depth, start = [], 0, 0
-    for j, char in enumerate(body):
-        depth += (char == "{") - (char == "}")
-        if char == "," and depth == 0:
-            parts.append(body[start:j])
-            start = j + 1
-    if parts:
-        parts.append(body[start:])
+def _alternatives(pattern: str, lo: int, hi: int, closing: dict[int, int], limit: int) -> list[str] | None:
+    """The names the group whose body is ``pattern[lo:hi]`` stands for; None if it is
+    neither alternatives nor a range (its ``{`` is then literal)."""
+    bounds, j = [lo], lo
+    while j < hi:
+        if pattern[j] == "{" and j in closing:
+            j = closing[j] + 1  # a nested group's commas are its own
+            continue
+        if pattern[j] == ",":
+            bounds.append(j + 1)
+        j += 1
+    body = pattern[lo:hi]
+    if len(bounds) > 1:
         out: list[str] = []
-        for part in parts:
-            out += expand_braces(part, limit)
+        for start, stop in zip(bounds, [b - 1 for b in bounds[1:]] + [hi], strict=True):
+            out += _expand(pattern, start, stop, closing, limit)
             if len(out) > limit:
                 raise InvalidSourceError(f"brace group {{{body}}} expands to more than {limit:,} names")
         return out
@@ -397,12 +426,17 @@ def _check_kind(member: tarfile.TarInfo, name: str, path: str) -> None:
     if member.isreg() and not member.issparse():
         return
     kind = (
-        "a sparse file" if member.issparse() else
-        "a symbolic link" if member.issym() else
-        "a hard link" if member.islnk() else
-        "a device" if member.isdev() and not member.isfifo() else
-        "a FIFO" if member.isfifo() else
-        f"of tar type {member.type!r}"
+        "a sparse file"
+        if member.issparse()
+        else "a symbolic link"
+        if member.issym()
+        else "a hard link"
+        if member.islnk()
+        else "a device"
+        if member.isdev() and not member.isfifo()
+        else "a FIFO"
+        if member.isfifo()
+        else f"of tar type {member.type!r}"
     )
     raise InvalidSourceError(
         f"{path}: member {name!r} is {kind}; tar shards hold regular files only (write the shard with "

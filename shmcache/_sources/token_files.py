@@ -73,17 +73,19 @@ def token_dtype(dtype: object) -> np.dtype:
             f"dtype {dtype!r} is not a numpy dtype; pass a name such as 'uint16' (GPT-2 tokens), "
             "'uint32' or 'int32'"
         ) from None
-    if resolved.kind not in "biuf" or resolved.names is not None:
+    if resolved.kind not in "iu" or resolved.names is not None:
+        plain = resolved.kind in "bfc" and resolved.names is None
+        what = "an integer type" if plain else "a plain number type"
         raise UnsupportedDataError(
-            f"dtype {dtype!r} is not a plain number type; a token file holds integers "
-            "(e.g. 'uint16', 'uint32')"
+            f"dtype {dtype!r} is not {what}; a token file holds integer token ids: pass one of "
+            "uint8, uint16 (GPT-2), uint32, uint64, int8, int16, int32, int64"
         )
     return resolved
 
 
 def refuse_dtype_for(path: str | os.PathLike[str], dtype: object | None) -> None:
-    """Refuse ``dtype`` for what cannot be a raw token file: a directory (a URL is checked
-    once listed: one object, not a prefix)."""
+    """Refuse ``dtype`` for what cannot be a raw token file: a directory (tar shards are
+    refused by ``dispatch``; a URL is checked once listed: one object, not a prefix)."""
     if dtype is None:
         return
     token_dtype(dtype)
@@ -111,9 +113,7 @@ def is_token_source(path: Path) -> bool:
     return suffix == ".idx" or (suffix == ".bin" and path.with_suffix(".idx").is_file())
 
 
-def plan_token_file(
-    key: str, path: Path, dtype: object | None, tops: tuple[str, ...]
-) -> list[Planned]:
+def plan_token_file(key: str, path: Path, dtype: object | None, tops: tuple[str, ...]) -> list[Planned]:
     """The entry ``put_file(key, path, dtype=dtype)`` makes of a token file (``key`` is valid)."""
     if is_token_source(path):
         return [_plan_megatron(key, path.with_suffix(".bin"), path.with_suffix(".idx"), dtype, tops)]
