@@ -1,0 +1,138 @@
+"""A hostile file costs at most what its size allows: checkpoints, safetensors headers and HDF5
+files that declare far more than they hold are refused (or read in slabs) with memory
+bounded by the file's real size, and a typed error naming the file; nothing published.
+
+Memory is measured as the peak RSS a fresh process gains while it loads the file
+(``table_memory.peak_growth``), against the bytes the file really has."""
+
+from __future__ import annotations
+
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from shmcache import Store
+from shmcache.errors import CorruptSourceError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from table_memory import peak_growth
+
+MiB = 1 << 20
+
+
+def _nothing_published(store: Store) -> None:
+    assert [e.key for e in store.list()] == []
+
+
+def _growth(path: Path, key: str = "k") -> int:
+    """Peak RSS a fresh process gains in a put_file of ``path`` (an error of ours is fine),
+    its readers imported beforehand."""
+    warm_up = """
+        import shutil, tempfile
+        import shmcache._sources.safetensors, shmcache._sources.torch_zip
+        try:
+            import h5py
+        except ImportError:
+            pass
+        from shmcache import Store
+        from shmcache.errors import ShmCacheError
+        root = tempfile.mkdtemp(dir="/dev/shm", prefix="hostile-")
+        store = Store(root)
+    """
+    load = f"""
+try:
+    store.put_file({key!r}, {str(path)!r})
+except ShmCacheError:
+    pass
+finally:
+    shutil.rmtree(root)
+"""
+    before, after = peak_growth(warm_up, load)
+    return after - before
+
+
+# ---------------------------------------------------------------------- torch pickles
+
+
+def _checkpoint(path: Path, pickle: bytes, compress: int = zipfile.ZIP_STORED) -> Path:
+    """A .pt zip laid out as torch.save lays it out, with ``pickle`` as its data.pkl."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", pickle, compress_type=compress)
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    return path
+
+
+def _empty_lists(size: int) -> bytes:
+    """PROTO, a list, MARK, ``size`` EMPTY_LISTs, APPENDS, STOP: ~80 bytes of objects a byte."""
+    return b"\x80\x02](" + b"]" * (size - 8) + b"e."
+
+
+def test_torch_compressed_pickle_is_refused(store: Store, tmp_path: Path) -> None:
+    """16 MiB of EMPTY_LIST deflates to 17 KB: it grew the put by 1.4 GiB before a refusal."""
+    source = _checkpoint(tmp_path / "bomb.pt", _empty_lists(16 * MiB), zipfile.ZIP_DEFLATED)
+    assert source.stat().st_size < 64 * 1024
+    with pytest.raises(CorruptSourceError, match=r"bomb\.pt: its archive/data\.pkl is compressed"):
+        store.put_file("k", source)
+    _nothing_published(store)
+
+
+def test_torch_pickle_of_empty_lists_costs_what_its_size_allows(tmp_path: Path) -> None:
+    """Stored raw, 8 MiB of EMPTY_LIST (an 8 MiB file) built ~650 MiB of lists before the
+    refusal; now its opcodes are counted first and nothing is built."""
+    source = _checkpoint(tmp_path / "lists.pt", _empty_lists(8 * MiB))
+    growth = _growth(source)
+    assert growth < 4 * source.stat().st_size, f"grew by {growth >> 20} MiB"
+
+
+def test_torch_pickle_of_empty_lists_is_refused_by_name(store: Store, tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "lists.pt", _empty_lists(MiB))
+    with pytest.raises(CorruptSourceError, match=r"lists\.pt: archive/data\.pkl: unpickling it would build"):
+        store.put_file("k", source)
+    _nothing_published(store)
+
+
+def test_torch_pickle_with_a_far_memo_index_is_refused(store: Store, tmp_path: Path) -> None:
+    """LONG_BINPUT 2**24 in a 10-byte pickle: the C unpickler allocated (and zeroed) a memo
+    table of 2**25 pointers, 256 MiB (2**28: 4 GiB)."""
+    source = _checkpoint(tmp_path / "memo.pt", b"\x80\x02]r" + (1 << 24).to_bytes(4, "little") + b".")
+    with pytest.raises(CorruptSourceError, match="stores memo entry 16777216 when it has 0"):
+        store.put_file("k", source)
+    _nothing_published(store)
+    assert _growth(source) < 64 * MiB
+
+
+def test_torch_truncated_pickle_is_corrupt(store: Store, tmp_path: Path) -> None:
+    """It was reported as UnsupportedDataError ('refused to unpickle it')."""
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.zeros(3)}, tmp_path / "whole.pt")
+    with zipfile.ZipFile(tmp_path / "whole.pt") as archive:
+        members = {i.filename: archive.read(i) for i in archive.infolist()}
+    with zipfile.ZipFile(tmp_path / "cut.pt", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data[:-5] if name.endswith("data.pkl") else data)
+    with pytest.raises(CorruptSourceError, match=r"cut\.pt: whole/data\.pkl: the pickle is truncated"):
+        store.put_file("k", tmp_path / "cut.pt")
+    _nothing_published(store)
+
+
+def test_torch_state_dicts_of_every_shape_still_load(store: Store, tmp_path: Path) -> None:
+    """Parameters, nested dicts, views of one storage, a module's state dict (with _metadata)."""
+    torch = pytest.importorskip("torch")
+    big = torch.arange(600, dtype=torch.float32)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(50)])
+    cases = {
+        "params": {f"p{i}": torch.nn.Parameter(torch.full((3,), float(i))) for i in range(200)},
+        "nested": {f"d{i}": {f"q{j}": torch.full((2,), float(j)) for j in range(10)} for i in range(50)},
+        "views": {f"v{i}": big[i * 6 : (i + 1) * 6].view(2, 3) for i in range(100)},
+        "module": model.state_dict(),
+    }
+    for name, state in cases.items():
+        torch.save(state, tmp_path / f"{name}.pt")
+        store.put_file(name, tmp_path / f"{name}.pt")
+    assert store.open_array("params/p7").tolist() == [7.0] * 3
+    assert store.open_array("nested/d3/q4").tolist() == [4.0] * 2
+    assert store.open_array("views/v99").tolist() == big[594:].view(2, 3).tolist()
+    assert store.open_array("module/49.bias").tolist() == model[49].bias.tolist()
