@@ -136,3 +136,48 @@ def test_torch_state_dicts_of_every_shape_still_load(store: Store, tmp_path: Pat
     assert store.open_array("nested/d3/q4").tolist() == [4.0] * 2
     assert store.open_array("views/v99").tolist() == big[594:].view(2, 3).tolist()
     assert store.open_array("module/49.bias").tolist() == model[49].bias.tolist()
+
+
+# ---------------------------------------------------------------------- safetensors headers
+
+
+def _safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+    return path
+
+
+def _list_of_objects(size: int) -> bytes:
+    """``{"x": [{}, {}, ...]}`` of ``size`` bytes: ~24 bytes of Python objects a byte, parsed whole."""
+    return (b'{"x": [' + b"{}," * ((size - 20) // 3)).rstrip(b",") + b"]}"
+
+
+def test_safetensors_header_of_objects_costs_what_its_size_allows(tmp_path: Path) -> None:
+    """A 20 MiB header grew the put by +485 MiB (json.loads of all of it, then a refusal)."""
+    source = _safetensors(tmp_path / "big.safetensors", _list_of_objects(20 * MiB))
+    growth = _growth(source)
+    assert growth < 3 * 20 * MiB, f"grew by {growth >> 20} MiB"
+
+
+def test_safetensors_long_description_is_refused_by_name(store: Store, tmp_path: Path) -> None:
+    source = _safetensors(tmp_path / "long.safetensors", _list_of_objects(MiB))
+    with pytest.raises(CorruptSourceError, match=r"long\.safetensors: tensor 'x': its description is over"):
+        store.put_file("k", source)
+    _nothing_published(store)
+
+
+def test_safetensors_metadata_must_be_strings(store: Store, tmp_path: Path) -> None:
+    """As in the reference parser: __metadata__ maps strings to strings (or is null)."""
+    tensor = b'"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+    for metadata in (b'{"a": "b", "c": ""}', b"{}", b"null"):
+        source = _safetensors(
+            tmp_path / "ok.safetensors", b'{"__metadata__": ' + metadata + b", " + tensor + b"}", b"\x05"
+        )
+        store.put_file("k", source, overwrite=True)
+        assert store.open_array("k/t").tolist() == [5]
+    source = _safetensors(
+        tmp_path / "bad.safetensors", b'{"__metadata__": {"a": [1]}, ' + tensor + b"}", b"\x05"
+    )
+    with pytest.raises(
+        CorruptSourceError, match=r"bad\.safetensors: the \.safetensors header is not valid JSON"
+    ):
+        store.put_file("j", source)
