@@ -181,3 +181,48 @@ def test_safetensors_metadata_must_be_strings(store: Store, tmp_path: Path) -> N
         CorruptSourceError, match=r"bad\.safetensors: the \.safetensors header is not valid JSON"
     ):
         store.put_file("j", source)
+
+
+def _f32(begin: int, end: int) -> dict[str, object]:
+    return {"dtype": "F32", "shape": [(end - begin) // 4], "data_offsets": [begin, end]}
+
+
+RANGES = {
+    "overlap": ({"a": _f32(0, 32), "b": _f32(8, 24)}, 32, r"tensors 'a' and 'b' overlap \(bytes 8 to 32"),
+    "gap at the start": ({"a": _f32(16, 32)}, 32, r"16 bytes at the start of the data belong to no tensor"),
+    "gap between": (
+        {"a": _f32(0, 8), "b": _f32(16, 32)},
+        32,
+        r"8 bytes after tensor 'a' belong to no tensor",
+    ),
+    "trailing bytes": ({"a": _f32(0, 16)}, 20, r"4 bytes after the last tensor \('a'\) belong to no tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(RANGES))
+def test_safetensors_ranges_must_be_the_data_back_to_back(store: Store, tmp_path: Path, case: str) -> None:
+    """Each range alone was checked (inside the file, exactly shape x itemsize), never against
+    the others: overlapping (aliased) tensors, gaps and trailing bytes were published."""
+    import json
+
+    header, data_size, message = RANGES[case]
+    source = _safetensors(tmp_path / "r.safetensors", json.dumps(header).encode(), bytes(data_size))
+    with pytest.raises(CorruptSourceError, match=rf"r\.safetensors: {message}"):
+        store.put_file("k", source)
+    _nothing_published(store)
+    reference = pytest.importorskip("safetensors.numpy")
+    with pytest.raises(Exception, match=r"invalid offset|incomplete"):  # the reference refuses each
+        reference.load_file(str(source))
+
+
+def test_safetensors_empty_tensors_share_an_offset(store: Store, tmp_path: Path) -> None:
+    import json
+
+    header = {
+        "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [4, 4]},
+        "a": _f32(0, 4),
+        "b": _f32(4, 8),
+    }
+    source = _safetensors(tmp_path / "e.safetensors", json.dumps(header).encode(), bytes(8))
+    assert sorted(store.put_file("k", source)) == ["k/a", "k/b", "k/e"]
+    assert store.open_array("k/e").shape == (0, 3)

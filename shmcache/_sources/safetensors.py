@@ -6,7 +6,8 @@ Every check a hostile file could defeat is made here, before anything is copied:
 header is bounded, valid JSON and walked as a flat table one tensor at a time (so its
 memory is a small multiple of its size: ``_entries``), no name twice, every tensor has a
 dtype numpy has, a shape, and a byte range that lies inside the file and holds exactly
-``prod(shape) * itemsize`` bytes. ``__metadata__`` (a table of strings) is ignored.
+``prod(shape) * itemsize`` bytes, and all the ranges together are the data, back to back
+(no overlap, gap or trailing byte). ``__metadata__`` (a table of strings) is ignored.
 """
 
 from __future__ import annotations
@@ -91,7 +92,34 @@ def read_safetensors_index(fd: int | BinaryIO, size: int, path: str) -> list[Saf
     del raw
     base = 8 + length
     tensors = [_tensor(name, spec, base, size, path) for name, spec in _entries(text, path)]
-    return sorted(tensors, key=lambda t: t.offset)
+    tensors.sort(key=lambda t: (t.offset, t.nbytes))
+    _check_back_to_back(tensors, base, size, path)
+    return tensors
+
+
+def _check_back_to_back(tensors: list[SafetensorsTensor], base: int, size: int, path: str) -> None:
+    """The data is the tensors back to back, from the header's end to the file's, as the
+    reference loader requires ("invalid offset for tensor"): no byte shared by two tensors
+    (aliased weights), none in a gap or after the last tensor (a damaged header)."""
+    end, last = base, None
+    for t in tensors:
+        if t.offset < end:
+            raise CorruptSourceError(
+                f"{path}: tensors {last!r} and {t.name!r} overlap (bytes {t.offset - base} to {end - base} "
+                "of the data): crafted or corrupt"
+            )
+        if t.offset > end:
+            after = f"after tensor {last!r}" if last is not None else "at the start of the data"
+            raise CorruptSourceError(
+                f"{path}: {t.offset - end} bytes {after} belong to no tensor (the next is {t.name!r}; "
+                "the data must be the tensors back to back): crafted or corrupt"
+            )
+        end, last = t.offset + t.nbytes, t.name
+    if end != size and tensors:
+        raise CorruptSourceError(
+            f"{path}: {size - end} bytes after the last tensor ({last!r}) belong to no tensor "
+            "(the data must be the tensors back to back, to the end of the file): truncated header or corrupt"
+        )
 
 
 def _entries(text: str, path: str) -> Iterator[tuple[str, Any]]:
