@@ -226,3 +226,16 @@ def test_safetensors_empty_tensors_share_an_offset(store: Store, tmp_path: Path)
     source = _safetensors(tmp_path / "e.safetensors", json.dumps(header).encode(), bytes(8))
     assert sorted(store.put_file("k", source)) == ["k/a", "k/b", "k/e"]
     assert store.open_array("k/e").shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "header", [b"{}", b'{"__metadata__": {"format": "pt"}}', b'{"__metadata__": null}  ']
+)
+def test_safetensors_without_a_tensor_is_refused(store: Store, tmp_path: Path, header: bytes) -> None:
+    """It returned [] and published nothing, silently (every other container says so)."""
+    source = _safetensors(tmp_path / "empty.safetensors", header)
+    with pytest.raises(
+        CorruptSourceError, match=r"empty\.safetensors: the \.safetensors file holds no tensor"
+    ):
+        store.put_file("k", source)
+    _nothing_published(store)

@@ -92,6 +92,8 @@ def read_safetensors_index(fd: int | BinaryIO, size: int, path: str) -> list[Saf
     del raw
     base = 8 + length
     tensors = [_tensor(name, spec, base, size, path) for name, spec in _entries(text, path)]
+    if not tensors:  # as every other container: an empty put is a mistake, said where it is made
+        raise CorruptSourceError(f"{path}: the .safetensors file holds no tensor (its header: {text[:80]!r})")
     tensors.sort(key=lambda t: (t.offset, t.nbytes))
     _check_back_to_back(tensors, base, size, path)
     return tensors
@@ -115,7 +117,7 @@ def _check_back_to_back(tensors: list[SafetensorsTensor], base: int, size: int, 
                 "the data must be the tensors back to back): crafted or corrupt"
             )
         end, last = t.offset + t.nbytes, t.name
-    if end != size and tensors:
+    if end != size:
         raise CorruptSourceError(
             f"{path}: {size - end} bytes after the last tensor ({last!r}) belong to no tensor "
             "(the data must be the tensors back to back, to the end of the file): truncated header or corrupt"
