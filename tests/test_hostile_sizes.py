@@ -239,3 +239,34 @@ def test_safetensors_without_a_tensor_is_refused(store: Store, tmp_path: Path, h
     ):
         store.put_file("k", source)
     _nothing_published(store)
+
+
+# ---------------------------------------------------------------------- HDF5
+
+
+def test_hdf5_one_huge_row_is_read_in_slabs(tmp_path: Path) -> None:
+    """(1, 2**24) float64: 128 MiB of fill values in a 1 KB file, read whole (a slab was at
+    least one row); now in 16 MiB slabs."""
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "row.h5"
+    with h5py.File(path, "w") as h5:
+        h5.create_dataset("x", (1, 1 << 24), "f8", chunks=(1, 1 << 16))
+    growth = _growth(path)
+    assert growth < 64 * MiB, f"grew by {growth >> 20} MiB for 128 MiB of data"
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 50), (1, 999), (2, 0, 5), (7,), ()])
+def test_hdf5_slabs_within_rows_keep_every_value(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]
+) -> None:
+    import numpy as np
+
+    from shmcache._sources import hdf5
+
+    h5py = pytest.importorskip("h5py")
+    monkeypatch.setattr(hdf5, "_SLAB_BYTES", 48)  # rows of 100 and 1998 bytes: parts of rows
+    values = np.arange(int(np.prod(shape)), dtype="<u2").reshape(shape)
+    with h5py.File(tmp_path / "d.h5", "w") as h5:
+        h5.create_dataset("v", data=values, **({"chunks": (1,) * len(shape)} if values.size else {}))
+    store.put_file("k", tmp_path / "d.h5")
+    assert np.array_equal(store.open_array("k/v"), values)

@@ -1,7 +1,8 @@
 """HDF5 sources for ``put_file`` (needs h5py: the ``hdf5`` extra, imported only here and
 only when an HDF5 file is loaded). Every dataset becomes ``key/<its path in the file>``;
-its bytes are decoded by h5py (chunked and compressed layouts included) in slabs of rows
-and appended with ``write()`` to the staging file, never through a mapping.
+its bytes are decoded by h5py (chunked and compressed layouts included) in slabs of at
+most 16 MiB (whole rows, or parts of a row too large for one) and appended with
+``write()`` to the staging file, never through a mapping.
 
 Kept as arrays: numbers, bools, fixed-width bytes, enums (as their integers), compound
 types (structured arrays), scalars (0-d arrays). A 1-D dataset of variable-length
@@ -13,11 +14,10 @@ virtual datasets), which would read files the daemon's ``--allow-source`` never 
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -159,10 +159,9 @@ def _plain(dtype: np.dtype) -> np.dtype:
 def _decoder(
     path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...], prefix: bytes
 ) -> Callable[[int, int, Path, Callable[[int], None]], int]:
-    """Writes ``prefix`` then the dataset, read by h5py from the reopened file in slabs of rows."""
+    """Writes ``prefix`` then the dataset, read by h5py from the reopened file in slabs of at
+    most ``_SLAB_BYTES`` (:func:`_slabs`)."""
     where = f"{path}[{name}]"
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    per_slab = max(1, _SLAB_BYTES // max(1, row_bytes))
 
     def write(src: int, dst: int, target: Path, advance: Callable[[int], None]) -> int:
         h5py = _h5py(path)
@@ -173,8 +172,7 @@ def _decoder(
             dataset = h5.get(name)
             if not isinstance(dataset, h5py.Dataset) or tuple(dataset.shape or ()) != shape:
                 raise CorruptSourceError(f"{where} changed after it was checked; nothing was published")
-            slabs = [()] if not shape else [slice(i, i + per_slab) for i in range(0, shape[0], per_slab)]
-            for slab in slabs:
+            for slab in _slabs(shape, dtype.itemsize, _SLAB_BYTES):
                 data = _read(dataset, slab, dtype, where)
                 write_all(dst, data, target)
                 crc = zlib.crc32(data, crc)
@@ -182,6 +180,24 @@ def _decoder(
         return crc
 
     return write
+
+
+def _slabs(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple[int | slice, ...]]:
+    """Selections of the dataset, in C order, each of at most ``limit`` bytes (or one element):
+    whole rows when a row fits, else parts of a row along the first axis whose every
+    inner row fits, down to parts of the last axis. A (1, 2**26) dataset was read whole
+    (a slab was whole rows, at least one)."""
+    if not shape:
+        yield ()
+        return
+    axis, inner = len(shape) - 1, itemsize
+    while axis > 0 and inner * shape[axis] <= limit:
+        inner *= shape[axis]
+        axis -= 1
+    per = max(1, limit // max(1, inner))  # axis 0 when rows fit (inner: 0 for an empty row)
+    for outer in np.ndindex(*shape[:axis]):
+        for start in range(0, shape[axis], per):
+            yield (*outer, slice(start, start + per))
 
 
 def _read(dataset: Any, slab: Any, dtype: np.dtype, where: str) -> memoryview:
