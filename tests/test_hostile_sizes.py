@@ -270,3 +270,31 @@ def test_hdf5_slabs_within_rows_keep_every_value(
         h5.create_dataset("v", data=values, **({"chunks": (1,) * len(shape)} if values.size else {}))
     store.put_file("k", tmp_path / "d.h5")
     assert np.array_equal(store.open_array("k/v"), values)
+
+
+def test_hdf5_declared_strings_cost_what_the_entry_holds(tmp_path: Path) -> None:
+    """2M declared, unwritten strings (a 1.4 KB file): decoded whole into a list they cost
+    ~100 bytes each (+190 MiB); in slabs, the entry's own arrays (~28 bytes each)."""
+    h5py = pytest.importorskip("h5py")
+    count = 2_000_000
+    path = tmp_path / "strings.h5"
+    with h5py.File(path, "w") as h5:
+        h5.create_dataset("captions", (count,), h5py.string_dtype(), chunks=(1 << 16,))
+    growth = _growth(path)
+    assert growth < 45 * count, f"grew by {growth >> 20} MiB, {growth // count} bytes a string"
+
+
+def test_hdf5_strings_decoded_in_slabs_keep_every_value(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shmcache._sources import hdf5
+
+    h5py = pytest.importorskip("h5py")
+    monkeypatch.setattr(hdf5, "_STRINGS_PER_SLAB", 3)
+    values = ["", "a", "héllo", "日本", "x" * 1000, "a", "", "last"]
+    with h5py.File(tmp_path / "s.h5", "w") as h5:
+        h5.create_dataset("s", data=values, dtype=h5py.string_dtype())
+    store.put_file("k", tmp_path / "s.h5")
+    strings = store.open_strings("k/s")
+    assert list(strings) == values
+    assert strings.index("héllo") == 2 and "日本" in strings
