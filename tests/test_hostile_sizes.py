@@ -12,9 +12,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from service_helpers import Daemon, unique
 
 from shmcache import Store
-from shmcache.errors import CorruptSourceError
+from shmcache.errors import CorruptSourceError, UnsupportedDataError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from table_memory import peak_growth
@@ -298,3 +299,104 @@ def test_hdf5_strings_decoded_in_slabs_keep_every_value(
     strings = store.open_strings("k/s")
     assert list(strings) == values
     assert strings.index("héllo") == 2 and "日本" in strings
+
+
+# ---------------------------------------------------------------------- HDF5 links
+
+
+def test_hdf5_dataset_is_published_under_each_of_its_names(store: Store, tmp_path: Path) -> None:
+    """visititems visits an object once: /labels was published only as /alias (which sorts
+    first), and a soft link's dataset not at all."""
+    import numpy as np
+
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "l.h5", "w") as h5:
+        h5.create_dataset("labels", data=np.arange(3))
+        h5["alias"] = h5["labels"]  # a second hard link
+        h5.create_group("g")["soft"] = h5py.SoftLink("/labels")
+        h5["g/rel"] = h5py.SoftLink("soft")  # relative to g, through another soft link
+    assert store.put_file("d", tmp_path / "l.h5") == ["d/alias", "d/g/rel", "d/g/soft", "d/labels"]
+    for name in ("alias", "g/rel", "g/soft", "labels"):
+        assert store.open_array(f"d/{name}").tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("through", ["direct", "soft link", "group"])
+def test_hdf5_external_link_is_refused_and_never_followed(store: Store, tmp_path: Path, through: str) -> None:
+    """An external link names any file of the machine (for the team daemon, outside its
+    --allow-source): it was skipped silently; now refused by name before it is opened."""
+    import numpy as np
+
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "other.h5", "w") as h5:
+        h5.create_dataset("x", data=np.arange(3))
+    with h5py.File(tmp_path / "main.h5", "w") as h5:
+        h5.create_dataset("labels", data=np.arange(3))
+        if through == "group":
+            h5["ext"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/")
+            h5["z"] = h5py.SoftLink("/ext/x")
+        else:
+            h5["ext"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/x")
+            if through == "soft link":
+                del h5["ext"]
+                h5.create_group("hidden")["ext"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/")
+                h5["a"] = h5py.SoftLink("/hidden/ext/x")  # sorts first: met before /hidden
+    with pytest.raises(UnsupportedDataError, match=r"main\.h5\[\w+\] is an external link to .*other\.h5"):
+        store.put_file("d", tmp_path / "main.h5")
+    _nothing_published(store)
+
+
+def test_hdf5_second_name_of_a_group_is_refused(store: Store, tmp_path: Path) -> None:
+    """Each group walked once: a group linked twice per level would list 2**levels names."""
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "loop.h5", "w") as h5:
+        h5.create_group("g").create_dataset("x", data=[1])
+        h5["g/again"] = h5["g"]  # a loop
+    with pytest.raises(
+        UnsupportedDataError, match=r"loop\.h5\[g/again\] is another name \(HardLink\) of the group 'g'"
+    ):
+        store.put_file("d", tmp_path / "loop.h5")
+    _nothing_published(store)
+
+
+def test_hdf5_dangling_or_looping_soft_links_are_refused(store: Store, tmp_path: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "dangling.h5", "w") as h5:
+        h5.create_dataset("x", data=[1])
+        h5["gone"] = h5py.SoftLink("/nowhere")
+    with pytest.raises(
+        CorruptSourceError, match=r"dangling\.h5\[gone\] is a soft link to /nowhere, which is not"
+    ):
+        store.put_file("d", tmp_path / "dangling.h5")
+    with h5py.File(tmp_path / "chain.h5", "w") as h5:
+        h5.create_group("G")
+        for i in range(1, 20):  # each names the next twice: 2**19 steps unless counted in all
+            h5[f"G/s{i}"] = h5py.SoftLink(f"/G/s{i + 1}/s{i + 1}")
+        h5["G/s20"] = h5py.SoftLink("/G")
+    with pytest.raises(CorruptSourceError, match="over 16 soft links to follow"):
+        store.put_file("d", tmp_path / "chain.h5")
+    _nothing_published(store)
+
+
+def test_daemon_refuses_an_external_link_out_of_its_allowed_sources(
+    daemon: Daemon, data_dir: Path, tmp_path: Path
+) -> None:
+    """The daemon reads with its own rights: a link to a file outside --allow-source is
+    refused by name, and nothing of that file is read or published."""
+    import numpy as np
+
+    h5py = pytest.importorskip("h5py")
+    secret = tmp_path / "secret.h5"  # outside data_dir, the daemon's only allowed source
+    with h5py.File(secret, "w") as h5:
+        h5.create_dataset("x", data=np.arange(3))
+    source = data_dir / f"{unique('main')}.h5"
+    with h5py.File(source, "w") as h5:
+        h5.create_dataset("labels", data=np.arange(3))
+        h5["leak"] = h5py.ExternalLink(str(secret), "/x")
+    key = unique("k")
+    with daemon.client(timeout=60) as client:
+        response = client.put(f"/v1/entries/{key}", json={"source": str(source)})
+        assert response.status_code in (400, 415, 422), response.text
+        assert response.json()["error"] == "UnsupportedDataError", response.text
+        assert "[leak] is an external link to" in response.json()["detail"]
+        listing = client.get("/v1/entries")
+        assert listing.status_code == 200 and key not in listing.text

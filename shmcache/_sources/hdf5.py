@@ -1,5 +1,6 @@
 """HDF5 sources for ``put_file`` (needs h5py: the ``hdf5`` extra, imported only here and
-only when an HDF5 file is loaded). Every dataset becomes ``key/<its path in the file>``;
+only when an HDF5 file is loaded). Every dataset becomes ``key/<its path in the file>``,
+under each of its names (``walk_datasets``: external links refused, never followed);
 its bytes are decoded by h5py (chunked and compressed layouts included) in slabs of at
 most 16 MiB (whole rows, or parts of a row too large for one) and appended with
 ``write()`` to the staging file, never through a mapping.
@@ -32,10 +33,11 @@ from ..errors import CorruptSourceError, ShmCacheError, UnsupportedDataError
 from .planned import Container, Planned, container_header, member_key
 from .source_files import SourceFile
 
-__all__ = ["decode_strings", "plan_hdf5"]
+__all__ = ["decode_strings", "plan_hdf5", "walk_datasets"]
 
 _SLAB_BYTES = 16 << 20
 _STRINGS_PER_SLAB = 4096
+_MAX_SOFT_LINKS = 16  # HDF5's own limit on soft links followed in one traversal (H5L_NUM_LINKS)
 
 
 def _h5py(path: Path) -> Any:
@@ -53,11 +55,7 @@ def plan_hdf5(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Plan
     h5py = _h5py(path)
     plan: list[Planned] = []
     with _open(h5py, fp, path) as h5:
-        datasets: list[tuple[str, Any]] = []
-        h5.visititems(
-            lambda name, obj: datasets.append((name, obj)) if isinstance(obj, h5py.Dataset) else None
-        )
-        for name, dataset in datasets:
+        for name, dataset in walk_datasets(h5py, h5, str(path)):
             where = f"{path}[{name}]"
             _check_storage(h5py, dataset, where)
             if h5py.check_string_dtype(dataset.dtype) is not None and dataset.dtype.kind == "O":
@@ -80,6 +78,70 @@ def plan_hdf5(key: str, path: Path, file: SourceFile, fp: BinaryIO) -> list[Plan
     if not plan:
         raise CorruptSourceError(f"{path}: the HDF5 file holds no datasets")
     return plan
+
+
+def walk_datasets(h5py: Any, h5: Any, path: str) -> list[tuple[str, Any]]:
+    """Every dataset of the open file ``h5`` under each name it has, in sorted order.
+
+    ``visititems`` visits an object once, under its first name, and follows no soft or
+    external link: a second (hard) name of a dataset and a dataset behind a link were
+    left out without a word. Here every link is met: a dataset is listed under each of
+    its names (hard links, and soft links resolved inside the file); a group is walked
+    once, and a second name of a group is refused (two links per level of a tiny file
+    would list 2**levels names); an external link, even on a soft link's path, is refused
+    before it is followed (its file was never checked against the daemon's
+    ``--allow-source``, and could be any file of the machine), as a dangling soft link is."""
+    root = h5["/"]
+    groups = {root.id: "/"}
+    found: list[tuple[str, Any]] = []
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        prefix, group = stack.pop()
+        for name in sorted(group, reverse=True):  # popped in sorted order
+            full = prefix + name
+            link = group.get(name, getlink=True)
+            obj = _follow(h5py, root, group, name, link, f"{path}[{full}]")
+            if isinstance(obj, h5py.Group):
+                first = groups.setdefault(obj.id, full)
+                if first != full:
+                    raise UnsupportedDataError(
+                        f"{path}[{full}] is another name ({type(link).__name__}) of the group {first!r}; "
+                        "shmcache publishes a dataset under each of its names, but a group's under "
+                        f"one: delete the link (del f[{full!r}]) or put_file a copy without it"
+                    )
+                stack.append((full + "/", obj))
+            elif isinstance(obj, h5py.Dataset):
+                found.append((full, obj))
+            # a named datatype holds no data
+    return sorted(found, key=lambda item: item[0])
+
+
+def _follow(
+    h5py: Any, root: Any, group: Any, name: str, link: Any, where: str, budget: list[int] | None = None
+) -> Any:
+    """The object ``link`` (``name`` in ``group``) names, resolved one path component at a
+    time so that no external link is ever followed; at most ``_MAX_SOFT_LINKS`` soft links
+    in all (``budget``), as HDF5 counts them per traversal (else soft links whose paths
+    name other soft links twice would take 2**16 steps)."""
+    if isinstance(link, h5py.ExternalLink):
+        raise UnsupportedDataError(
+            f"{where} is an external link to {link.filename}:{link.path}, another file, which "
+            "shmcache does not follow (it was never checked against the daemon's --allow-source): "
+            "copy the data into this file (h5copy) or put_file that file itself"
+        )
+    if not isinstance(link, h5py.SoftLink):
+        return group[name]
+    budget = budget if budget is not None else [_MAX_SOFT_LINKS]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise CorruptSourceError(f"{where}: over {_MAX_SOFT_LINKS} soft links to follow (a loop?)")
+    node = root if link.path.startswith("/") else group
+    for part in (p for p in link.path.split("/") if p not in ("", ".")):
+        step = node.get(part, getlink=True) if isinstance(node, h5py.Group) else None
+        if step is None:
+            raise CorruptSourceError(f"{where} is a soft link to {link.path}, which is not in the file")
+        node = _follow(h5py, root, node, part, step, where, budget)
+    return node
 
 
 def _open(h5py: Any, fp: BinaryIO, path: Path) -> Any:
