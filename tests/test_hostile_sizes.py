@@ -400,3 +400,18 @@ def test_daemon_refuses_an_external_link_out_of_its_allowed_sources(
         assert "[leak] is an external link to" in response.json()["detail"]
         listing = client.get("/v1/entries")
         assert listing.status_code == 200 and key not in listing.text
+
+
+# ---------------------------------------------------------------------- name collisions
+
+
+def test_torch_names_that_collide_are_told_apart(store: Store, tmp_path: Path) -> None:
+    """The message named the same thing twice: 'coll.pt[a/b] and coll.pt[a/b]'."""
+    torch = pytest.importorskip("torch")
+    torch.save({"a/b": torch.zeros(1), "a": {"b": torch.ones(1)}}, tmp_path / "coll.pt")
+    with pytest.raises(
+        UnsupportedDataError, match=r"coll\.pt: tensors \['a/b'\] and \['a'\]\['b'\] would both"
+    ):
+        store.put_file("k", tmp_path / "coll.pt")
+    _nothing_published(store)
+

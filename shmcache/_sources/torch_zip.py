@@ -276,6 +276,7 @@ def _walk(obj: Any, path: str) -> list[tuple[str, _TensorRef]]:
             f"{path} holds a {type(obj).__name__}, not a state dict; save a dict of tensors"
         )
     found: list[tuple[str, _TensorRef]] = []
+    names: dict[str, tuple[str, ...]] = {}  # joined name -> its keys, to name a collision
     seen: dict[int, tuple[str, ...]] = {id(obj): ()}
     stack: list[tuple[tuple[str, ...], Iterator[tuple[Any, Any]]]] = [((), iter(dict.items(obj)))]
     while stack:  # not obj.items: a BUILD could have shadowed it
@@ -291,7 +292,14 @@ def _walk(obj: Any, path: str) -> list[tuple[str, _TensorRef]]:
         if isinstance(value, _TensorRef):
             if len(found) >= MAX_TENSORS:
                 raise UnsupportedDataError(f"{path}: over {MAX_TENSORS} tensors in one checkpoint")
-            found.append(("/".join(here), value))
+            joined = "/".join(here)
+            other = names.setdefault(joined, here)
+            if other is not here:
+                raise UnsupportedDataError(
+                    f"{path}: tensors {_keys(other)} and {_keys(here)} would both become {joined!r:.200} "
+                    "(a key holding '/' beside nested dicts); rename one of them"
+                )
+            found.append((joined, value))
         elif isinstance(value, dict):
             first = seen.setdefault(id(value), here)
             if first is not here:
@@ -313,6 +321,11 @@ def _walk(obj: Any, path: str) -> list[tuple[str, _TensorRef]]:
                 "without step counters, strings or optimizer state"
             )
     return found
+
+
+def _keys(parts: tuple[str, ...]) -> str:
+    """How the tensor is reached in the dict: ``['a']['b']``."""
+    return "".join(f"[{part!r}]" for part in parts)[:200]
 
 
 def _locate(
