@@ -138,7 +138,12 @@ def _safetensors_bytes(header: object, payload: bytes = b"", length: int | None 
             "tensor 'w' has no dtype",
         ),
         (_safetensors_bytes({"w": 3}), "tensor 'w' is described by int"),
-        (struct.pack("<Q", 30) + b'{"a": {}, "a": {}}' + b" " * 12, "a name appears twice"),
+        (
+            struct.pack("<Q", 103)
+            + b'{"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}, "a": {"dtype": "U8"}}'
+            + b" " * 21,
+            "a name appears twice",
+        ),
     ],
 )
 def test_damaged_safetensors_is_refused_naming_file_and_tensor(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -59,19 +60,28 @@ def _bytes_with_offsets(blobs: list[bytes], prefix: str) -> dict[str, np.ndarray
     }
 
 
-def _hash_index(blobs: list[bytes], prefix: str) -> dict[str, np.ndarray]:
-    hashes = np.fromiter(map(zlib.crc32, blobs), dtype=np.uint32, count=len(blobs))
-    order = np.argsort(hashes, kind="stable")  # equal hashes keep positions ascending
-    return {f"{prefix}hashes": hashes[order], f"{prefix}order": order.astype(np.int64)}
-
-
 def encode_strings(strings: Iterable[Any], what: str, prefix: str = "") -> dict[str, np.ndarray]:
-    blobs = []
+    """Streams ``strings`` (an iterator of them is never held: HDF5's are read in slabs) into
+    the UTF-8 buffer, lengths and hashes, ~12 bytes a string beyond its own."""
+    data, lengths, hashes = bytearray(), array("q"), array("I")
     for i, text in enumerate(strings):
         if not isinstance(text, str):
             raise UnsupportedDataError(f"{what}[{i}] is {type(text).__name__}, not str")
-        blobs.append(utf8(text))
-    return _bytes_with_offsets(blobs, prefix) | _hash_index(blobs, prefix)
+        blob = utf8(text)
+        data += blob
+        lengths.append(len(blob))
+        hashes.append(zlib.crc32(blob))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
+    del lengths
+    crcs = np.frombuffer(hashes, dtype=np.uint32)
+    order = np.argsort(crcs, kind="stable")  # equal hashes keep positions ascending
+    return {
+        f"{prefix}bytes": np.frombuffer(data, dtype=np.uint8),
+        f"{prefix}offsets": offsets,
+        f"{prefix}hashes": crcs[order],
+        f"{prefix}order": order.astype(np.int64, copy=False),
+    }
 
 
 def encode_ragged(

@@ -331,9 +331,15 @@ def iter_npz_members(fp: BinaryIO, path: str) -> Iterator[NpzMember]:
 
     try:
         with zipfile.ZipFile(fp) as archive:
+            seen: set[str] = set()
             for info in archive.infolist():
                 if info.is_dir() or not info.filename.endswith(".npy"):
                     continue
+                if info.filename in seen:  # the copy opens members by name: the last of them
+                    raise CorruptSourceError(
+                        f"{path}: the archive holds two members named {info.filename!r}: crafted or corrupt"
+                    )
+                seen.add(info.filename)
                 where = f"{path}[{info.filename}]"
                 with archive.open(info) as member:
                     header = read_source_header(member, info.file_size, where)  # type: ignore[arg-type]

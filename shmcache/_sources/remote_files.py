@@ -227,9 +227,7 @@ def _plan_hdf5(fs: Any, obj: RemoteItem, secrets: list[str]) -> list[RemoteItem]
         ) from None
     planned = []
     with open_object(fs, obj, secrets) as fp, remote_errors(obj.url, secrets), _h5(h5py, fp, obj.url) as h5:
-        datasets: list[tuple[str, Any]] = []
-        h5.visititems(lambda name, o: datasets.append((name, o)) if isinstance(o, h5py.Dataset) else None)
-        for name, dataset in datasets:
+        for name, dataset in hdf5.walk_datasets(h5py, h5, obj.url):  # every name; no external link
             where = f"{obj.url}[{name}]"
             hdf5._check_storage(h5py, dataset, where)
             if h5py.check_string_dtype(dataset.dtype) is not None and dataset.dtype.kind == "O":

@@ -3,16 +3,20 @@ little-endian header length, a JSON header, then raw little-endian tensors. Only
 header is read; each tensor's bytes are later copied by the kernel from its range.
 
 Every check a hostile file could defeat is made here, before anything is copied: the
-header is bounded and valid JSON (no duplicate names), every tensor has a dtype numpy
-has, a shape, and a byte range that lies inside the file and holds exactly
-``prod(shape) * itemsize`` bytes. ``__metadata__`` (free-form strings) is ignored.
+header is bounded, valid JSON and walked as a flat table one tensor at a time (so its
+memory is a small multiple of its size: ``_entries``), no name twice, every tensor has a
+dtype numpy has, a shape, and a byte range that lies inside the file and holds exactly
+``prod(shape) * itemsize`` bytes, and all the ranges together are the data, back to back
+(no overlap, gap or trailing byte). ``__metadata__`` (a table of strings) is ignored.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -26,6 +30,7 @@ from ..errors import CorruptSourceError, UnsupportedDataError
 __all__ = ["MAX_HEADER_BYTES", "SafetensorsTensor", "read_safetensors_index"]
 
 MAX_HEADER_BYTES = 100 << 20  # the reference implementation's own limit
+_ENTRY_CHARS = 64 << 10  # one tensor's description: ~100 characters; 64 dims of 20 digits: ~1.4 K
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(code)
     for name, code in {
@@ -81,23 +86,154 @@ def read_safetensors_index(fd: int | BinaryIO, size: int, path: str) -> list[Saf
     if len(raw) != length:
         raise CorruptSourceError(f"{path}: truncated .safetensors file while reading its header")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise CorruptSourceError(f"{path}: the .safetensors header is not valid JSON ({exc})") from None
-    except RecursionError:  # json's parser recurses per level, up to the interpreter's limit
-        raise CorruptSourceError(
-            f"{path}: the .safetensors header nests objects or lists over {sys.getrecursionlimit()} deep "
-            "(a safetensors header is a flat table of tensors, 3 deep): crafted or corrupt"
-        ) from None
-    if not isinstance(header, dict):
-        raise CorruptSourceError(f"{path}: the .safetensors header is not a JSON object")
-    if len(header) > MAX_TENSORS:
-        raise UnsupportedDataError(f"{path}: over {MAX_TENSORS} tensors in one file")
+    del raw
     base = 8 + length
-    tensors = [
-        _tensor(name, spec, base, size, path) for name, spec in header.items() if name != "__metadata__"
-    ]
-    return sorted(tensors, key=lambda t: t.offset)
+    tensors = [_tensor(name, spec, base, size, path) for name, spec in _entries(text, path)]
+    if not tensors:  # as every other container: an empty put is a mistake, said where it is made
+        raise CorruptSourceError(f"{path}: the .safetensors file holds no tensor (its header: {text[:80]!r})")
+    tensors.sort(key=lambda t: (t.offset, t.nbytes))
+    _check_back_to_back(tensors, base, size, path)
+    return tensors
+
+
+def _check_back_to_back(tensors: list[SafetensorsTensor], base: int, size: int, path: str) -> None:
+    """The data is the tensors back to back, from the header's end to the file's, as the
+    reference loader requires ("invalid offset for tensor"): no byte shared by two tensors
+    (aliased weights), none in a gap or after the last tensor (a damaged header)."""
+    end, last = base, None
+    for t in tensors:
+        if t.offset < end:
+            raise CorruptSourceError(
+                f"{path}: tensors {last!r} and {t.name!r} overlap (bytes {t.offset - base} to {end - base} "
+                "of the data): crafted or corrupt"
+            )
+        if t.offset > end:
+            after = f"after tensor {last!r}" if last is not None else "at the start of the data"
+            raise CorruptSourceError(
+                f"{path}: {t.offset - end} bytes {after} belong to no tensor (the next is {t.name!r}; "
+                "the data must be the tensors back to back): crafted or corrupt"
+            )
+        end, last = t.offset + t.nbytes, t.name
+    if end != size:
+        raise CorruptSourceError(
+            f"{path}: {size - end} bytes after the last tensor ({last!r}) belong to no tensor "
+            "(the data must be the tensors back to back, to the end of the file): truncated header or corrupt"
+        )
+
+
+def _entries(text: str, path: str) -> Iterator[tuple[str, Any]]:
+    """Each tensor's name and description (a small dict), parsed one at a time.
+
+    The header is walked as the flat table it must be (``{name: {...}, ...}``, with
+    ``__metadata__`` a table of strings) rather than parsed whole: json.loads builds any
+    structure first (20 MiB of ``[{}, {}, ...]``: +485 MiB of RSS; at the 100 MB limit
+    2.8 GB) and only then could it be refused. Each description is parsed from a window
+    of at most ``_ENTRY_CHARS`` and checked before the next, so memory stays a small
+    multiple of the header's size, whatever it holds. As in the reference parser (serde
+    into a map of tensor infos), a wrong shape is refused where it is met."""
+    seen: set[str] = set()
+    try:
+        at = _skip(text, 0)
+        if _peek(text, at) != "{":
+            raise CorruptSourceError(f"{path}: the .safetensors header is not a JSON object")
+        at = _skip(text, at + 1)
+        if _peek(text, at) == "}":
+            at += 1
+        else:
+            while True:
+                at = _expect(text, at, '"', path)
+                name, at = json.decoder.scanstring(text, at)  # type: ignore[attr-defined]
+                if name in seen:
+                    raise CorruptSourceError(
+                        f"{path}: in the .safetensors header, a name appears twice: {name!r:.200}"
+                    )
+                seen.add(name)
+                at = _skip(text, _expect(text, _skip(text, at), ":", path))
+                if name == "__metadata__":
+                    at = _metadata(text, at, path)
+                else:
+                    if len(seen) > MAX_TENSORS:
+                        raise UnsupportedDataError(f"{path}: over {MAX_TENSORS} tensors in one file")
+                    spec, at = _description(text, at, f"{path}: tensor {name!r}")
+                    yield name, spec
+                at = _skip(text, at)
+                if _peek(text, at) != ",":
+                    at = _expect(text, at, "}", path)
+                    break
+                at = _skip(text, at + 1)
+    except json.JSONDecodeError as exc:
+        raise CorruptSourceError(f"{path}: the .safetensors header is not valid JSON ({exc})") from None
+    if _skip(text, at) != len(text):
+        raise CorruptSourceError(f"{path}: the .safetensors header has more after its closing brace")
+
+
+def _description(text: str, at: int, where: str) -> tuple[Any, int]:
+    """A tensor's description at ``at``, parsed from a window of ``text`` (doubled up to
+    ``_ENTRY_CHARS``): nothing past it is parsed, however long the value really is."""
+    window = 512
+    while True:
+        try:
+            spec, length = _DECODER.raw_decode(text[at : at + window])
+            return spec, at + length
+        except json.JSONDecodeError:
+            if window >= _ENTRY_CHARS or at + window >= len(text):
+                break
+            window *= 2
+        except ValueError as exc:  # _no_duplicates
+            raise CorruptSourceError(f"{where}: {exc}") from None
+        except RecursionError:  # json's parser recurses per level, up to the interpreter's limit
+            raise CorruptSourceError(
+                f"{where}: its description nests objects or lists over {sys.getrecursionlimit()} deep "
+                "(a safetensors header is a flat table of tensors, 3 deep): crafted or corrupt"
+            ) from None
+    if at + window < len(text):
+        raise CorruptSourceError(
+            f"{where}: its description is over {_ENTRY_CHARS} characters of JSON (a tensor's takes ~100: "
+            "dtype, shape, data_offsets), or not JSON: crafted or corrupt"
+        )
+    _DECODER.raw_decode(text[at:])  # the real error, for the message
+    raise AssertionError("unreachable")
+
+
+def _metadata(text: str, at: int, path: str) -> int:
+    """Past ``__metadata__``'s value: null or an object of strings, as the reference requires."""
+    if text.startswith("null", at):
+        return at + 4
+    at = _skip(text, _expect(text, at, "{", path))
+    if _peek(text, at) == "}":
+        return at + 1
+    while True:
+        for end in (":", None):
+            at = _expect(text, at, '"', path)
+            _, at = json.decoder.scanstring(text, at)  # type: ignore[attr-defined]
+            at = _skip(text, at)
+            if end:
+                at = _skip(text, _expect(text, at, end, path))
+        if _peek(text, at) != ",":
+            return _expect(text, at, "}", path)
+        at = _skip(text, at + 1)
+
+
+def _skip(text: str, at: int) -> int:
+    return _WHITESPACE.match(text, at).end()  # type: ignore[union-attr]
+
+
+def _peek(text: str, at: int) -> str:
+    return text[at : at + 1]
+
+
+def _expect(text: str, at: int, char: str, path: str) -> int:
+    if _peek(text, at) != char:
+        found = repr(_peek(text, at)) if at < len(text) else "its end"
+        raise CorruptSourceError(
+            f"{path}: the .safetensors header is not valid JSON for a table of tensors (expected {char!r} "
+            f"at character {at}, found {found}; the format: {{name: {{dtype, shape, data_offsets}}, ...}}, "
+            "__metadata__ a table of strings)"
+        )
+    return at + 1
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -105,6 +241,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(found) != len(pairs):
         raise ValueError("a name appears twice")
     return found
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
 def _tensor(name: str, spec: Any, base: int, size: int, path: str) -> SafetensorsTensor:

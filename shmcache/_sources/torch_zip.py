@@ -5,7 +5,10 @@ and ``<dir>/data/<n>`` (each storage's raw bytes, stored uncompressed). The pick
 by an unpickler that can build nothing but dicts and tensor descriptions: ``find_class``
 knows ``collections.OrderedDict``, torch's tensor and parameter rebuild functions and the
 storage type names, and refuses every other global, so a malicious pickle (a ``__reduce__``
-naming ``os.system``) stops before anything runs. Tensors become descriptions of byte
+naming ``os.system``) stops before anything runs. Before it runs, the pickle (stored raw, as
+torch writes it, so no larger than the file) has its opcodes walked (``pickle_bounds``): one
+estimated to build over 40 times its size in objects, or to index its memo far past its
+entries, is refused without building anything. Tensors become descriptions of byte
 ranges; the bytes themselves are copied later by the kernel (contiguous tensors) or
 gathered with ``pread`` and numpy (strided views), never through a mapping of the source.
 """
@@ -32,10 +35,13 @@ from .._disk.fs import pread_exactly, write_all
 from .._disk.npy import zip_data_offset
 from .._disk.shapes import MAX_DIMS, MAX_INTP, MAX_TENSORS, checked_shape
 from ..errors import CorruptSourceError, UnsupportedDataError
+from .pickle_bounds import check_pickle_cost
 
 __all__ = ["TorchTensor", "gather_slabs", "gather_writer", "read_torch_index"]
 
-MAX_PICKLE_BYTES = 256 << 20  # data.pkl of a state dict is ~100 bytes per tensor
+MAX_PICKLE_BYTES = 256 << 20  # data.pkl of a state dict is ~100 bytes per tensor (MAX_TENSORS: 2**20)
+_PICKLE_AMPLIFICATION = 40  # a state dict's pickle is estimated at 13-20x its size (pickle_bounds)
+_PICKLE_FLOOR = 1 << 20
 _NUMPY: dict[str, str] = {
     "float64": "<f8",
     "float32": "<f4",
@@ -230,6 +236,8 @@ def _load_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, Any]:
         raise CorruptSourceError(f"{path}: not a torch checkpoint (no single <dir>/data.pkl in the zip)")
     info = pickles[0]
     prefix = info.filename[: -len("data.pkl")]
+    if info.compress_type != zipfile.ZIP_STORED:  # its size then bounds nothing the file does
+        raise CorruptSourceError(f"{path}: its {info.filename} is compressed (torch stores it raw)")
     if info.file_size > MAX_PICKLE_BYTES:
         raise UnsupportedDataError(
             f"{path}: its pickle ({info.file_size} bytes) is too large for a state dict"
@@ -240,6 +248,7 @@ def _load_pickle(archive: zipfile.ZipFile, path: str) -> tuple[str, Any]:
             f"{path} was saved on a big-endian machine; shmcache reads little-endian only"
         )
     data = archive.read(info)
+    check_pickle_cost(data, _PICKLE_AMPLIFICATION, _PICKLE_FLOOR, f"{path}: {info.filename}")
     try:
         return prefix, _StateDictUnpickler(io.BytesIO(data)).load()
     except UnsupportedDataError:
@@ -267,6 +276,7 @@ def _walk(obj: Any, path: str) -> list[tuple[str, _TensorRef]]:
             f"{path} holds a {type(obj).__name__}, not a state dict; save a dict of tensors"
         )
     found: list[tuple[str, _TensorRef]] = []
+    names: dict[str, tuple[str, ...]] = {}  # joined name -> its keys, to name a collision
     seen: dict[int, tuple[str, ...]] = {id(obj): ()}
     stack: list[tuple[tuple[str, ...], Iterator[tuple[Any, Any]]]] = [((), iter(dict.items(obj)))]
     while stack:  # not obj.items: a BUILD could have shadowed it
@@ -282,7 +292,14 @@ def _walk(obj: Any, path: str) -> list[tuple[str, _TensorRef]]:
         if isinstance(value, _TensorRef):
             if len(found) >= MAX_TENSORS:
                 raise UnsupportedDataError(f"{path}: over {MAX_TENSORS} tensors in one checkpoint")
-            found.append(("/".join(here), value))
+            joined = "/".join(here)
+            other = names.setdefault(joined, here)
+            if other is not here:
+                raise UnsupportedDataError(
+                    f"{path}: tensors {_keys(other)} and {_keys(here)} would both become {joined!r:.200} "
+                    "(a key holding '/' beside nested dicts); rename one of them"
+                )
+            found.append((joined, value))
         elif isinstance(value, dict):
             first = seen.setdefault(id(value), here)
             if first is not here:
@@ -304,6 +321,11 @@ def _walk(obj: Any, path: str) -> list[tuple[str, _TensorRef]]:
                 "without step counters, strings or optimizer state"
             )
     return found
+
+
+def _keys(parts: tuple[str, ...]) -> str:
+    """How the tensor is reached in the dict: ``['a']['b']``."""
+    return "".join(f"[{part!r}]" for part in parts)[:200]
 
 
 def _locate(
