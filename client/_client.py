@@ -332,10 +332,14 @@ class Client:
     def refresh(self, job: Job) -> Job:
         """``job``'s state now. A daemon gone since (killed, or stopped: its loads end with
         it) raises :class:`~shmcache.DaemonUnavailableError` saying so, not only that no
-        daemon answers, which reads as if the load had never begun."""
+        daemon answers, which reads as if the load had never begun. One that lives but does
+        not answer (paused, swamped; or one over TCP, which cannot be checked) raises the
+        error as it is: its load may go on."""
         try:
             return self.job(job.id)
         except DaemonUnavailableError as exc:
+            if self.socket_path is None or live_daemon(self.root) is not None:
+                raise
             raise DaemonUnavailableError(
                 f"the daemon stopped during the load of {job.key!r} (job {job.id}), which ended "
                 f"with it: nothing more of it will be published (`shmcache ls {job.key}` shows "

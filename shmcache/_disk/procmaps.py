@@ -35,9 +35,9 @@ class MappingScan:
     entries of a window it mapped, which is the truth about memory (the manifest's pages
     go only with the batch and its last mapping); a private writable array maps just its
     entry's pages."""
-    unreadable: int = 0
-    """Processes whose maps this process may not read (another user's, without
-    privileges): in a team root, other members' readers, which the scan cannot see."""
+    unreadable: list[int] = field(default_factory=list)
+    """PIDs whose maps this process may not read (another user's, without privileges):
+    in a team root, other members' readers, which the scan cannot see."""
 
     def pids_of(self, version: str) -> set[int]:
         """PIDs mapping ``version``: for an entry packed in its batch's manifest, those
@@ -62,7 +62,7 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
     pids_by_version: dict[str, set[int]] = defaultdict(set)
     packed: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     deleted_extent: dict[tuple[str, str], int] = {}
-    unreadable = 0
+    unreadable: list[int] = []
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except FileNotFoundError:  # no procfs: report nothing mapped
@@ -72,7 +72,7 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
             with open(f"/proc/{pid}/maps", "rb") as maps:
                 data = maps.read()
         except PermissionError:  # not ours to read
-            unreadable += 1
+            unreadable.append(pid)
             continue
         except OSError:  # exited meanwhile
             continue
