@@ -214,9 +214,13 @@ class FdChannel:
             if busy is not None:
                 _refuse(conn, DaemonBusyError(busy))
                 continue
-            threading.Thread(
-                target=self._serve, args=(conn, uid), name=f"shmcache-put-{uid}", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._serve, args=(conn, uid), name=f"shmcache-put-{uid}", daemon=True
+                ).start()
+            except RuntimeError:  # no thread left (a process or cgroup limit): this one waits
+                self._end_session(uid)
+                _refuse(conn, DaemonBusyError("the daemon cannot start a thread for this write now"))
 
     def _take_session(self, uid: int) -> str | None:
         """Count a session for ``uid``; why not where none is free (the member waits and
