@@ -20,7 +20,8 @@ from shmcache import CacheRootError, CorruptEntryError, KeyNotFoundError, Store
 from shmcache._disk import entry_tree, manifest
 from shmcache._disk.entry_tree import CRASH_ENV
 from shmcache._disk.layout import Layout
-from shmcache._disk.writer import VersionWriter
+from shmcache._disk.writer import STAGING_SUFFIX, VersionWriter
+from shmcache._store.maintenance import _STAGING_GRACE_S
 from shmcache._store.writing import publish, version_meta
 
 FILES = 300
@@ -120,6 +121,12 @@ def _assert_no_orphan(root: Path, count: int) -> None:
 def _check_whole_then_clean(root: Path, allowed: set[int]) -> int:
     before = _whole_value(root, allowed)
     Store(root).cleanup()
+    staged = [name for name in os.listdir(root / "tmp") if name.endswith(STAGING_SUFFIX)]
+    if staged:  # killed between creating its lock file and locking it: gone after the grace
+        for name in staged:
+            aged = time.time() - _STAGING_GRACE_S - 1
+            os.utime(root / "tmp" / name, (aged, aged))
+        Store(root).cleanup()
     after = _whole_value(root, allowed)
     assert after == before, "cleanup changed what readers see"
     assert os.listdir(root / "tmp") == []  # nothing of the dead writer is left
