@@ -32,6 +32,7 @@ __all__ = [
     "User",
     "as_user",
     "become",
+    "forked_as",
     "groups_of",
     "made_users",
     "real_team",
@@ -264,6 +265,31 @@ def as_user(user: User, fn: Callable[..., Any], *args: Any, groups: list[int] | 
     if kind == "raised":
         raise value
     return value
+
+
+def forked_as(
+    user: User, work: Callable[[int, int], None], *, close: tuple[int, ...] = ()
+) -> tuple[int, int, int]:
+    """Fork a child that runs ``work(report_fd, hold_fd)`` as ``user`` (exit status 0 if it
+    returned): ``(pid, read end of its reports, write end whose closing releases its
+    hold_fd)``. ``close``: the parent's descriptors of other children (their release
+    ends) that this one must not keep open, or they would never see EOF."""
+    report_r, report_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child process
+        code = 1
+        try:
+            for fd in (report_r, hold_w, *close):
+                os.close(fd)
+            become(user)
+            work(report_w, hold_r)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(report_w)
+    os.close(hold_r)
+    return pid, report_r, hold_w
 
 
 class TeamDaemon:

@@ -12,11 +12,11 @@ import os
 import select
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from team_helpers import Team, TeamDaemon, User, as_user, become, team_in_env
+from team_helpers import Team, TeamDaemon, as_user, forked_as, team_in_env
 
 import shmcache
 from shmcache._store.fd_messages import FDS_SOCKET
@@ -32,29 +32,7 @@ def team() -> Iterator[Team]:
             assert daemon.stop() == 0
 
 
-def _child(user: User, work: object, others: tuple[int, ...] = ()) -> tuple[int, int, int]:
-    """Fork a child running as ``user`` that runs ``work(report_fd, hold_fd)``:
-    ``(pid, read end of its reports, write end that releases it when closed)``; ``others``:
-    descriptors of other children the child must not keep open (a release end)."""
-    report_r, report_w = os.pipe()
-    hold_r, hold_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child process
-        code = 1
-        try:
-            for fd in (report_r, hold_w, *others):
-                os.close(fd)
-            become(user)
-            work(report_w, hold_r)  # type: ignore[operator]
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(report_w)
-    os.close(hold_r)
-    return pid, report_r, hold_w
-
-
-def _holder(root: str, count: int) -> object:
+def _holder(root: str, count: int) -> Callable[[int, int], None]:
     """Connect ``count`` times to the daemon's write socket, say how many connections it
     kept (a refused one has its answer waiting and is closed), hold them until released."""
 
@@ -76,7 +54,7 @@ def _put(team: str, key: str) -> int | None:
     return shmcache.put_array(key, np.arange(1000), team=team, overwrite=True).owner_uid
 
 
-def _putter(team: str, key: str) -> object:
+def _putter(team: str, key: str) -> Callable[[int, int], None]:
     def work(report: int, hold: int) -> None:
         try:
             outcome = f"ok {_put(team, key)}"
@@ -90,14 +68,15 @@ def _putter(team: str, key: str) -> object:
 def test_a_member_holding_many_connections_leaves_the_others_room_and_their_own_writes_wait(
     team: Team,
 ) -> None:
-    holder, holder_report, release = _child(team.a, _holder(str(team.root), 64))
+    holder, holder_report, release = forked_as(team.a, _holder(str(team.root), 64))
     putter = None
     try:
         kept = int(os.read(holder_report, 64).decode())
         assert kept == 16, kept  # a member's share of the daemon's 64 sessions
         assert as_user(team.b, _put, team.name, "b/x") == team.b.uid  # another member: room
 
-        putter, putter_report, _ = _child(team.a, _putter(team.name, "a/x"), others=(release, holder_report))
+        others = (release, holder_report)  # the putter must not hold the holder's release end
+        putter, putter_report, _ = forked_as(team.a, _putter(team.name, "a/x"), close=others)
         time.sleep(1.0)
         waiting, _, _ = select.select([putter_report], [], [], 0)
         assert not waiting, os.read(putter_report, 4096)  # no refusal: it waits for its turn

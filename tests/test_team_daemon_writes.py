@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from shmcache.client import Client
-from team_helpers import Team, TeamDaemon, User, as_user, become, team_in_env
+from team_helpers import Team, TeamDaemon, User, as_user, become, forked_as, team_in_env
 from typer.testing import CliRunner
 
 import shmcache
@@ -141,28 +141,18 @@ def test_members_put_through_the_daemon_and_read_each_others_entries(team: Team,
 
 
 def _hold_mapped(user: User, team: str, key: str) -> tuple[int, int]:
-    """A forked child running as ``user`` that maps ``key`` and holds it until its stdin
-    pipe closes: ``(pid, write end)``, once it maps it."""
-    ready_r, ready_w = os.pipe()
-    hold_r, hold_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child process
-        code = 1
-        try:
-            os.close(ready_r)
-            os.close(hold_w)
-            become(user)
-            array = shmcache.open_array(key, team=team)
-            os.write(ready_w, b"1" if array.size else b"0")
-            os.read(hold_r, 1)  # until the test closes its end
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(hold_r)
-    assert os.read(ready_r, 1) == b"1"
-    os.close(ready_r)
-    return pid, hold_w
+    """A child running as ``user`` that maps ``key`` and holds it until released:
+    ``(pid, write end that releases it when closed)``, once it maps it."""
+
+    def hold(report: int, release: int) -> None:
+        array = shmcache.open_array(key, team=team)
+        os.write(report, b"1" if array.size else b"0")
+        os.read(release, 1)
+
+    pid, reports, release = forked_as(user, hold)
+    assert os.read(reports, 1) == b"1"
+    os.close(reports)
+    return pid, release
 
 
 def test_ls_says_that_mapped_by_lists_a_members_own_processes_only(team: Team, daemon: TeamDaemon) -> None:
