@@ -129,10 +129,11 @@ def test_table_files_of_no_row_are_empty_tables(store: shmcache.Store, tmp_path:
     jsonl file" with pyarrow (an empty table without it): an empty table. put_file and
     put_table of the path alike."""
     (tmp_path / "h.csv").write_text("a,b\n")
+    (tmp_path / "n.csv").write_text("a,b")  # no newline: pyarrow finds no line at all
     (tmp_path / "e.jsonl").write_text("")
     (tmp_path / "b.jsonl").write_text("\n\n")
     pq.write_table(pa.table({"a": pa.array([], pa.int64())}), tmp_path / "e.parquet")
-    expected = {"h.csv": ["a", "b"], "e.jsonl": [], "b.jsonl": [], "e.parquet": ["a"]}
+    expected = {"h.csv": ["a", "b"], "n.csv": ["a", "b"], "e.jsonl": [], "b.jsonl": [], "e.parquet": ["a"]}
     for name, columns in expected.items():
         for key, put in (("f", store.put_file), ("t", store.put_table)):
             put(key, tmp_path / name, overwrite=True)

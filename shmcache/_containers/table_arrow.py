@@ -9,6 +9,7 @@ bits on the way (they are stored one byte per value so ``column()`` is a numpy b
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -389,10 +390,28 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
     try:
         return _rowless_as_strings(pa, read(fp))
     except pa.ArrowInvalid as exc:  # a row or line longer than a block (1 MiB): one block
+        if suffix == ".csv" and "Empty CSV" in str(exc):
+            return _rowless_as_strings(pa, read(_header_line(fp, exc)))
         if not is_straddling_error(exc):
             raise
     fp.seek(0)
     return _rowless_as_strings(pa, read(fp, read_options=reader.ReadOptions(block_size=_whole_block(fp))))
+
+
+_ONE_LINE_MAX = 1 << 20
+"""The largest header-only CSV without a newline read to add one (pyarrow's block)."""
+
+
+def _header_line(fp: IO[bytes], exc: Exception) -> IO[bytes]:
+    """A CSV file of one line with no newline (a header saved by hand, or by a tool that
+    ends no line), which pyarrow finds empty, with its newline; else ``exc`` again."""
+    if _file_size(fp) > _ONE_LINE_MAX:
+        raise exc
+    fp.seek(0)
+    line = fp.read()
+    if not line.strip() or b"\n" in line or b"\r" in line:
+        raise exc
+    return io.BytesIO(line + b"\n")
 
 
 def _rowless_as_strings(pa: Any, table: Any) -> Any:

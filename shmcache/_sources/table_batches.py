@@ -368,7 +368,7 @@ def _opened(pa: Any, open_reader: Callable[..., Any], source: Any, options: Any 
     try:
         return open_reader(source) if options is None else open_reader(source, read_options=options)
     except pa.ArrowInvalid as exc:
-        if is_straddling_error(exc) or "Empty JSON" in str(exc):  # (no line at all: read whole)
+        if is_straddling_error(exc) or "Empty JSON" in str(exc) or "Empty CSV" in str(exc):  # no line: whole
             raise ChangedLayout(str(exc)) from None
         raise
 
