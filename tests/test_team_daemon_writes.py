@@ -8,6 +8,8 @@ users cannot be made. Children import nothing new: what they run is imported her
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import shutil
 import signal
@@ -38,6 +40,7 @@ from shmcache._store.fd_messages import FDS_SOCKET, recv_message, send_message
 KiB = 1 << 10
 QUOTA = 512 * KiB
 RUNNER = CliRunner()
+_PR_SET_DUMPABLE = 4
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,9 @@ def _hold_mapped(user: User, team: str, key: str) -> tuple[int, int]:
     ``(pid, write end that releases it when closed)``, once it maps it."""
 
     def hold(report: int, release: int) -> None:
+        # as a login's process is: one that changed its uid is not dumpable, and then even
+        # its own user may not read its /proc/PID/maps
+        ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
         array = shmcache.open_array(key, team=team)
         os.write(report, b"1" if array.size else b"0")
         os.read(release, 1)
@@ -168,6 +174,12 @@ def test_ls_says_that_mapped_by_lists_a_members_own_processes_only(team: Team, d
         code, out = _cli("--team", team.name, "ls", "a/held")
         table, _, notice = out.partition("notice:")
         assert code == 0 and (str(pid) in table or "MAPPED BY lists only" in notice), out
+        # info scans here too (the daemon, another account, may not read a member's maps)
+        code, out = as_user(team.b, _cli, "--team", team.name, "info", "a/held")
+        assert code == 0 and json.loads(out.partition("notice:")[0])["mapped_by"] == [pid], out
+        code, out = as_user(team.a, _cli, "--team", team.name, "info", "a/held")
+        detail, _, notice = out.partition("notice:")
+        assert json.loads(detail)["mapped_by"] == [] and "1 process of other members" in notice, out
     finally:
         os.close(hold)
         os.waitpid(pid, 0)

@@ -449,14 +449,16 @@ def _note_hidden_mappers(root: Path, mapped: MappingScan) -> None:
     if readers:
         typer.echo(
             f"notice: MAPPED BY lists only the processes whose /proc/PID/maps you may read: "
-            f"{len(readers)} processes of other members could not be read, and may map these entries",
+            f"{len(readers)} {'process' if len(readers) == 1 else 'processes'} of other members could "
+            "not be read, and may map these entries",
             err=True,
         )
 
 
 def _a_member(pid: int, owner: int, gid: int) -> bool:
-    """Whether process ``pid`` runs with group ``gid`` and not as ``owner``
-    (``/proc/PID/status`` is readable where its maps are not); False where it is gone."""
+    """Whether process ``pid`` runs with group ``gid``, as neither ``owner`` nor root (a
+    ``runuser``/``sudo`` wrapper keeps the group it started with: not a member's reader;
+    ``/proc/PID/status`` is readable where its maps are not); False where it is gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as fp:
             fields = dict(line.split(b":", 1) for line in fp.read().splitlines() if b":" in line)
@@ -464,7 +466,8 @@ def _a_member(pid: int, owner: int, gid: int) -> bool:
         return False
     uids = fields.get(b"Uid", b"").split()
     groups = fields.get(b"Gid", b"").split()[:1] + fields.get(b"Groups", b"").split()
-    return str(owner).encode() not in uids[:2] and str(gid).encode() in groups
+    ids = set(uids[:2])
+    return not ids & {str(owner).encode(), b"0"} and str(gid).encode() in groups
 
 
 def info(
@@ -474,8 +477,12 @@ def info(
 ) -> None:
     """Show one entry's metadata as JSON, with mapped_by: PIDs of live processes mapping it."""
     with open_backend(root, local) as control, failures_exit_1():
-        detail: dict[str, Any] = {**asdict(control.info(key)), "mapped_by": control.mapped_by(key)}
+        found = control.info(key)
+    # Scanned here, as ``ls`` does: a team's daemon may not read its members' /proc/PID/maps.
+    mapped = _mapped_by(root)
+    detail: dict[str, Any] = {**asdict(found), "mapped_by": sorted(mapped.pids_of(found.version))}
     typer.echo(json.dumps(detail, indent=1))
+    _note_hidden_mappers(local_store(root).root, mapped)
 
 
 # ---------------------------------------------------------------------- remove, maintain
