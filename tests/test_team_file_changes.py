@@ -51,3 +51,19 @@ def test_a_budget_the_teams_file_did_not_set_stays_when_the_file_sets_none() -> 
         _start_and_stop(team)
         record = read_budget(Layout(team.root))
         assert record is not None and (record.max_bytes, record.set_by) == (16 * MiB, "shmcache budget set")
+
+
+def test_doctor_warns_that_a_teams_daemon_is_down() -> None:
+    """Reads need no daemon, but a member's every write does: a team root without its
+    daemon is a warning naming the fix, not "no daemon (optional)"."""
+    import json
+
+    from cli_helpers import cli
+
+    with team_in_env() as team:
+        _start_and_stop(team)  # makes the root; the daemon is down now
+        _, out, _ = cli("--team", team.name, "doctor", "--json")
+        checks = {check["name"]: check for check in json.loads(out)["checks"]}
+        daemon = checks["daemon"]
+        assert daemon["status"] == "warn", daemon
+        assert "put" in daemon["summary"] and f"shmcache-team@{team.name}" in daemon["fix"], daemon

@@ -210,15 +210,24 @@ def _check_root(root: Path, owner: tuple[int, int] | None = None) -> Check:
     return Check("root", "ok", f"{root}: yours, mode {mode:04o}", "", details)
 
 
-def _check_daemon(root: Path, socket_path: Path) -> tuple[Check, StoreStats | None]:
+def _check_daemon(root: Path, socket_path: Path, team: str | None = None) -> tuple[Check, StoreStats | None]:
     """The daemon's health, and its stats (budget included) when it answers. A daemon that
-    holds the root's pid file locked lives, even when it does not answer: that fails."""
+    holds the root's pid file locked lives, even when it does not answer: that fails. A
+    team's root is written through its daemon alone: none there is a warning."""
     details: dict[str, Any] = {"socket": str(socket_path)}
-    none = Check(
-        "daemon", "ok",
-        f"no daemon on {socket_path} (optional: reads never need it; `shmcache serve` shares loads)",
-        "", details,
-    ), None
+    if team is not None:
+        none = Check(
+            "daemon", "warn",
+            f"team {team}'s daemon is not running ({socket_path}): reads work, but every put, "
+            "cache() and evict of a member fails until it runs",
+            f"ask an administrator to start it (systemctl start shmcache-team@{team})", details,
+        ), None
+    else:
+        none = Check(
+            "daemon", "ok",
+            f"no daemon on {socket_path} (optional: reads never need it; `shmcache serve` shares loads)",
+            "", details,
+        ), None
     if not os.path.exists(socket_path) and not os.path.exists(Layout(root).pid_file):
         return none
     try:  # httpx: only when there is a socket or a pid file to probe
@@ -454,7 +463,7 @@ def run_checks(root: Path, socket_path: Path | None = None, team: str | None = N
         _check_logout(store.root),
     ]
     daemon, daemon_stats = _check_daemon(
-        store.root, socket_path if socket_path is not None else store.layout.socket
+        store.root, socket_path if socket_path is not None else store.layout.socket, team
     )
     checks.append(daemon)
     stats, unreadable = (daemon_stats, None) if daemon_stats is not None else _root_stats(store)
