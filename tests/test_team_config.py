@@ -134,10 +134,11 @@ def test_no_teams_file_is_an_unknown_team(monkeypatch: pytest.MonkeyPatch) -> No
         load_team("vision")
 
 
-def _refused(words: str) -> None:
+def _refused(words: str) -> str:
     with pytest.raises(CacheRootError) as caught:
         load_team("vision")
     assert words in str(caught.value), str(caught.value)
+    return str(caught.value)
 
 
 def test_a_teams_file_owned_by_a_member_is_refused(trusted: TeamsDir) -> None:
@@ -158,7 +159,9 @@ def test_a_teams_file_under_a_writable_directory_is_refused(trusted: TeamsDir) -
     _ids()
     trusted.write(team_toml("vision", group=GROUP, owner=OWNER))
     os.chmod(trusted.path, 0o1777)  # as /tmp and /dev/shm are: anyone may add a file there
-    _refused("can write to it")
+    message = _refused("can write to it")
+    # the fix is to move the file, never to chmod a shared directory such as /tmp
+    assert "chmod" not in message and "move the teams file" in message, message
 
 
 def test_a_teams_file_under_a_directory_of_a_member_is_refused(trusted: TeamsDir) -> None:

@@ -143,7 +143,8 @@ class MemberWriter:
             raise DaemonUnavailableError(
                 f"no daemon takes writes for {self.root} ({path}: {exc.strerror}); a team's root is "
                 "written only through its daemon: ask the administrator to start it "
-                "(`shmcache serve --team NAME`)"
+                f"(`shmcache serve --team {self.team or 'NAME'}`, or systemctl start "
+                f"shmcache-team@{self.team or 'NAME'})"
             ) from None
         except PermissionError:
             sock.close()

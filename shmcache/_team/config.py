@@ -146,8 +146,13 @@ def _refuse_unless_root_only(path: Path, st: os.stat_result, what: str) -> None:
     if mode & _WRITABLE_BY_OTHERS:
         raise CacheRootError(
             f"{shown} is mode {mode:04o}: users other than root can write to it, so the teams file "
-            f"is not trusted; keep it where only root can write (chmod go-w {path}), not under /tmp "
-            "or /dev/shm"
+            "is not trusted; "
+            + (
+                f"keep it where only root can write (chmod go-w {path})"
+                if what == "teams file"
+                else "move the teams file to a directory only root can write (e.g. "
+                "/etc/shmcache/teams.toml), not under /tmp or /dev/shm, whose modes must stay as they are"
+            )
         )
 
 
