@@ -150,15 +150,9 @@ def column_stream(column: Any) -> ColumnStream | None:
         desc, part = list_description(dtype, None), "values"
     else:
         return None
-    items, item = 0, np.dtype(wide)
+    items = 0
     for chunk in chunks:
-        count, buffers = len(chunk), chunk.buffers()
-        offsets = _view(buffers[1], item, chunk.offset, count + 1)
-        data = buffers[3 if nested else 2]
-        limit = len(chunk.values) if nested else data.size if data is not None else 0
-        start, stop = int(offsets[0]), int(offsets[count])
-        if start < 0 or stop > limit or stop < start:
-            check_offsets(offsets, limit)
+        _, _, start, stop = _chunk_offsets(chunk, np.dtype(wide), nested)
         items += stop - start
     files: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {
         part: (dtype, (items,)),
@@ -194,6 +188,21 @@ def _view(buffer: Any, dtype: np.dtype[Any], start: int, count: int) -> np.ndarr
         ) from None
 
 
+def _chunk_offsets(chunk: Any, kind: np.dtype[Any], nested: bool) -> tuple[np.ndarray, Any, int, int]:
+    """A string or list chunk's offsets (a view), its data buffer (strings' bytes, or a
+    list's child values), and its first and last offset, checked to lie within that data
+    and in order (:func:`check_offsets`, the whole pass only where its ends are wrong:
+    the order inside is checked once rebased); one ``buffers()`` call."""
+    count, buffers = len(chunk), chunk.buffers()
+    offsets = _view(buffers[1], kind, chunk.offset, count + 1)
+    data = buffers[3 if nested else 2]
+    start, stop = int(offsets[0]), int(offsets[count])
+    limit = len(chunk.values) if nested else data.size if data is not None else 0
+    if start < 0 or stop > limit or stop < start:
+        check_offsets(offsets, limit)
+    return offsets, data, start, stop
+
+
 def _offsets_and_ranges(
     chunks: list[Any], wide: type[np.signedinteger[Any]], dtype: np.dtype[Any], nested: bool
 ) -> tuple[np.ndarray, ArrayParts]:
@@ -221,17 +230,12 @@ def rebased_offsets(
     last offset is the next one's first)."""
     rows = sum(len(c) for c in chunks)
     out = np.empty(rows + close, dtype=np.int64)
-    kind, data_index = np.dtype(wide), 3 if nested else 2
+    kind = np.dtype(wide)
     parts, row = [], 0
     strings: list[tuple[np.ndarray, Any]] = []  # UTF-8 checked once the offsets are known good
     for chunk in chunks:
         count = len(chunk)
-        buffers = chunk.buffers()
-        offsets = _view(buffers[1], kind, chunk.offset, count + 1)
-        data = buffers[data_index]
-        start, stop = int(offsets[0]), int(offsets[count])
-        if start < 0 or stop > (len(chunk.values) if nested else data.size if data is not None else 0):
-            check_offsets(offsets, len(chunk.values) if nested else data.size if data is not None else 0)
+        offsets, data, start, stop = _chunk_offsets(chunk, kind, nested)
         if not nested:
             strings.append((offsets, data))
         # in int64: past 2 GiB of earlier chunks the shift no longer fits an int32 chunk's offsets
