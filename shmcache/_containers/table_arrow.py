@@ -40,6 +40,7 @@ __all__ = [
     "column_errors",
     "encode_table",
     "encode_table_parts",
+    "is_no_line_error",
     "is_straddling_error",
     "nullable_schema",
     "read_arrow_table",
@@ -230,6 +231,13 @@ def is_straddling_error(exc: BaseException) -> bool:
     return "straddl" in str(exc)
 
 
+def is_no_line_error(exc: BaseException) -> bool:
+    """Whether pyarrow's CSV/JSON reader found no line at all ("Empty CSV file or block",
+    "Empty JSON file"): an empty file, or one line without its newline, which the whole
+    read then decides on."""
+    return "Empty CSV" in str(exc) or "Empty JSON" in str(exc)
+
+
 def arrow_column(array: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One Arrow array (a whole column, or one chunk of it: ``table_stream``) as a table
     column's files and description; :class:`NotTabular` for a type a table cannot hold.
@@ -390,7 +398,7 @@ def _read_with_arrow(pa: Any, fp: IO[bytes], suffix: str) -> Any:
     try:
         return _rowless_as_strings(pa, read(fp))
     except pa.ArrowInvalid as exc:  # a row or line longer than a block (1 MiB): one block
-        if suffix == ".csv" and "Empty CSV" in str(exc):
+        if suffix == ".csv" and is_no_line_error(exc):
             return _rowless_as_strings(pa, read(_header_line(fp, exc)))
         if not is_straddling_error(exc):
             raise

@@ -21,7 +21,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._containers.table_arrow import check_dictionaries, is_straddling_error, nullable_schema
+from .._containers.table_arrow import (
+    check_dictionaries,
+    is_no_line_error,
+    is_straddling_error,
+    nullable_schema,
+)
 from .._containers.table_stream import ChangedLayout, TableAppender
 from .._disk.array_parts import FileArray
 from .._disk.npy import NpyHeader
@@ -368,7 +373,7 @@ def _opened(pa: Any, open_reader: Callable[..., Any], source: Any, options: Any 
     try:
         return open_reader(source) if options is None else open_reader(source, read_options=options)
     except pa.ArrowInvalid as exc:
-        if is_straddling_error(exc) or "Empty JSON" in str(exc) or "Empty CSV" in str(exc):  # no line: whole
+        if is_straddling_error(exc) or is_no_line_error(exc):  # (no line at all: read whole)
             raise ChangedLayout(str(exc)) from None
         raise
 
