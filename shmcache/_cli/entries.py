@@ -434,18 +434,15 @@ def list_command(
 
 def _note_hidden_mappers(root: Path, mapped: MappingScan) -> None:
     """In a root others read (a team's), say that MAPPED BY lists only the processes whose
-    maps this user may read: an empty cell there is not "nobody reads it". Counted: the
-    hidden processes of the root's group (other members'), not every other user's, nor
-    its owner's (the daemon, which maps entries only for a moment). Root may be refused
-    too: a process that changed its uid is not dumpable, and a container may drop
-    CAP_SYS_PTRACE."""
+    maps this user may read (even root's may be refused: a process that changed its uid is
+    not dumpable): an empty cell there is not "nobody reads it"."""
     try:
         st = os.stat(root)
     except OSError:
         return
     if st.st_uid == os.geteuid():
         return
-    readers = [pid for pid in mapped.unreadable if _a_member(pid, st.st_uid, st.st_gid)]
+    readers = mapped.hidden_members(st.st_uid, st.st_gid)
     if readers:
         typer.echo(
             f"notice: MAPPED BY lists only the processes whose /proc/PID/maps you may read: "
@@ -453,21 +450,6 @@ def _note_hidden_mappers(root: Path, mapped: MappingScan) -> None:
             "not be read, and may map these entries",
             err=True,
         )
-
-
-def _a_member(pid: int, owner: int, gid: int) -> bool:
-    """Whether process ``pid`` runs with group ``gid``, as neither ``owner`` nor root (a
-    ``runuser``/``sudo`` wrapper keeps the group it started with: not a member's reader;
-    ``/proc/PID/status`` is readable where its maps are not); False where it is gone."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as fp:
-            fields = dict(line.split(b":", 1) for line in fp.read().splitlines() if b":" in line)
-    except OSError:
-        return False
-    uids = fields.get(b"Uid", b"").split()
-    groups = fields.get(b"Gid", b"").split()[:1] + fields.get(b"Groups", b"").split()
-    ids = set(uids[:2])
-    return not ids & {str(owner).encode(), b"0"} and str(gid).encode() in groups
 
 
 def info(

@@ -39,6 +39,13 @@ class MappingScan:
     """PIDs whose maps this process may not read (another user's, without privileges):
     in a team root, other members' readers, which the scan cannot see."""
 
+    def hidden_members(self, owner: int, gid: int) -> list[int]:
+        """The :attr:`unreadable` processes that run with group ``gid`` (a team root's: its
+        members'), as neither ``owner`` (the daemon) nor root (a ``runuser``/``sudo``
+        wrapper keeps the group it started with: not a member's reader). Their
+        ``/proc/PID/status`` is readable where their maps are not."""
+        return [pid for pid in self.unreadable if _runs_as_member(pid, owner, gid)]
+
     def pids_of(self, version: str) -> set[int]:
         """PIDs mapping ``version``: for an entry packed in its batch's manifest, those
         whose mapping of the manifest covers its bytes."""
@@ -97,6 +104,19 @@ def scan_mappings(objects_dir: Path) -> MappingScan:
                 ident = (fields[3], fields[4])  # device, inode
                 deleted_extent[ident] = max(deleted_extent.get(ident, 0), end - start)
     return MappingScan(dict(pids_by_version), sum(deleted_extent.values()), dict(packed), unreadable)
+
+
+def _runs_as_member(pid: int, owner: int, gid: int) -> bool:
+    """Whether process ``pid`` has group ``gid`` and runs as neither ``owner`` nor root;
+    False where it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fp:
+            fields = dict(line.split(b":", 1) for line in fp.read().splitlines() if b":" in line)
+    except OSError:
+        return False
+    uids = set(fields.get(b"Uid", b"").split()[:2])  # real, effective
+    groups = fields.get(b"Gid", b"").split()[:1] + fields.get(b"Groups", b"").split()
+    return not uids & {str(owner).encode(), b"0"} and str(gid).encode() in groups
 
 
 def mapped_versions(objects_dir: Path) -> dict[str, set[int]]:
