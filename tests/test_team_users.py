@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from shmcache.client import Client
-from team_helpers import Team, TeamDaemon, User, as_user, become, real_team
+from team_helpers import Team, TeamDaemon, User, as_user, forked_as, real_team
 from typer.testing import CliRunner
 
 import shmcache
@@ -169,23 +169,14 @@ def test_a_team_and_a_root_together_are_refused(team: Team, daemon: TeamDaemon) 
 def _hold_open(user: User, name: str) -> tuple[int, int, int]:
     """A child, as ``user``, that maps ``big`` of the team, touches every page and waits
     for a byte on its pipe: (pid, the pipe to write to, the pipe it answers on)."""
-    to_child_r, to_child_w = os.pipe()
-    from_child_r, from_child_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child process
-        code = 1
-        try:
-            become(user)
-            array = shmcache.open_array("big", team=name)
-            total = float(array.sum())
-            os.write(from_child_w, f"{total}\n".encode())
-            os.read(to_child_r, 1)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(to_child_r)
-    os.close(from_child_w)
-    return pid, to_child_w, from_child_r
+
+    def hold(answer: int, wait: int) -> None:
+        array = shmcache.open_array("big", team=name)
+        os.write(answer, f"{float(array.sum())}\n".encode())
+        os.read(wait, 1)
+
+    pid, answers, tell = forked_as(user, hold)
+    return pid, tell, answers
 
 
 def _pss_of(pid: int, suffix: str) -> int:
