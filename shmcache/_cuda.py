@@ -28,6 +28,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -450,14 +451,16 @@ def cuda_view(array_or_key: np.ndarray | str, device: Any = None, *, root: Root 
     return _alias(pinned, resolved)
 
 
-def cuda_views(keys: list[str], device: Any = None, *, root: Root = None) -> list[torch.Tensor] | None:
-    """A :func:`cuda_view` of each key, or None (nothing held) if any of them could not
-    be registered: the caller then gathers through a pinned staging buffer."""
+def cuda_views(
+    arrays_or_keys: Sequence[np.ndarray | str], device: Any = None, *, root: Root = None
+) -> list[torch.Tensor] | None:
+    """A :func:`cuda_view` of each cached array (or key), or None (nothing held) if any of
+    them could not be registered: the caller then gathers through a pinned staging buffer."""
     resolved = cuda_device(device, "cuda_views")
     pins: list[Pinned] = []
     try:
-        for key in keys:
-            pins.append(pin(key, root=root, device=resolved))
+        for array_or_key in arrays_or_keys:
+            pins.append(pin(array_or_key, root=root, device=resolved))
     except BaseException:
         for held in pins:
             held.release()

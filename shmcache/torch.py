@@ -50,10 +50,11 @@ from ._cuda import (
     to_cuda,
 )
 from ._disk.attach import private_view
-from ._disk.dtypes import ML_DTYPES as _ML_DTYPES
+from ._disk.dtypes import ml_name
+from ._disk.mapped import origin_of
 from ._tensors import open_state_dict, tensor_of
 from ._tokens import TokenWindows
-from .errors import MappingRefusedError, UnsupportedDataError
+from .errors import KeyNotFoundError, MappingRefusedError, UnsupportedDataError
 
 __all__ = [
     "CachedDataset",
@@ -120,6 +121,11 @@ def _positions(indices: Sequence[int]) -> torch.Tensor:
     return torch.as_tensor(indices, dtype=torch.long)
 
 
+def _version_of(array: np.ndarray) -> str | None:
+    found = origin_of(array)
+    return None if found is None else found[0][1]
+
+
 _forks = 0
 """How many forks led to this process: a dataset maps its columns again when it changes."""
 
@@ -137,7 +143,9 @@ class CachedDataset(Dataset[Any]):
 
     ``CachedDataset("feats", "labels")`` yields ``(feats[i], labels[i])``;
     ``CachedDataset({"x": "feats", "y": "labels"})`` yields ``{"x": ..., "y": ...}``.
-    It pickles as its keys (under 1 KiB) and maps the entries lazily in each worker.
+    It pickles as its keys and the versions it was sized from (under 1 KiB) and maps those
+    versions lazily in each worker: a later put under a key never reaches its workers
+    (``KeyNotFoundError`` once that version is gone; make a new dataset for new data).
     Batches are gathered with one fancy index per array (``__getitems__``); pass
     ``collate_fn=shmcache.torch.collate`` to use them without a second copy.
     ``team="vision"`` reads that team's root (``docs/team.md``) instead of ``root``.
@@ -171,13 +179,17 @@ class CachedDataset(Dataset[Any]):
         self._tensors: list[torch.Tensor] = []
         self._copy_rows = False
         self._huge_pages = bool(huge_pages)
-        if self._huge_pages:  # collapse the pages now, once, before workers map them
-            lengths = {len(column) for column in self._columns()}
-        else:
-            lengths = {len(self._store().open_array(k, raw=True)) for k in self._keys}
+        store = self._store()
+        arrays = [store.open_array(k, raw=True) for k in self._keys]
+        # The versions the length comes from: every process reads these, never a later
+        # put under the same key (other rows, other length, another key's older rows).
+        self._versions = [_version_of(array) for array in arrays]
+        lengths = {len(array) for array in arrays}
         if len(lengths) != 1:
             raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
         self._length = lengths.pop()
+        if self._huge_pages:  # collapse the pages now, once, before workers map them
+            self._columns()
 
     def _store(self) -> Any:
         return get_store(self._root, team=self._team)
@@ -187,21 +199,52 @@ class CachedDataset(Dataset[Any]):
         # which is a system call on every row.
         if self._fork != _forks:
             store = self._store()
+            inherited, copied = self._tensors, self._copy_rows
             self._copy_rows = False
-            self._tensors = [self._column(store, k) for k in self._keys]
+            try:
+                pinned = zip(self._keys, self._versions, strict=True)
+                self._tensors = [self._column(store, key, version) for key, version in pinned]
+            except KeyNotFoundError as exc:
+                if not inherited:
+                    raise self._version_gone(exc) from None
+                self._tensors, self._copy_rows = inherited, copied  # a fork still maps its parent's
             self._fork = _forks
         return self._tensors
 
-    def _column(self, store: Any, key: str) -> torch.Tensor:
+    def _column(self, store: Any, key: str, version: str | None) -> torch.Tensor:
+        huge = self._huge_pages
         try:
-            if self._huge_pages:
-                return tensor_of(store.open_private_array(key, huge_pages=True))
-            return tensor_of(store.open_private_array(key))
+            if version is None:  # not a shmcache mapping (cannot happen for a put entry)
+                return tensor_of(store.open_private_array(key, huge_pages=huge))
+            return tensor_of(store.open_array_version(key, version, private=True, huge_pages=huge))
         except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
             self._copy_rows = True
+            if version is None:
+                shared = store.open_array(key, raw=True)
+            else:
+                shared = store.open_array_version(key, version)
             with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
                 warnings.simplefilter("ignore", UserWarning)
-                return tensor_of(store.open_array(key))
+                return tensor_of(shared)
+
+    def _shared_arrays(self) -> list[np.ndarray]:
+        """The read-only arrays of the dataset's versions (bfloat16/float8 as their bits)."""
+        store = self._store()
+        try:
+            return [
+                store.open_array(k, raw=True) if v is None else store.open_array_version(k, v)
+                for k, v in zip(self._keys, self._versions, strict=True)
+            ]
+        except KeyNotFoundError as exc:
+            raise self._version_gone(exc) from None
+
+    def _version_gone(self, exc: KeyNotFoundError) -> KeyNotFoundError:
+        return KeyNotFoundError(
+            f"CachedDataset over {self._keys}: {exc} since the dataset was made (its "
+            f"{self._length} rows came from that version, so it reads no other); make a new "
+            "CachedDataset to read the current version, or keep the version the workers "
+            "mapped with DataLoader(..., persistent_workers=True)"
+        )
 
     def _pack(self, values: Sequence[torch.Tensor]) -> Any:
         if self._names is not None:
@@ -229,12 +272,14 @@ class CachedDataset(Dataset[Any]):
             "_root": self._root,
             "_team": self._team,
             "_length": self._length,
+            "_versions": self._versions,
             "_huge_pages": self._huge_pages,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._team = None  # pickled before teams existed
         self._huge_pages = False  # or before huge pages
+        self._versions = [None] * len(state["_keys"])  # or before versions were kept
         self.__dict__.update(state)
         self._fork = -1
         self._tensors = []
@@ -283,13 +328,12 @@ class GPULoader:
             resolved = cuda_device(resolved, "GPULoader")
         elif resolved.type != "cpu":
             raise ValueError(f"GPULoader runs on a CUDA device or on 'cpu', not {resolved}")
-        store = dataset._store()
         self._bits_columns = False
-        for key in dataset._keys:
-            if store.info(key).dtype in _ML_DTYPES:  # bfloat16/float8: its raw bits on disk
+        for key, shared in zip(dataset._keys, dataset._shared_arrays(), strict=True):
+            dtype = shared.dtype
+            if ml_name(dtype) is not None:  # bfloat16/float8: its raw bits on disk
                 self._bits_columns = True
                 continue
-            dtype = store.open_array(key).dtype
             if dtype.fields is not None or dtype.kind not in "biufc":
                 raise UnsupportedDataError(
                     f"GPULoader gathers numeric array columns; column {key!r} has dtype {dtype} "
@@ -332,7 +376,7 @@ class GPULoader:
                 # bfloat16/float8 columns: gathered as tensors of their dtype, then staged
                 registrable = self.dataset._team is None and not self._bits_columns
                 if registrable and read_only_registration_supported(self.device):
-                    views = cuda_views(self.dataset._keys, self.device, root=self.dataset._root)
+                    views = cuda_views(self.dataset._shared_arrays(), self.device, root=self.dataset._root)
                 self._staged = views is None
                 self._columns = self.dataset._columns() if views is None else views
         return self._columns

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._disk.attach import WRITABLE, attach_array
+from .._disk.attach import COPY_ON_WRITE, WRITABLE, attach_array
 from .._disk.dtypes import for_numpy, raw_bits
 from .._disk.generations import CHANGING, map_generations
 from .._disk.keys import validate_key
@@ -157,6 +157,24 @@ class Reader:
             except (CorruptEntryError, ValueError, TypeError) as exc:
                 _raise_if_damaged(self.layout, key, version, exc)
         raise ShmCacheError(f"entry {key!r} kept changing while being opened; try again")
+
+    def open_array_version(
+        self, key: str, version: str, *, private: bool = False, huge_pages: bool = False
+    ) -> np.ndarray:
+        """``key``'s array of ``version`` exactly, whatever the key holds now: what a
+        Dataset sized from that version maps in each worker, so that no worker reads a
+        later version. Shared read-only (bfloat16/float8 as their bits), or ``private`` as
+        ``open_private_array``. ``KeyNotFoundError`` once that version was replaced or evicted."""
+        validate_key(key)
+        self.trust_root()
+        mode = WRITABLE if private else COPY_ON_WRITE
+        try:
+            return attach_array(self._root_str, version, ARRAY_FILE, key, mode=mode, huge_pages=huge_pages)
+        except FileNotFoundError:
+            pass
+        except (CorruptEntryError, ValueError, TypeError) as exc:
+            _raise_if_damaged(self.layout, key, version, exc)
+        raise KeyNotFoundError(f"entry {key!r}: its version {version} was replaced or evicted")
 
     # ------------------------------------------------------------------ any kind
 

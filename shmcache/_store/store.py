@@ -142,6 +142,13 @@ class Store(PuttingFiles):
         ``huge_pages``: mapped on 2 MiB pages where the kernel allows (docs/huge-pages.md)."""
         return self._reader.open_private_array(key, huge_pages=huge_pages)
 
+    def open_array_version(
+        self, key: str, version: str, *, private: bool = False, huge_pages: bool = False
+    ) -> np.ndarray:
+        """``key``'s array of ``version`` (``Dataset`` s read the version they were sized
+        from); ``KeyNotFoundError`` once it was replaced or evicted."""
+        return self._reader.open_array_version(key, version, private=private, huge_pages=huge_pages)
+
     @descriptors_typed
     def open(self, key: str) -> Any:
         """Open an entry of any kind: an array, or the shared container its kind names."""
@@ -166,6 +173,7 @@ class Store(PuttingFiles):
     def open_blobs(self, key: str) -> SharedBlobs:
         """Read-only blobs (uint8 views by position or name) over a ``put_blobs`` entry."""
         return self._reader.open(key, "blobs")  # type: ignore[no-any-return]
+
     def open_table(self, key: str) -> SharedTable:
         """Read-only table over a ``put_table`` entry: rows as fresh dicts, zero-copy columns."""
         return self._reader.open(key, "table")  # type: ignore[no-any-return]
