@@ -152,3 +152,17 @@ def test_a_non_member_is_told_the_real_group_and_user(team: Team, daemon: TeamDa
     assert code == 1 and fix in out and "(gid" not in out, out
     with pytest.raises(shmcache.CacheRootError, match=fix):
         as_user(team.outsider, _client_stats, team.name)
+
+
+def _open_missing(team: str) -> str:
+    try:
+        shmcache.open_array("a/never-put", team=team)
+    except shmcache.KeyNotFoundError as exc:
+        return str(exc)
+    return "opened"
+
+
+def test_a_missing_key_in_a_team_says_how_to_put_it_there(team: Team, daemon: TeamDaemon) -> None:
+    message = as_user(team.a, _open_missing, team.name)
+    assert f"no entry 'a/never-put' in team {team.name}'s cache" in message
+    assert f"team={team.name!r}" in message and f"`shmcache --team {team.name} put`" in message

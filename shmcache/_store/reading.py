@@ -43,8 +43,9 @@ _Hit = tuple[int, memoryview, int, str, Any]
 class Reader:
     """The read side of one root in this process: attach caches and the open paths."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, team: str | None = None) -> None:
         self.layout = layout
+        self.team = team  # what a "put it first" hint names instead of the root
         self._root_str = str(layout.root)
         self._table: memoryview | None = None
         self._table_inode = -1
@@ -245,6 +246,11 @@ class Reader:
             return KeyNotFoundError(
                 f"{key!r} is a group of {len(names)} entries ({shown}), not one entry: open one with "
                 f"open_array({key + '/' + names[0]!r}), or all with open_group({key!r})"
+            )
+        if self.team is not None:
+            return KeyNotFoundError(
+                f"no entry {key!r} in team {self.team}'s cache {self._root_str}; put it first (shmcache."
+                f"put_array / put_file with team={self.team!r}, or `shmcache --team {self.team} put`)"
             )
         return KeyNotFoundError(
             f"no entry {key!r} in cache {self._root_str}; put it first "

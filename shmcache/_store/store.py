@@ -99,7 +99,7 @@ class Store(PuttingFiles):
         self.layout = Layout(self.root, owner)
         self._root_str = str(self.root)
         self._prepared = False
-        self._reader = Reader(self.layout)
+        self._reader = Reader(self.layout, team=self.team)
         # The warm open is the hot path of every DataLoader worker: no extra call frame.
         self.open_array = self._reader.open_array  # type: ignore[method-assign]
 
