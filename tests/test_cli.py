@@ -151,6 +151,23 @@ def test_help_lists_every_command() -> None:
         assert command in out
 
 
+def test_help_shows_flags_without_a_value() -> None:
+    """Typer 0.29 printed ``--json <bool>``: ``ls --json true`` then listed the prefix "true"."""
+    import typer
+
+    from shmcache._cli.app import app
+
+    group = typer.main.get_command(app)
+    names = [name for name in group.commands]  # type: ignore[attr-defined]
+    assert {"put", "ls", "serve", "budget"} <= set(names)
+    for name in ["", *names, "budget set"]:
+        code, out, _ = cli(*name.split(), "--help")
+        assert code == 0 and "--help" in out, name
+        assert "<bool>" not in out, f"shmcache {name} --help:\n{out}"
+    code, out, _ = cli("ls", "--help")
+    assert "<path>" in out  # options that take a value still show it
+
+
 def test_python_dash_m_runs_the_cli(store: shmcache.Store) -> None:
     store.put_array("m", np.arange(3))
     done = subprocess.run(

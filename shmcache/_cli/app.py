@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -24,6 +24,21 @@ from . import api_docs, budget, demo, diagnose, entries, root, serve
 from .common import debug_enabled, fail, forget_root_source, set_debug, set_team
 
 __all__ = ["app", "debug_enabled", "fail", "main"]
+
+def _flags_show_no_value() -> None:
+    """Typer 0.29 shows each flag with a type, ``--json <bool>``, as if it took a value
+    (``ls --json true`` then reads ``true`` as the prefix): a flag shows none, as in click."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_show_no_value()
 
 app = typer.Typer(
     name="shmcache",
