@@ -194,3 +194,22 @@ def test_the_guide_shows_the_columns_ls_prints(root: Path) -> None:
     assert code == 0 and f"# {header}" in guide, header
     described = next(line for line in guide.splitlines() if line.startswith("| `shmcache ls"))
     assert "size, owner (who loaded it), pinned" in described, described
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--team", "vision", "--root", "{root}", "ls"],
+        ["--team", "vision", "ls", "--root", "{root}"],
+        ["--root", "{root}", "--team", "vision", "stats"],
+    ],
+)
+def test_root_and_team_together_is_a_usage_error_in_flags(tmp_path: Path, args: list[str]) -> None:
+    root = tmp_path / "never-made"
+    code, _, err = cli(*(a.format(root=root) for a in args))
+    assert code == 2
+    assert err.strip() == (
+        "error: pass --root or --team, not both: a team's root comes from the administrator's "
+        "teams file (shmcache --team NAME COMMAND works on it)"
+    )
+    assert "PosixPath" not in err and not root.exists()

@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "ROOT_AND_TEAM",
     "debug_enabled",
     "fail",
     "failures_exit_1",
@@ -35,6 +36,7 @@ __all__ = [
     "set_debug",
     "set_team",
     "team_option",
+    "usage_error",
     "warn_or_raise",
 ]
 
@@ -63,11 +65,26 @@ def note_team_root(team: str) -> None:
     _worked_on[0] = team
 
 
+ROOT_AND_TEAM = (
+    "pass --root or --team, not both: a team's root comes from the administrator's teams file "
+    "(shmcache --team NAME COMMAND works on it)"
+)
+
+
+def usage_error(message: str) -> typer.Exit:
+    """Print ``error: message`` and return the exit to raise: status 2, a usage error."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
 def note_root_source(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
     """``--root``'s callback: note whether the root is on the command line (not from
-    ``$SHMCACHE_ROOT``): an explicit root wins over ``$SHMCACHE_TEAM``, as ``root=`` does."""
+    ``$SHMCACHE_ROOT``): an explicit root wins over ``$SHMCACHE_TEAM``, as ``root=`` does,
+    and is a usage error beside ``shmcache --team``."""
     source = ctx.get_parameter_source(param.name or "root")  # typer bundles its own click: by name
     if source is not None and source.name == "COMMANDLINE":
+        if _team[0] is not None:
+            raise usage_error(ROOT_AND_TEAM)
         _state["root_given"] = True
         return value
     return value if _global_root[0] is None else _global_root[0]  # `shmcache --root R`: over the env
