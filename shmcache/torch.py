@@ -54,7 +54,7 @@ from ._disk.dtypes import ml_name
 from ._disk.mapped import origin_of
 from ._tensors import open_state_dict, tensor_of
 from ._tokens import TokenWindows
-from .errors import KeyNotFoundError, MappingRefusedError, UnsupportedDataError
+from .errors import InvalidRequestError, KeyNotFoundError, MappingRefusedError, UnsupportedDataError
 
 __all__ = [
     "CachedDataset",
@@ -186,7 +186,12 @@ class CachedDataset(Dataset[Any]):
         self._versions = [_version_of(array) for array in arrays]
         lengths = {len(array) for array in arrays}
         if len(lengths) != 1:
-            raise ValueError(f"cached arrays {self._keys} have different lengths {sorted(lengths)}")
+            paired = zip(self._keys, arrays, strict=True)
+            rows = ", ".join(f"{key!r}: {len(array):,}" for key, array in paired)
+            raise InvalidRequestError(
+                f"CachedDataset rows pair the i-th row of each array, but these arrays have different "
+                f"lengths ({rows} rows); put arrays of one length, or slice them to one"
+            )
         self._length = lengths.pop()
         if self._huge_pages:  # collapse the pages now, once, before workers map them
             self._columns()

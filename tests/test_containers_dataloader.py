@@ -75,8 +75,9 @@ def test_cached_dataset_with_default_collate_and_tuple_items(filled: shmcache.St
     assert x.tolist() == [20.0, 21.0, 22.0, 23.0] and int(y) == 5
     batch = next(iter(DataLoader(dataset, batch_size=4)))
     assert batch[0].shape == (4, 4) and batch[1].tolist() == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="different lengths"):
-        filled.put_array("short", np.zeros(3))
+    filled.put_array("short", np.zeros(3))
+    mismatch = r"different lengths \('feats': 300, 'short': 3 rows\)"
+    with pytest.raises(shmcache.InvalidRequestError, match=mismatch):
         shmcache.torch.CachedDataset("feats", "short", root=filled.root)
 
 
