@@ -47,13 +47,20 @@ def site_markdown(text: str) -> str:
 
 
 def _escape_html(line: str) -> str:
-    """``<`` and ``>`` outside code spans as entities (help texts say ``shmcache-<uid>``)."""
-    pieces, last = [], 0
-    for span in _CODE_SPAN.finditer(line):
-        pieces.append(line[last : span.start()].replace("<", "&lt;").replace(">", "&gt;"))
+    """``<`` and ``>`` outside code spans as entities (help texts say ``shmcache-<uid>``),
+    and ``*`` as itself (globs: ``'data/*.npy'``), past a list item's leading ``* ``."""
+    bullet = re.match(r"\s*\* ", line)
+    start = bullet.end() if bullet else 0
+    pieces, last = [line[:start]], start
+
+    def plain(text: str) -> str:
+        return text.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+
+    for span in _CODE_SPAN.finditer(line, start):
+        pieces.append(plain(line[last : span.start()]))
         pieces.append(span.group(0))
         last = span.end()
-    pieces.append(line[last:].replace("<", "&lt;").replace(">", "&gt;"))
+    pieces.append(plain(line[last:]))
     return "".join(pieces)
 
 
