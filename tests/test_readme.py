@@ -13,7 +13,10 @@ On the lines before a fence (blank lines between are fine), HTML comments can sa
 - ``<!-- needs: gpu -->``: skipped without CUDA;
 - ``<!-- requires: arrow -->``: the extra (or test package) the block imports, comma
   separated; skipped cleanly where it is not installed. A block that imports anything
-  beyond the standard library, numpy and shmcache's core must name it (checked below).
+  beyond the standard library, numpy and shmcache's core must name it (checked below);
+- ``<!-- leaves: /dev/shm/NAME-{uid} -->``: a path outside the root that the block makes by
+  an API's default (python-sharearray's ``/dev/shm``); removed after the runs where it did
+  not exist before them, so that no test run leaves it on the machine.
 
 Any other comment there is a mistake (a misspelt mark would silently change nothing).
 """
@@ -22,13 +25,16 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -62,7 +68,7 @@ SUBMODULE_NEEDS = {"shmcache.torch": "torch", "shmcache.service": "service"}
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,})\s*(?P<lang>[^\s`]*)")
 _COMMENT = re.compile(r"^\s*<!--(?P<body>.*?)-->\s*$")
-_MARK = re.compile(r"^\s*(?P<name>not-run|needs|requires)\s*:\s*(?P<value>.*?)\s*$")
+_MARK = re.compile(r"^\s*(?P<name>not-run|needs|requires|leaves)\s*:\s*(?P<value>.*?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,8 @@ def _marks_before(path: Path, lines: list[str], fence: int) -> dict[str, str]:
             if mark is None or not mark["value"]:
                 raise ValueError(
                     f"{where}: before a python block, write <!-- not-run: why -->, <!-- needs: daemon -->, "
-                    f"<!-- needs: gpu --> or <!-- requires: EXTRA -->, not {lines[i].strip()}"
+                    "<!-- needs: gpu -->, <!-- requires: EXTRA --> or <!-- leaves: PATH -->, not "
+                    f"{lines[i].strip()}"
                 )
             if mark["name"] == "needs" and mark["value"] not in NEEDS:
                 raise ValueError(
@@ -201,7 +208,9 @@ def test_python_block_runs_twice_alone(block: Block, root: Path, tmp_path: Path)
         pytest.importorskip("fastapi", reason="shmcache serve needs the service extra")
     code = "\n" * (block.line - 1) + block.code  # tracebacks give the document's line numbers
     run_block = f"exec(compile({code!r}, {str(block.path)!r}, 'exec')); print({_BLOCK_DONE!r}, flush=True)"
-    with running_daemon(root) if needs_daemon else nullcontext():
+    left = Path(block.marks["leaves"].format(uid=os.geteuid())) if "leaves" in block.marks else None
+    cleaned = None if left is None or left.exists() else left
+    with running_daemon(root) if needs_daemon else nullcontext(), _removed_after(cleaned):
         for run in ("first", "second"):
             done = subprocess.run(
                 [sys.executable, "-c", run_block],
@@ -219,6 +228,15 @@ def test_python_block_runs_twice_alone(block: Block, root: Path, tmp_path: Path)
 
 
 _BLOCK_DONE = "<<the block ran to its end>>"
+
+
+@contextmanager
+def _removed_after(path: Path | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _arrow_exit_abort(done: subprocess.CompletedProcess[str]) -> bool:
