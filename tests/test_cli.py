@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -66,6 +67,8 @@ def test_put_a_directory_of_files_as_blobs(root: Path, tmp_path: Path) -> None:
     assert code == 0 and "bytes" in out
     code, out, _ = cli("put", "--help")
     assert code == 0 and "--as" in out and "blobs" in out
+    for kind in (".parquet", ".jsonl", "save_to_disk", "token", "Megatron", "Tar"):  # what PATH may be
+        assert kind in out, kind
 
 
 def test_root_comes_from_the_environment(root: Path, tmp_path: Path) -> None:
@@ -144,6 +147,23 @@ def test_demo_runs_end_to_end_in_a_subprocess(root: Path) -> None:
     assert shmcache.Store(root).info("demo/features").shape == (1000, 64)
 
 
+@pytest.mark.slow
+def test_demo_names_the_command_as_it_was_run(root: Path, tmp_path: Path) -> None:
+    """The README runs ``.venv/bin/shmcache`` without activating the venv: ``next:`` says
+    that path, not a bare ``shmcache`` the shell cannot find."""
+    script = Path(sys.executable).parent / "shmcache"
+    if not script.exists():
+        pytest.skip("no shmcache console script beside this interpreter")
+    link = tmp_path / "bin" / "shmcache"
+    link.parent.mkdir()
+    link.symlink_to(script)
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "SHMCACHE_ROOT": str(root)}
+    done = subprocess.run(["bin/shmcache", "demo", "--rows", "1000"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "next: bin/shmcache ls; bin/shmcache stats; bin/shmcache evict demo/features" in done.stdout
+
+
 def test_help_lists_every_command() -> None:
     code, out, _ = cli("--help")
     assert code == 0
@@ -202,7 +222,7 @@ def test_root_goes_before_the_command_too(root: Path, other: Path, tmp_path: Pat
     code, out, err = cli("--root", str(other), "budget", "set", "1MiB", "--local")
     assert code == 0 and shmcache.Store(other).budget == 1 << 20, err
     code, _, err = cli("--root", str(other), "--team", "vision", "ls")
-    assert code == 1 and "not both" in err, err  # as `shmcache --team vision ls --root R`
+    assert code == 2 and "not both" in err, err  # a usage error, as `shmcache --team vision ls --root R`
 
 
 @pytest.mark.slow

@@ -140,9 +140,9 @@ def test_an_explicit_root_wins_over_the_exported_team(root: Path) -> None:
 
 def test_an_explicit_team_with_a_root_and_both_variables_stay_refused(root: Path) -> None:
     code, _, err = cli("--team", "no-such-team", "ls", "--root", str(root), env={ENV_ROOT: ""})
-    assert code == 1 and "not both" in err, err
+    assert code == 2 and "not both" in err, err  # usage errors
     code, _, err = cli("put", "/etc/hostname", "--key", "k", "--team", "x", "--root", str(root))
-    assert code == 1 and "not both" in err, err
+    assert code == 2 and "not both" in err, err
     code, _, err = cli("ls", env={ENV_TEAM: "no-such-team", ENV_ROOT: str(root)})
     assert code == 1 and f"both {ENV_ROOT} and {ENV_TEAM}" in err, err
 

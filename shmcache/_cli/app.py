@@ -21,7 +21,7 @@ import typer
 
 from .._disk.layout import ENV_ROOT, ENV_TEAM, SHM_DIR
 from . import api_docs, budget, demo, diagnose, entries, root, serve
-from .common import ROOT_AND_TEAM, debug_enabled, fail, forget_root_source, set_debug, set_team, usage_error
+from .common import debug_enabled, fail, forget_root_source, set_debug, set_team
 
 __all__ = ["app", "debug_enabled", "fail", "main"]
 
@@ -79,8 +79,6 @@ def _options(
     forget_root_source(root)
     source = ctx.get_parameter_source("team")  # typer bundles its own click: compared by name
     from_env = source is not None and source.name == "ENVIRONMENT"
-    if root is not None and team is not None and not from_env:
-        raise usage_error(ROOT_AND_TEAM)
     set_team(None if from_env else team)  # the core reads the variable where no --root is given
 
 

@@ -48,7 +48,10 @@ _worked_on: list[str | None] = [None]
 
 def set_team(team: str | None) -> None:
     """``shmcache --team NAME``: every command works on that team's root. (``$SHMCACHE_TEAM``
-    is not passed here: the core reads it where no root is given, as for library calls.)"""
+    is not passed here: the core reads it where no root is given, as for library calls.)
+    Beside a root on the command line: a usage error."""
+    if team is not None and _state["root_given"]:
+        raise usage_error(ROOT_AND_TEAM)
     _team[0] = team
 
 

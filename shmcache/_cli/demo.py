@@ -3,6 +3,9 @@ one command (the Quick start of the README)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import time
 from typing import Annotated, Any
 
@@ -53,7 +56,21 @@ def demo(
     if not np.allclose(sums, expected):
         raise fail(ShmCacheError(f"demo read back {sums}, expected {expected}"))
     typer.echo("ok: workers saw the same data.")
-    typer.echo("next: shmcache ls; shmcache stats; shmcache evict demo/features")
+    cli = _invoked_as()
+    typer.echo(f"next: {cli} ls; {cli} stats; {cli} evict demo/features")
+
+
+def _invoked_as() -> str:
+    """How to run this command again: ``shmcache`` where that is on PATH, else the path
+    it was run by (``.venv/bin/shmcache`` from the README's quick start)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) != "shmcache":
+        return "shmcache" if shutil.which("shmcache") else f"{sys.executable} -m shmcache"
+    on_path = shutil.which("shmcache")
+    if on_path is not None and os.path.samefile(on_path, argv0):
+        return "shmcache"
+    relative = os.path.relpath(argv0)
+    return argv0 if relative.startswith("..") else relative
 
 
 def _row_sum(args: tuple[Any, int]) -> float:

@@ -82,8 +82,10 @@ def put(
     path: Annotated[
         str,
         typer.Argument(
-            help="A .npy, .npz, .safetensors, .pt/.pth (state dict) or .h5/.hdf5 file, a directory "
-            "of them (or of any files: one blobs entry, see --as), or a quoted glob ('data/*.npy'): "
+            help="A .npy, .npz, .safetensors, .pt/.pth (state dict) or .h5/.hdf5 file; a .parquet, "
+            ".feather, .csv or .jsonl table, or a datasets save_to_disk folder (a table per split); "
+            "a raw token file with --dtype, or a Megatron .bin/.idx pair; a directory of array files "
+            "(or of any files: one blobs entry, see --as), or a quoted glob ('data/*.npy'): "
             "each match goes under KEY/<name without its suffix>; each array, tensor or dataset of a "
             "multi-array file under KEY/<its name>. Tar shards ('shards/{000..099}.tar', "
             "'shards/*.tar', one .tar) become ONE blobs entry, a blob per member.",
@@ -566,9 +568,7 @@ def _print_usage(entries: Sequence[EntryInfo], as_json: bool) -> None:
 
 
 def verify(
-    key: Annotated[
-        str | None, typer.Argument(help="One entry (default: every entry).", metavar="KEY")
-    ] = None,
+    key: Annotated[str | None, typer.Argument(help="One entry (default: all).", metavar="KEY")] = None,
     root: RootOption = None,
 ) -> None:
     """Check entries against the checksums recorded when they were put.
