@@ -56,6 +56,7 @@ def main() -> None:
         f"crc32 {checksum:08x}, loss {loss.item():.4f} after {steps} steps",
         flush=True,
     )
+    dist.barrier()  # every rank done before any tears its connections down (gloo aborted at exit once)
     dist.destroy_process_group()
 
 
