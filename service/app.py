@@ -19,7 +19,6 @@ import time
 import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,9 +34,9 @@ from shmcache.errors import CorruptEntryError, LockTimeoutError, ShmCacheError
 
 from .docs import install_docs
 from .errors import short, status_of
+from .preloads import start_preloads
 from .routes import metrics_router, v1
 from .settings import Settings, load_settings, normal_host
-from .sources import is_up_to_date
 from .state import Service
 
 __all__ = ["MAX_BODY_BYTES", "create_app", "openapi_schema"]
@@ -132,17 +131,7 @@ def _start(service: Service) -> None:
     if (warning := service.budget_warning()) is not None:
         logger.warning("%s", warning)  # accepted (the tmpfs may be enlarged later), but said at start
     threading.Thread(target=_read_entries, args=(service,), name="shmcache-entries", daemon=True).start()
-    for spec in service.settings.datasets:
-        try:
-            if isinstance(spec.source, Path) and not spec.source.exists():
-                logger.warning("preload %s: source %s does not exist; skipped", spec.key, spec.source)
-            elif is_up_to_date(service.store, spec.key, spec.source):
-                logger.info("preload %s: %s unchanged since it was loaded; skipped", spec.key, spec.source)
-            else:
-                job, _ = service.jobs.submit(spec.key, spec.source, pin=spec.pin, overwrite=True)
-                logger.info("preload %s from %s: job %s", spec.key, spec.source, job.id)
-        except ShmCacheError as exc:
-            logger.error("preload %s from %s: %s", spec.key, spec.source, exc)
+    start_preloads(service)
 
 
 def _read_entries(service: Service) -> None:

@@ -33,7 +33,7 @@ from shmcache.errors import (
 
 from .errors import SourceNotAllowedError, short
 
-__all__ = ["check_loadable", "is_up_to_date", "resolve_source"]
+__all__ = ["check_loadable", "from_source", "is_up_to_date", "resolve_source"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -191,6 +191,15 @@ def is_up_to_date(store: Store, key: str, source: Path | str) -> bool:
         if e.source is not None
     ]
     return is_current(source, loaded)
+
+
+def from_source(recorded: str, source: Path | str) -> bool:
+    """Whether an entry's recorded source (a file, a member ``file[name]``, an object URL)
+    is ``source`` or lies under it (a directory, a URL prefix)."""
+    if isinstance(source, str):
+        return recorded == source or recorded.startswith(source.rstrip("/") + "/")
+    file = recorded.rpartition("[")[0] if recorded.endswith("]") else recorded
+    return Path(file) == source or Path(file).is_relative_to(source)
 
 
 def _identity(store: Store, version: str) -> str | None:

@@ -20,6 +20,7 @@ encoding of a cache root. Change the format here and nowhere else.
     <root>/daemon.sock           the daemon's control socket (mode 0600; a team's: 0660)
     <root>/daemon.pid            the daemon's pid file (flocked while it runs)
     <root>/budget.json           the root's byte budget, honoured by every writer (absent: none)
+    <root>/preloads.json         the daemon's record: key -> the source its config preloads there
     <root>/pins/<pid>            what a live process pinned with CUDA (``pin_records``; flocked)
 
 A directory put replaces the whole subtree of its keys' common prefix at once
@@ -58,6 +59,7 @@ from .trust import refuse_untrusted
 __all__ = [
     "ARRAY_FILE",
     "BUDGET_NAME",
+    "PRELOADS_NAME",
     "DIR_MARK",
     "ENTRY_FORMAT",
     "ENV_CONFIG",
@@ -108,6 +110,7 @@ SHM_DIR = "/dev/shm"
 SOCKET_NAME = "daemon.sock"
 PID_NAME = "daemon.pid"
 BUDGET_NAME = "budget.json"
+PRELOADS_NAME = "preloads.json"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest"
 """What a directory put's batch version holds beside its entries' directories (``manifest``)."""
@@ -301,6 +304,11 @@ class Layout:
     def budget(self) -> Path:
         """The root's budget record (JSON), replaced whole by ``rename``."""
         return self.root / BUDGET_NAME
+
+    @property
+    def preloads(self) -> Path:
+        """The daemon's record of the source its config preloads under each key (JSON)."""
+        return self.root / PRELOADS_NAME
 
     @property
     def key_locks(self) -> Path:
