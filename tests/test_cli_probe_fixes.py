@@ -65,7 +65,10 @@ def _import_serve(root: Path) -> None:
     RUNNER.invoke(app, ["serve", "--root", str(root), "--port", "1"])
 
 
-@pytest.mark.parametrize("command", [["ls"], ["stats"], ["doctor"], ["evict", "k"], ["demo", "--rows", "10"]])
+@pytest.mark.parametrize(
+    "command",
+    [["ls"], ["stats"], ["doctor"], ["evict", "k"], ["demo", "--rows", "10"], ["cleanup"], ["budget"]],
+)
 def test_another_users_root_is_refused_by_the_core_not_called_unreadable(
     stranger: User, private_root: Path, command: list[str], root: Path
 ) -> None:

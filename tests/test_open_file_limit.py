@@ -144,6 +144,8 @@ store.put_array("warm/a", np.arange(3))  # each path once, so that nothing is le
 store.put_file("warm/f", sys.argv[2])
 store.put_blobs("warm/b", sys.argv[3])
 store.cache("warm/c", lambda: np.arange(3))
+store.set_budget(1 << 30)
+store.list(), store.budget
 held = []
 try:
     while True:
@@ -155,11 +157,15 @@ for what, call in [
     ("put_file", lambda: store.put_file("f", sys.argv[2])),
     ("put_blobs", lambda: store.put_blobs("b", sys.argv[3])),
     ("cache", lambda: store.cache("c", lambda: np.arange(3))),
+    ("list", store.list),  # was CacheRootError "cannot read cache root"
+    ("budget", lambda: store.budget),  # was CacheRootError advising to set the budget again
 ]:
     try:
         call()
     except TooManyOpenFilesError as exc:
         print(what, "TooManyOpenFilesError", isinstance(exc, OSError), str(exc).replace(chr(10), " "))
+    except Exception as exc:
+        print(what, type(exc).__name__, isinstance(exc, OSError), str(exc).replace(chr(10), " "))
     else:
         print(what, "succeeded")
 for fd in held:
@@ -186,12 +192,12 @@ def test_running_out_of_descriptors_is_a_typed_error_naming_the_limit(root: Path
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 5, done.stdout
-    for line in lines[:4]:
+    assert len(lines) == 7, done.stdout
+    for line in lines[:6]:
         _, raised, is_os_error, message = line.split(" ", 3)
         assert (raised, is_os_error) == ("TooManyOpenFilesError", "True"), line
         # the limit reached (importing shmcache lifts the soft limit to the hard one) and the fix
         assert "too many open files" in message and f"limit of {LIMIT} open files" in message
         assert "LimitNOFILE=" in message and "limits.conf" in message
-    assert lines[4] == "after [0, 1, 2] ['k']"
+    assert lines[6] == "after [0, 1, 2] ['k']"
     assert not os.listdir(root / "tmp")

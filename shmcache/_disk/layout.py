@@ -59,7 +59,6 @@ from .trust import refuse_untrusted
 __all__ = [
     "ARRAY_FILE",
     "BUDGET_NAME",
-    "PRELOADS_NAME",
     "DIR_MARK",
     "ENTRY_FORMAT",
     "ENV_CONFIG",
@@ -75,6 +74,7 @@ __all__ = [
     "META_FILE",
     "PACKED_GUARD",
     "PID_NAME",
+    "PRELOADS_NAME",
     "PRIVATE_MODES",
     "SHM_DIR",
     "SOCKET_NAME",

@@ -10,13 +10,16 @@ budget or the new one, never a partial file. No record means no budget.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._disk.fs import too_many_open_files
 from .._disk.layout import Layout
+from .._disk.trust import check_root
 from .._units import size_in_bytes
 from ..errors import CacheRootError, InvalidRequestError
 
@@ -61,6 +64,12 @@ def read_budget(layout: Layout) -> BudgetRecord | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not the record's fault: no advice to reset it
+            raise too_many_open_files(exc, f"reading the budget of {layout.root}") from exc
+        if exc.errno == errno.EACCES:
+            check_root(str(layout.root), layout.owner)  # another user's root: say that
+            raise CacheRootError(f"cannot read the budget of cache root {layout.root} ({path}): "
+                                 f"{exc.strerror}") from exc
         raise CacheRootError(f"cannot read the budget of cache root {layout.root} ({path}): "
                              f"{exc.strerror}; {_FIX}") from exc
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Collection, Iterable, Iterator
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._disk.fs import free_bytes, total_bytes
+from .._disk.fs import free_bytes, too_many_open_files, total_bytes
 from .._disk.layout import (
     GENERATION_BYTES,
     MANIFEST_FILE,
@@ -58,6 +59,8 @@ def _entry_links(layout: Layout) -> dict[str, str]:
     try:
         return layout.links_under("")
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise too_many_open_files(exc, f"listing cache root {layout.root}") from exc
         raise CacheRootError(f"cannot read cache root {layout.root}: {exc.strerror}") from exc
 
 
