@@ -266,9 +266,14 @@ def test_budget_command_without_a_daemon(root: Path) -> None:
     shown = json.loads(cli("budget", "--root", str(root), "--json")[1])
     assert shown["max_bytes"] == int(1.5 * MiB) and shown["daemon"] is False and shown["over_budget"] is False
 
-    code, _, err = cli("budget", "set", "lots", "--root", str(root))
-    assert code == 1 and "SIZE must be a size such as" in err
+    for bad in ("lots", "10XB", "-5"):  # usage errors (exit 2), as serve --max-bytes 10XB
+        code, _, err = cli("budget", "set", "--root", str(root), "--", bad)
+        assert code == 2 and "SIZE must be" in err, (bad, err)
     assert Store(root).budget == int(1.5 * MiB)
+    code, out, err = cli("budget", "set", "0", "--root", str(root))
+    assert code == 0 and "a budget of 0 bytes: no put fits until it is raised" in err
+    code, out, err = cli("budget", "set", "1.5MiB", "--root", str(root))
+    assert code == 0 and Store(root).budget == int(1.5 * MiB)
 
     Store(root).put_array("a", np.zeros(MiB, np.uint8))
     code, out, err = cli("budget", "set", "100", "--root", str(root))

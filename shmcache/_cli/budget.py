@@ -18,9 +18,9 @@ import typer
 
 from .._store.budget import checked_budget, read_budget
 from .._units import human_bytes
-from ..errors import DaemonUnavailableError
+from ..errors import DaemonUnavailableError, InvalidRequestError
 from .backend import daemon_client, local_store, refuse_team_writes_here, resolve_root
-from .common import fail, failures_exit_1
+from .common import fail, failures_exit_1, usage_error
 from .options import JsonOption, LocalOption, RootOption
 
 if TYPE_CHECKING:
@@ -100,8 +100,13 @@ def set_command(
     A budget below what the root holds evicts nothing now: the next put evicts to fit, and
     `shmcache doctor` fails until then.
     """
-    with failures_exit_1():
+    try:
         nbytes = checked_budget(size, "SIZE")
+    except InvalidRequestError as exc:  # a bad argument: a usage error, as serve --max-bytes 10XB
+        raise usage_error(str(exc)) from None
+    if nbytes == 0:
+        typer.echo("warning: a budget of 0 bytes: no put fits until it is raised (`shmcache budget clear` "
+                   "removes it)", err=True)
     _print(_call(*_options(ctx, root, local), "PUT", nbytes)[0])
 
 
