@@ -247,7 +247,7 @@ def test_over_quota_is_a_typed_error_and_survives_a_restart(
     team: Team, daemon: TeamDaemon, homes: Path
 ) -> None:
     as_user(team.b, _put, team.name, "b/big", 400 * KiB)
-    with pytest.raises(QuotaExceededError, match=r"quota is 512\.0 KiB"):
+    with pytest.raises(QuotaExceededError, match=r"your quota \([^)]+\) is 512\.0 KiB and your entries use"):
         as_user(team.b, _put, team.name, "b/more", 200 * KiB)
     big = _private_file(homes, team.b, "big.npy", np.zeros(200 * KiB, dtype=np.uint8))
     code, out = as_user(team.b, _cli, "put", str(big), "--key", "b/cli", "--team", team.name)

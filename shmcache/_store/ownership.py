@@ -88,7 +88,7 @@ def check_quota(uid: int, quota: int | None, used: int, pending: int, nbytes: in
         return
     busy = f" (+{human_bytes(pending)} being written)" if pending else ""
     raise QuotaExceededError(
-        f"quota exceeded: {owner_name(uid)}'s quota is {human_bytes(quota)} and they use "
+        f"quota exceeded: your quota ({owner_name(uid)}) is {human_bytes(quota)} and your entries use "
         f"{human_bytes(used)}{busy}; this put needs {human_bytes(nbytes)}. Evict some of your "
         "entries (`shmcache ls` shows the OWNER) or ask a team admin to raise user_quota"
     )
