@@ -44,6 +44,8 @@ _POLL_MIN_S = 0.01
 _POLL_MAX_S = 0.25
 _SETTLE_S = 10.0
 """How long an interrupted ``put_file`` waits for the daemon to settle the cancelled load."""
+_DYING_S = 1.0
+"""How long a daemon whose socket refused a poll may still hold its pid lock as it exits."""
 
 
 class Client:
@@ -338,13 +340,24 @@ class Client:
         try:
             return self.job(job.id)
         except DaemonUnavailableError as exc:
-            if self.socket_path is None or live_daemon(self.root) is not None:
+            if self.socket_path is None or not self._died(_DYING_S):
                 raise
             raise DaemonUnavailableError(
                 f"the daemon stopped during the load of {job.key!r} (job {job.id}), which ended "
                 f"with it: nothing more of it will be published (`shmcache ls {job.key}` shows "
                 f"whether it was published before; put it again once a daemon runs). {exc}"
             ) from None
+
+    def _died(self, within: float) -> bool:
+        """Whether the root's daemon is gone, or goes within ``within`` seconds: one killed
+        closes its socket and its locked pid file one after the other as it exits, and
+        a refused request may come in between."""
+        deadline = time.monotonic() + within
+        while live_daemon(self.root) is not None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def jobs(self) -> builtins.list[Job]:
         """Queued and running jobs, and the last finished ones."""
