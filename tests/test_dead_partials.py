@@ -118,7 +118,9 @@ def test_a_live_writers_partial_is_never_removed_and_the_error_names_it(
     assert _put_in_a_fresh_process(root, sources[1], "again").returncode == 0  # its writer died
 
 
-def test_stats_and_doctor_show_partial_writes(tmpfs: Path, tmp_path: Path, sources: tuple[Path, Path]) -> None:
+def test_stats_and_doctor_show_partial_writes(
+    tmpfs: Path, tmp_path: Path, sources: tuple[Path, Path]
+) -> None:
     root = tmpfs / "cache"
     writer = _paused_writer(root, sources[0], tmp_path / "ready")
     try:
