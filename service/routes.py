@@ -129,6 +129,7 @@ async def stats(service: ServiceDep) -> Stats:
         over_budget=space.over_budget,
         entries=space.entries,
         packed_held=space.packed_held,
+        partial_bytes=space.partial_bytes,
         held_by_readers_bytes=held,
         jobs_queued=counts["queued"],
         jobs_running=counts["running"],

@@ -59,6 +59,11 @@ class Stats(BaseModel):
         description="Of `used`: bytes directory puts' manifests hold beyond their linked packed "
         "entries (mostly evicted ones: freed when the rest of that directory put is evicted or re-put).",
     )
+    partial_bytes: int = Field(
+        default=0,
+        description="Bytes in the root's tmp/, not in `used`: writes in progress and partial writes of "
+        "dead writers (`POST /v1/cleanup` frees those; a load short of room removes them first).",
+    )
     held_by_readers_bytes: int = Field(
         description="Bytes of evicted or replaced entries that live processes still map "
         "(returned to the system when they let go); refreshed at most every 2 s."

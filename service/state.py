@@ -36,7 +36,7 @@ from shmcache._disk.generations import map_generations
 from shmcache._disk.layout import Layout, generation_slot, read_version
 from shmcache._disk.procmaps import MappingScan
 from shmcache._store.budget import read_budget
-from shmcache._store.catalog import held_by_batches, info_of
+from shmcache._store.catalog import held_by_batches, info_of, partial_bytes
 from shmcache.errors import ShmCacheError
 
 from .jobs import JobManager, LoadJob
@@ -484,6 +484,7 @@ class Service:
             budget=self.store.budget,
             entries=len(view.entries),
             packed_held=held,
+            partial_bytes=partial_bytes(self.store.layout),  # one listing of tmp/, nearly empty
         )
 
     def budget_warning(self) -> str | None:

@@ -389,9 +389,7 @@ def _pinned_cell(budget_pinned: bool, cuda: list[dict[str, Any]]) -> str:
 
 
 def _show_pids(pids: Sequence[int]) -> str:
-    if len(pids) > 3:
-        return f"{len(pids)} pids"
-    return ",".join(map(str, pids))
+    return f"{len(pids)} pids" if len(pids) > 3 else ",".join(map(str, pids))
 
 
 def _age(seconds: float) -> str:
@@ -517,7 +515,7 @@ def stats(
         bool, typer.Option("--by-user", help="Each user's entries and bytes (who loaded them).")
     ] = False,
 ) -> None:
-    """Capacity, use, budget and entry count of the cache root (and the daemon's jobs)."""
+    """Capacity, use, budget, entry count and partial writes of the cache root (and the daemon's jobs)."""
     with open_backend(root, local) as control, failures_exit_1():
         daemon = not isinstance(control, Store)
         result: StoreStats = control.stats()
@@ -530,8 +528,7 @@ def stats(
         body = {**asdict(result), "over_budget": result.over_budget, "daemon": daemon, "warnings": warnings}
         typer.echo(json.dumps(body, indent=1))
         return
-    budget = human_bytes(result.budget) if result.budget is not None else "none"
-    over = ""
+    budget, over = ("none" if result.budget is None else human_bytes(result.budget)), ""
     if result.over_budget and result.budget is not None:
         over = f"; OVER BUDGET by {human_bytes(result.used - result.budget)}"
     typer.echo(f"root:     {result.root}")
@@ -541,14 +538,16 @@ def stats(
     if result.packed_held > 0:
         typer.echo(f"packed:   {human_bytes(result.packed_held)} of it held by directory puts' manifests "
                    "beyond their entries (evicted packed entries: freed with the rest of that put)")
+    if result.partial_bytes > 0:
+        typer.echo(f"partial:  {human_bytes(result.partial_bytes)} in writes in progress or left by dead "
+                   "writers (shmcache cleanup frees the dead ones)")
     typer.echo(f"free:     {human_bytes(result.free)} of {human_bytes(result.capacity)}")
     if result.budget_warning is not None:
         typer.echo(f"warning:  {result.budget_warning}", err=True)
     if over:
         typer.echo("warning:  the entries use more than the budget: the next put evicts least-recently-"
                    "used entries that are neither pinned nor mapped (`shmcache budget` shows it)", err=True)
-    held = getattr(result, "held_by_readers_bytes", None)
-    if held is not None:
+    if (held := getattr(result, "held_by_readers_bytes", None)) is not None:
         typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers")
         typer.echo(f"jobs:     {getattr(result, 'jobs_running', 0)} running, "
                    f"{getattr(result, 'jobs_queued', 0)} queued")

@@ -23,6 +23,7 @@ from .._disk.fs import free_bytes, total_bytes
 from .._disk.layout import ENV_ROOT, SHM_DIR, Layout
 from .._disk.trust import untrusted_reason
 from .._store import Store, StoreStats
+from .._store.catalog import partial_bytes
 from .._units import human_bytes
 from ..errors import DaemonUnavailableError, ShmCacheError, UntrustedDaemonError
 from .gpu import gpu_report
@@ -107,6 +108,20 @@ def _check_space(name: str, path: Path, purpose: str) -> Check:
     if capacity < 2 << 30:
         return Check(name, "warn", summary + " (small for datasets)", docker_fix, details)
     return Check(name, "ok", summary, "", details)
+
+
+def _note_partial(check: Check, layout: Layout) -> Check:
+    """Name the bytes of partial writes in the root's ``tmp/`` (no entry counts them) when
+    they hold half or more of what the file system uses: what fills it, then."""
+    partial = partial_bytes(layout)
+    used = check.details.get("capacity", 0) - check.details.get("free", 0)
+    if partial >= max(MiB, used // 2):
+        check.details["partial_bytes"] = partial
+        check.summary += (
+            f"; {human_bytes(partial)} of what is used is partial writes in {layout.tmp} (writes in "
+            "progress or left by dead writers: `shmcache cleanup` frees the dead ones)"
+        )
+    return check
 
 
 def _cgroup_memory_limit() -> tuple[int | None, str]:
@@ -452,7 +467,7 @@ def run_checks(root: Path, socket_path: Path | None = None, team: str | None = N
     except Exception:  # an unreadable root is reported by the root check
         entries = []
     used = sum(entry.size for entry in entries)
-    checks = [_check_space("shm", store.root, "the cache root")]
+    checks = [_note_partial(_check_space("shm", store.root, "the cache root"), store.layout)]
     shm = Path(SHM_DIR)
     if shm.is_dir() and _mount_of(shm)[0] != checks[0].details.get("mount"):
         checks.append(_check_space("dev_shm", shm, "torch's DataLoader batches"))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import time
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from .._disk.fs import free_bytes, too_many_open_files, total_bytes
+from .._disk.fs import allocated_bytes, free_bytes, too_many_open_files, total_bytes
 from .._disk.layout import (
     GENERATION_BYTES,
     MANIFEST_FILE,
@@ -29,6 +30,7 @@ __all__ = [
     "info_of",
     "iter_infos",
     "packed_batch",
+    "partial_bytes",
     "referenced_versions",
     "store_stats",
     "used_bytes",
@@ -178,6 +180,27 @@ def referenced_versions(layout: Layout) -> dict[str, str]:
     return linked
 
 
+def partial_bytes(layout: Layout, but: str | None = None) -> int:
+    """Bytes the files in ``tmp/`` take: writes in progress and what dead writers left
+    (``cleanup`` frees those); no entry counts them, yet the file system's free space
+    lacks them. ``but``: a writer whose own files are left out."""
+    try:
+        names = os.listdir(layout.tmp)
+    except OSError:  # no root yet, or one this user may not read (doctor on another's)
+        return 0
+    total = 0
+    for name in names:
+        if but is not None and name.startswith(f"{but}."):
+            continue
+        path = layout.tmp / name
+        try:  # a version's directory, or a lock file or staged link of its own
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        total += allocated_bytes(path) if stat.S_ISDIR(st.st_mode) else st.st_blocks * 512
+    return total
+
+
 def store_stats(layout: Layout, entries: list[EntryInfo], budget: int | None) -> StoreStats:
     """Space of the root's file system (of its nearest existing ancestor, before the first put)."""
     held = sum(held_by_batches(layout, [(e.version, e.size) for e in entries]).values())
@@ -192,4 +215,5 @@ def store_stats(layout: Layout, entries: list[EntryInfo], budget: int | None) ->
         budget=budget,
         entries=len(entries),
         packed_held=held,
+        partial_bytes=partial_bytes(layout),
     )

@@ -28,7 +28,13 @@ from .locks import publish_lock
 from .reading import Reader
 from .writing import remove_batch_if_empty, remove_versions
 
-__all__ = ["linked_keys", "refuse_half_published", "remove_dead_writers_leftovers", "verify_entry"]
+__all__ = [
+    "linked_keys",
+    "refuse_half_published",
+    "remove_dead_partials",
+    "remove_dead_writers_leftovers",
+    "verify_entry",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,29 +51,15 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
     Partial writes of live writers are never touched: a writer's flock tells the two
     apart, whatever PID namespace the writer runs in.
     """
-    freed = 0
-    live: dict[str, bool] = {}
     with publish_lock(layout, shared=False):  # no writer links or copies a prefix meanwhile
         moved = migrate_flat_links(layout)
         pruned = prune_empty_prefixes(layout)
     if moved or pruned:
         logger.info("cleanup moved %d flat entry links to the tree, removed %d empty prefixes", moved, pruned)
 
-    def alive(writer: str) -> bool:
-        if writer not in live:
-            live[writer] = FileLockProbe.holder_alive(layout.tmp / f"{writer}.lock")
-        return live[writer]
-
+    alive = _liveness(layout)
     kept = _half_published(layout, alive)
-    dead_writer = False  # one may have died switching keys, before bumping (or settling) them
-    for name in os.listdir(layout.tmp):
-        path = layout.tmp / name
-        if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
-            if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
-                freed += remove_tree(path)
-        elif not alive(writer_of(name)) and writer_of(name) not in kept:
-            dead_writer = True
-            freed += remove_tree(path)
+    freed, dead_writer = _remove_dead_partials(layout, alive, kept)
     dead_unreferenced = [
         v for v in os.listdir(layout.objects) if not alive(writer_of(v)) and writer_of(v) not in kept
     ]
@@ -88,6 +80,49 @@ def remove_dead_writers_leftovers(layout: Layout, evict_version: Callable[[str, 
     if freed:
         logger.info("cleanup freed %d bytes in %s", freed, layout.root)
     return freed
+
+
+def remove_dead_partials(layout: Layout) -> int:
+    """Remove the partial writes dead writers left in ``tmp/`` as ``cleanup`` does (its
+    first step, with the same rules), for a writer short of room; returns the bytes freed.
+
+    A writer's flock tells a dead writer from a live one; a lock still being created is
+    kept for its grace period; a directory an older shmcache half published is kept."""
+    alive = _liveness(layout)
+    freed, dead_writer = _remove_dead_partials(layout, alive, _half_published(layout, alive))
+    if dead_writer:
+        bump_all_generations(layout)
+        logger.info("removed the partial writes of dead writers in %s: %d bytes", layout.tmp, freed)
+    return freed
+
+
+def _liveness(layout: Layout) -> Callable[[str], bool]:
+    """Whether a writer is alive (holds the flock of its ``tmp/<writer>.lock``), probed
+    once per writer."""
+    live: dict[str, bool] = {}
+
+    def alive(writer: str) -> bool:
+        if writer not in live:
+            live[writer] = FileLockProbe.holder_alive(layout.tmp / f"{writer}.lock")
+        return live[writer]
+
+    return alive
+
+
+def _remove_dead_partials(layout: Layout, alive: Callable[[str], bool], kept: set[str]) -> tuple[int, bool]:
+    """Remove what dead writers (but those in ``kept``) left in ``tmp/``; returns the bytes
+    freed and whether any dead writer's files were there (it may have died switching keys,
+    before bumping or settling them)."""
+    freed, dead_writer = 0, False
+    for name in os.listdir(layout.tmp):
+        path = layout.tmp / name
+        if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
+            if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
+                freed += remove_tree(path)
+        elif not alive(writer_of(name)) and writer_of(name) not in kept:
+            dead_writer = True
+            freed += remove_tree(path)
+    return freed, dead_writer
 
 
 def _remove_unlinked_batch_entries(layout: Layout) -> int:

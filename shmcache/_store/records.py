@@ -58,6 +58,9 @@ class StoreStats:
     """Of ``used``: bytes the manifests of directory puts hold beyond their linked packed
     entries, mostly evicted packed entries (evicting one frees nothing; its batch's pages
     return when the rest of that directory put is evicted, or it is put again)."""
+    partial_bytes: int = 0
+    """Bytes in the root's ``tmp/``, not in ``used``: writes in progress, and partial writes
+    of writers that died (``cleanup`` frees those; a put short of room removes them first)."""
 
     @property
     def over_budget(self) -> bool:

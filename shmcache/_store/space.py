@@ -23,14 +23,19 @@ from .._disk.writer import VersionWriter, writer_of
 from .._units import human_bytes
 from ..errors import CacheFullError, NoRoomError
 from .budget import read_budget
-from .catalog import held_by_batches, iter_infos, packed_batch, used_bytes
+from .catalog import held_by_batches, iter_infos, packed_batch, partial_bytes, used_bytes
 from .locks import space_lock
+from .maintenance import remove_dead_partials
 from .reading import forget_attachments
 from .records import EntryInfo
 
 __all__ = ["VictimOrder", "budget_in_force", "reserve"]
 
 logger = logging.getLogger(__name__)
+
+_NAMED_PARTIAL = 1 << 20
+"""Bytes of other writes in ``tmp/`` below which a message does not name them (every live
+writer holds a lock file and directory blocks: a few KiB, not the reason)."""
 
 EvictVersion = Callable[[str, str], "int | None"]
 """``(key, version) -> bytes freed``, or None if the key changed or its lock is taken."""
@@ -67,15 +72,30 @@ def reserve(
         # what this writer wrote already (a reservation grown as it writes) is no longer free
         # but is in nbytes: count it once (looked up only then: it lists objects/)
         written = _written_by(layout, writer.writer_id) if nbytes > free - pending else 0
+        if nbytes - written > free - pending:  # what dead writers left in tmp/ may be the reason
+            remove_dead_partials(layout)
+            free = free_bytes(layout.root)
         if nbytes - written > free - pending:
-            held = f", {human_bytes(pending)} of it reserved by writers still writing" if pending else ""
-            raise CacheFullError(
-                f"need {human_bytes(nbytes - written)}{' more' if written else ''} but the file system of "
-                f"{layout.root} has only "
-                f"{human_bytes(free)} free (of {human_bytes(total_bytes(layout.root))}){held}; evict "
-                "entries (`shmcache evict`) or enlarge /dev/shm (Docker: --shm-size or --ipc=host)"
-            )
+            raise CacheFullError(_no_room(layout, writer, nbytes - written, bool(written), free, pending))
         writer.reserve(nbytes)
+
+
+def _no_room(layout: Layout, writer: VersionWriter, short: int, more: bool, free: int, pending: int) -> str:
+    """Why ``short`` bytes do not fit on the file system: what is free and what other
+    writes hold (in ``tmp/``: no entry counts them), and the fixes that apply (evicting
+    only where there are entries)."""
+    held = f", {human_bytes(pending)} of it reserved by writers still writing" if pending else ""
+    fixes = ["evict entries (`shmcache evict`)"] if layout.links_under("") else []
+    partial = partial_bytes(layout, but=writer.writer_id)
+    if partial >= _NAMED_PARTIAL:
+        held += f"; {human_bytes(partial)} is held by other writes in progress in {layout.tmp} (not entries)"
+        fixes.append("wait for those writes to end")
+    fixes.append("enlarge /dev/shm (Docker: --shm-size or --ipc=host)")
+    advice = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + " or " + fixes[-1]
+    return (
+        f"need {human_bytes(short)}{' more' if more else ''} but the file system of {layout.root} has only "
+        f"{human_bytes(free)} free (of {human_bytes(total_bytes(layout.root))}){held}; {advice}"
+    )
 
 
 def budget_in_force(layout: Layout, own: int | None) -> tuple[int, str] | None:
