@@ -232,9 +232,7 @@ def evict_entry(key: KeyPath, service: ServiceDep, request: Request) -> Evicted:
     if uid is None or service.policy.is_admin(uid):
         freed = service.store.evict(key)  # the generation it bumps makes the next list catch up
     else:
-        freed = service.policy.evict_own(uid, service.store, key)
-    service.metrics.evictions.inc()
-    service.metrics.evicted_bytes.inc(freed)
+        freed = service.policy.evict_own(uid, service.store, key)  # counted by the store's on_evict
     return Evicted(key=key, freed_bytes=freed)
 
 

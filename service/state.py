@@ -331,6 +331,8 @@ class Service:
             job_counts=lambda: self.jobs.counts(),
             entries=lambda: self.entries(),
         )
+        for counted in (store, self.load_store):  # explicit, budget and cleanup evictions alike
+            counted.on_evict = self.metrics.evicted
         self.jobs = JobManager(
             self.load_store,
             workers=settings.load_workers,
