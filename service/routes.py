@@ -117,8 +117,8 @@ async def health(service: ServiceDep) -> Health:
 )
 async def stats(service: ServiceDep) -> Stats:
     space = service.space(await _entry_view(service))
-    scan = service.readers.latest()
-    held = scan.deleted_bytes if scan is not None else await asyncio.to_thread(service.readers.deleted_bytes)
+    scan = service.readers.latest()  # else a new scan (shared), in a thread: the loop stays free
+    held = (scan if scan is not None else await asyncio.to_thread(service.readers.recent)).deleted_bytes
     counts = service.jobs.counts()
     return Stats(
         root=str(service.store.root),
