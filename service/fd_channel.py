@@ -426,7 +426,9 @@ class _Put:
             nbytes,
             budget=None,
             lock_timeout=self.store.lock_timeout,
-            evict_version=lambda key, version: self.store._evict_version(key, version, wait=False),
+            evict_version=lambda key, version: self.store._evict_version(
+                key, version, wait=False, reason="budget"
+            ),
             replacing=replacing,
             victim_order=self.channel.policy.victim_order(budget, layout),
         )

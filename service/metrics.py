@@ -15,8 +15,10 @@ from prometheus_client.registry import Collector
 from shmcache import EntryInfo, StoreStats
 from shmcache._store.ownership import owner_name, usage_by_owner
 
-__all__ = ["ServiceMetrics"]
+__all__ = ["EVICTION_REASONS", "ServiceMetrics"]
 
+EVICTION_REASONS = ("request", "budget", "cleanup")
+"""The ``reason`` labels of the eviction counters (``Store.on_evict``'s reasons), shown from 0."""
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -99,13 +101,21 @@ class ServiceMetrics:
             "shmcache_loaded_bytes", "Bytes loaded by finished jobs.", registry=self.registry
         )
         self.evictions = Counter(
-            "shmcache_evictions", "Entries evicted through the daemon.", registry=self.registry
+            "shmcache_evictions",
+            "Entries the daemon evicted, by reason: request (an evict asked of it), budget (room "
+            "made for a load or a member's put), cleanup (a link whose data vanished).",
+            ["reason"],
+            registry=self.registry,
         )
         self.evicted_bytes = Counter(
             "shmcache_evicted_bytes",
-            "Bytes released by evictions through the daemon.",
+            "Bytes the daemon's evictions released, by reason.",
+            ["reason"],
             registry=self.registry,
         )
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(reason=reason)
+            self.evicted_bytes.labels(reason=reason)
         self.cleanups = Counter("shmcache_cleanups", "Cleanup runs.", registry=self.registry)
         self.cleanup_freed_bytes = Counter(
             "shmcache_cleanup_freed_bytes", "Bytes freed by cleanup runs.", registry=self.registry
@@ -128,6 +138,11 @@ class ServiceMetrics:
         )
         if entries is not None:
             self.registry.register(_UserCollector(entries))
+
+    def evicted(self, key: str, nbytes: int, reason: str) -> None:
+        """Count one eviction a store of the daemon made (its ``Store.on_evict``)."""
+        self.evictions.labels(reason=reason).inc()
+        self.evicted_bytes.labels(reason=reason).inc(nbytes)
 
     def member_put(self, uid: int, nbytes: int) -> None:
         """Count one put a member made through the write channel."""

@@ -117,8 +117,8 @@ async def health(service: ServiceDep) -> Health:
 )
 async def stats(service: ServiceDep) -> Stats:
     space = service.space(await _entry_view(service))
-    scan = service.readers.latest()
-    held = scan.deleted_bytes if scan is not None else await asyncio.to_thread(service.readers.deleted_bytes)
+    scan = service.readers.latest()  # else a new scan (shared), in a thread: the loop stays free
+    held = (scan if scan is not None else await asyncio.to_thread(service.readers.recent)).deleted_bytes
     counts = service.jobs.counts()
     return Stats(
         root=str(service.store.root),
@@ -233,9 +233,7 @@ def evict_entry(key: KeyPath, service: ServiceDep, request: Request) -> Evicted:
     if uid is None or service.policy.is_admin(uid):
         freed = service.store.evict(key)  # the generation it bumps makes the next list catch up
     else:
-        freed = service.policy.evict_own(uid, service.store, key)
-    service.metrics.evictions.inc()
-    service.metrics.evicted_bytes.inc(freed)
+        freed = service.policy.evict_own(uid, service.store, key)  # counted by the store's on_evict
     return Evicted(key=key, freed_bytes=freed)
 
 

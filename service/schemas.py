@@ -66,7 +66,7 @@ class Stats(BaseModel):
     )
     held_by_readers_bytes: int = Field(
         description="Bytes of evicted or replaced entries that live processes still map "
-        "(returned to the system when they let go); refreshed at most every 2 s."
+        "(returned to the system when they let go); from a `/proc` scan begun at most 2 s before the request."
     )
     jobs_queued: int
     jobs_running: int

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from service_helpers import temporary_root
+from service_helpers import temporary_root, wait_for
 
 import shmcache
 from shmcache._disk.layout import generation_slot
@@ -169,16 +169,40 @@ def test_concurrent_callers_share_scans(service: Service, monkeypatch: pytest.Mo
     assert 1 <= len(scans) <= 3  # the first, then one for everyone who arrived during it
 
 
-def test_stats_scan_is_at_most_max_age_old(service: Service) -> None:
-    first = service.readers.deleted_bytes()  # blocks for the first scan only
-    assert first >= 0 and service.readers.latest() is not None
+def test_stats_scan_is_at_most_max_age_old(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = service.readers.recent()
+    assert service.readers.latest() is first and service.readers.recent() is first  # young enough
     service.readers.max_age = 0.0
-    service.readers.latest()  # old: answered from the last scan, a new one started
-    deadline = time.monotonic() + 10
-    last = service.readers._last
-    while service.readers._last is last and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert service.readers._last is not last
+    assert service.readers.latest() is None  # too old: never answered from
+    scans = []
+    real = service.store.scan_mappings
+
+    def slow_scan():  # type: ignore[no-untyped-def]
+        scans.append(time.monotonic())
+        time.sleep(0.05)
+        return real()
+
+    monkeypatch.setattr(service.store, "scan_mappings", slow_scan)
+    service.readers.max_age = 60.0
+    service.readers._last = (time.monotonic() - 61.0, first)  # as after a quiet minute
+    threads = [threading.Thread(target=service.readers.deleted_bytes) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(scans) == 1  # a new scan before answering, shared by all who came together
+    assert service.readers.recent() is not first
+
+
+def test_a_scan_about_to_be_too_old_is_renewed_in_the_background(service: Service) -> None:
+    readers = service.readers
+    first = readers.fresh()
+    readers.max_age, readers._took = 60.0, 10.0  # scans take 10 s: renew 20 s ahead
+    readers._last = (time.monotonic() - 30.0, first)
+    assert readers.latest() is first and not readers._background.locked()  # young enough: no scan
+    readers._last = (time.monotonic() - 50.0, first)
+    assert readers.latest() is first  # still answered at once...
+    wait_for(lambda: readers._last is not None and readers._last[1] is not first, what="a background scan")
 
 
 # ---------------------------------------------------------------------- jobs

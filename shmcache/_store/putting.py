@@ -59,6 +59,10 @@ class Putting:
     team: str | None
     _prepared: bool
     _reader: Reader
+    on_evict: Callable[[str, int, str], None] | None = None
+    """Told ``(key, bytes freed, reason)`` after each eviction this store makes; ``reason``:
+    ``"request"`` (``evict``), ``"budget"`` (room made for a put), ``"cleanup"`` (a link
+    whose data vanished). The daemon counts them in its metrics."""
 
     @descriptors_typed
     def put_array(self, key: str, array: Any, *, overwrite: bool = False, pin: bool = False) -> EntryInfo:
@@ -292,14 +296,17 @@ class Putting:
             budget=self.max_bytes,
             lock_timeout=self.lock_timeout,
             evict_version=lambda key, version: (
-                self._evict_version(key, version, wait=False) if evict else None
+                self._evict_version(key, version, wait=False, reason="budget") if evict else None
             ),
             replacing=replacing,
         )
 
-    def _evict_version(self, key: str, version: str, wait: bool = True) -> int | None:
+    def _evict_version(
+        self, key: str, version: str, wait: bool = True, reason: str = "request"
+    ) -> int | None:
         """Unlink ``key`` if it still points at ``version`` and return the bytes freed;
-        None if it no longer does (or, with ``wait=False``, if its lock is taken)."""
+        None if it no longer does (or, with ``wait=False``, if its lock is taken).
+        ``reason`` is what :attr:`on_evict` is told."""
         try:
             lock = self._key_lock(key, self.lock_timeout if wait else 0)
             lock.__enter__()
@@ -317,12 +324,15 @@ class Putting:
             bump_generations(self.layout, [key])
             meta = read_meta(self.layout, version)
             if meta is not None and meta.key not in (None, key):
-                return 0  # a damaged link to another entry's data: that data stays
-            freed = remove_versions(self.layout, [version])  # a batch's entry: its directory
-            release_version(self.root, key, version)  # this process lets go at once
-            return freed
+                freed = 0  # a damaged link to another entry's data: that data stays
+            else:
+                freed = remove_versions(self.layout, [version])  # a batch's entry: its directory
+                release_version(self.root, key, version)  # this process lets go at once
         finally:
             lock.__exit__(None, None, None)
+        if self.on_evict is not None:
+            self.on_evict(key, freed, reason)
+        return freed
 
 
 def _entry_info(meta: dict[str, Any]) -> EntryInfo:

@@ -458,7 +458,9 @@ class Store(PuttingFiles):
         if not self.layout.tmp.is_dir():
             return 0
         self._prepare()
-        return remove_dead_writers_leftovers(self.layout, self._evict_version)
+        return remove_dead_writers_leftovers(
+            self.layout, lambda key, version: self._evict_version(key, version, reason="cleanup")
+        )
 
     @descriptors_typed
     def verify(self, key: str) -> bool:
