@@ -56,6 +56,8 @@ class ServiceStats(StoreStats):
 
     held_by_readers_bytes: int = 0
     """Bytes of evicted or replaced entries that live processes still map."""
+    held_by_readers_unseen: int = 0
+    """In a team's root: members' processes the daemon may not scan (not in the bytes)."""
     jobs_queued: int = 0
     jobs_running: int = 0
 

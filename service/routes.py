@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shmcache import __version__, validate_key
 from shmcache._control import Job
+from shmcache._disk.procmaps import MappingScan
 from shmcache._store.budget import read_budget
 
 from .errors import short
@@ -118,7 +119,11 @@ async def health(service: ServiceDep) -> Health:
 async def stats(service: ServiceDep) -> Stats:
     space = service.space(await _entry_view(service))
     scan = service.readers.latest()  # else a new scan (shared), in a thread: the loop stays free
-    held = (scan if scan is not None else await asyncio.to_thread(service.readers.recent)).deleted_bytes
+    if scan is None:
+        scan = await asyncio.to_thread(service.readers.recent)
+    unseen = 0
+    if service.settings.team is not None:
+        unseen = len(await asyncio.to_thread(_members_unseen, service, scan))
     counts = service.jobs.counts()
     return Stats(
         root=str(service.store.root),
@@ -130,10 +135,17 @@ async def stats(service: ServiceDep) -> Stats:
         entries=space.entries,
         packed_held=space.packed_held,
         partial_bytes=space.partial_bytes,
-        held_by_readers_bytes=held,
+        held_by_readers_bytes=scan.deleted_bytes,
+        held_by_readers_unseen=unseen,
         jobs_queued=counts["queued"],
         jobs_running=counts["running"],
     )
+
+
+def _members_unseen(service: Service, scan: MappingScan) -> list[int]:
+    """A team root's members' processes whose maps the daemon (its owner) may not read."""
+    st = os.stat(service.store.root)
+    return scan.hidden_members(st.st_uid, st.st_gid)
 
 
 @v1.get("/budget", response_model=Budget, responses=_errors(), summary="The root's byte budget and its use")

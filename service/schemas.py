@@ -68,6 +68,11 @@ class Stats(BaseModel):
         description="Bytes of evicted or replaced entries that live processes still map "
         "(returned to the system when they let go); from a `/proc` scan begun at most 2 s before the request."
     )
+    held_by_readers_unseen: int = Field(
+        default=0,
+        description="In a team's root: members' processes whose mappings the daemon may not read "
+        "(another user's /proc/PID/maps); what they hold is not in held_by_readers_bytes.",
+    )
     jobs_queued: int
     jobs_running: int
 

@@ -9,6 +9,7 @@ service account (``tests/team_helpers.py``); skipped where users cannot be made.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from team_helpers import Team, TeamDaemon, User, as_user, team_in_env
+from team_helpers import Team, TeamDaemon, User, as_user, forked_as, team_in_env
 from typer.testing import CliRunner
 
 import shmcache
@@ -166,3 +167,35 @@ def test_a_missing_key_in_a_team_says_how_to_put_it_there(team: Team, daemon: Te
     message = as_user(team.a, _open_missing, team.name)
     assert f"no entry 'a/never-put' in team {team.name}'s cache" in message
     assert f"team={team.name!r}" in message and f"`shmcache --team {team.name} put`" in message
+
+
+def test_team_stats_say_what_the_daemon_cannot_scan(team: Team, daemon: TeamDaemon) -> None:
+    """The team's daemon may not read members' /proc/PID/maps: its held_by_readers leaves
+    their mappings out, and stats say so rather than a bare 0 B."""
+    as_user(team.a, _put_ones, team.name, "a/held", 4 * KiB)
+
+    def hold(answer: int, wait: int) -> None:
+        array = shmcache.open_array("a/held", team=team.name)
+        os.write(answer, f"{int(array.sum())}\n".encode())
+        os.read(wait, 1)
+
+    pid, answers, tell = forked_as(team.b, hold)
+    try:
+        assert os.read(answers, 64).strip() == str(4 * KiB).encode()
+        code, out = as_user(team.a, _cli, "--team", team.name, "stats")
+        assert code == 0, out
+        found = re.search(r"not counted: what (\d+) members' processes map \(the daemon may not", out)
+        assert found is not None and int(found[1]) >= 1, out  # bob's reader (and this stats command)
+        unseen = as_user(team.a, _stats_unseen, team.name)
+        assert isinstance(unseen, int) and unseen >= 1
+    finally:
+        os.close(tell)
+        os.waitpid(pid, 0)
+        os.close(answers)
+
+
+def _stats_unseen(team: str) -> object:
+    from shmcache.client import Client
+
+    with Client(team=team, timeout=30) as client:
+        return client.stats().held_by_readers_unseen

@@ -44,7 +44,7 @@ from ..errors import (
 from .backend import command_team, local_store, open_backend
 from .common import EXIT_INTERRUPTED, fail, failures_exit_1, print_table, set_team, warn_or_raise
 from .daemon_put import interrupts_restored, put_through, report
-from .options import JsonOption, LocalOption, RootOption
+from .options import ByUserOption, JsonOption, LocalOption, RootOption
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -511,9 +511,7 @@ def stats(
     root: RootOption = None,
     as_json: JsonOption = False,
     local: LocalOption = False,
-    by_user: Annotated[
-        bool, typer.Option("--by-user", help="Each user's entries and bytes (who loaded them).")
-    ] = False,
+    by_user: ByUserOption = False,
 ) -> None:
     """Capacity, use, budget, entry count and partial writes of the cache root (and the daemon's jobs)."""
     with open_backend(root, local) as control, failures_exit_1():
@@ -548,7 +546,10 @@ def stats(
         typer.echo("warning:  the entries use more than the budget: the next put evicts least-recently-"
                    "used entries that are neither pinned nor mapped (`shmcache budget` shows it)", err=True)
     if (held := getattr(result, "held_by_readers_bytes", None)) is not None:
-        typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers")
+        hidden = getattr(result, "held_by_readers_unseen", 0)
+        note = f"; not counted: what {hidden} members' processes map (the daemon may not scan them)"
+        note = note if hidden else ""
+        typer.echo(f"held:     {human_bytes(held)} of evicted/replaced entries still mapped by readers{note}")
         typer.echo(f"jobs:     {getattr(result, 'jobs_running', 0)} running, "
                    f"{getattr(result, 'jobs_queued', 0)} queued")
 

@@ -10,7 +10,7 @@ import typer
 from .._disk.layout import ENV_ROOT, ENV_SOCKET, SHM_DIR, SOCKET_NAME
 from .common import note_root_source
 
-__all__ = ["JsonOption", "LocalOption", "RootOption", "SocketOption"]
+__all__ = ["ByUserOption", "JsonOption", "LocalOption", "RootOption", "SocketOption"]
 
 RootOption = Annotated[
     Path | None,
@@ -24,6 +24,9 @@ RootOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+ByUserOption = Annotated[
+    bool, typer.Option("--by-user", help="Each user's entries and bytes (who loaded them).")
+]
 LocalOption = Annotated[
     bool,
     typer.Option(
