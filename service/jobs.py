@@ -28,6 +28,7 @@ from pathlib import Path
 from shmcache import Store
 from shmcache._control import ACTIVE_STATES, JOB_STATES, Job, JobError, JobState
 from shmcache._error_table import HTTP, fix, reword
+from shmcache._sources.urls import redact_url
 from shmcache._store.ownership import acting_for
 from shmcache.errors import ShmCacheError
 
@@ -93,12 +94,18 @@ class LoadJob:
     def cancel_requested(self) -> bool:
         return self.cancel_event.is_set()
 
+    @property
+    def shown_source(self) -> str:
+        """The source as logs and answers name it: a URL without its secrets (a config
+        preload's user information or query string)."""
+        return redact_url(self.source) if isinstance(self.source, str) else str(self.source)
+
     def snapshot(self) -> Job:
         """The job as it is now, as the shared immutable record."""
         return Job(
             id=self.id,
             key=self.key,
-            source=str(self.source),
+            source=self.shown_source,
             pin=self.pin,
             overwrite=self.overwrite,
             state=self.state,
@@ -182,7 +189,8 @@ class JobManager:
             if current is not None:
                 if current.source != source:
                     raise JobConflictError(
-                        f"key {key!r} is already being loaded from {current.source} by job {current.id}; "
+                        f"key {key!r} is already being loaded from {current.shown_source} by job "
+                        f"{current.id}; "
                         f"wait for it, or cancel it ({fix('cancel', HTTP, job=current.id)}) first"
                     )
                 return current, False
@@ -195,7 +203,7 @@ class JobManager:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="shmcache-load")
             self._executor.submit(self._run, job)
-        logger.debug("job %s queued: %s from %s", job.id, key, source)
+        logger.debug("job %s queued: %s from %s", job.id, key, job.shown_source)
         return job, True
 
     def cancel(self, job_id: str, wait: float = 2.0) -> LoadJob:
@@ -250,14 +258,16 @@ class JobManager:
         except JobCancelledError as exc:
             self._finish_locked(job, "cancelled", type(exc).__name__, str(exc))
             logger.warning(
-                "load %s from %s cancelled (job %s); nothing was published", job.key, job.source, job.id
+                "load %s from %s cancelled (job %s); nothing was published", job.key, job.shown_source, job.id
             )
         except (ShmCacheError, OSError) as exc:  # told to whoever asks over HTTP: in its words
             self._finish_locked(job, "failed", type(exc).__name__, reword(str(exc), HTTP))
-            logger.warning("load %s from %s failed (job %s): %s", job.key, job.source, job.id, exc)
+            logger.warning("load %s from %s failed (job %s): %s", job.key, job.shown_source, job.id, exc)
         except Exception as exc:  # a bug: keep the worker alive, report it on the job
             self._finish_locked(job, "failed", "InternalError", f"{type(exc).__name__}: {exc}")
-            logger.exception("load %s from %s failed unexpectedly (job %s)", job.key, job.source, job.id)
+            logger.exception(
+                "load %s from %s failed unexpectedly (job %s)", job.key, job.shown_source, job.id
+            )
         else:
             self._finish_locked(job, "done", None, None)
             elapsed = time.monotonic() - start

@@ -78,7 +78,7 @@ def test_a_changed_config_source_is_loaded(root: Path, tmp_path: Path) -> None:
     assert _start(root, _config(tmp_path, root, sources["v2"])) == [str(sources["v2"])]
     assert _x(root) == [3.0] * 4
     record = json.loads(Layout(root).preloads.read_text())
-    assert record == {"today": str(sources["v2"])}
+    assert record == {"today": [str(sources["today"]), str(sources["v2"])]}
     assert _start(root, _config(tmp_path, root, sources["v2"])) == []  # unchanged: skipped
 
 
@@ -97,4 +97,45 @@ def test_a_changed_preload_source_file_is_reloaded_and_a_damaged_record_ignored(
     age(sources["today"])
     assert _start(root, config) == [str(sources["today"])] and _x(root) == [6.0] * 4
     assert "preloads load as on a first start" in caplog.text
-    assert json.loads(Layout(root).preloads.read_text()) == {"today": str(sources["today"])}
+    assert json.loads(Layout(root).preloads.read_text()) == {"today": [str(sources["today"])]}
+
+
+def test_a_root_without_a_record_loads_a_changed_config_as_before(root: Path, tmp_path: Path) -> None:
+    """Entries preloaded by a daemon that kept no record (an upgrade), then a config that
+    names another source: loaded, not taken for a refresh by hand."""
+    sources = _sources(tmp_path)
+    shmcache.Store(root).put_file("today", sources["today"])  # what the older daemon loaded
+    assert _start(root, _config(tmp_path, root, sources["v2"])) == [str(sources["v2"])]
+    assert _x(root) == [3.0] * 4
+
+
+def test_a_failed_load_of_a_new_source_does_not_make_the_old_entries_a_refresh(
+    root: Path, tmp_path: Path
+) -> None:
+    sources = _sources(tmp_path)
+    assert _start(root, _config(tmp_path, root, sources["today"])) == [str(sources["today"])]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "x.npy").write_bytes(b"not an npy file")
+    age(broken)
+    with app_client(root, config_file=_config(tmp_path, root, broken)) as client:
+        (job,) = client.get("/v1/jobs").json()
+        assert wait_job(client, job["id"])["state"] == "failed"
+    assert _x(root) == [1.0] * 4  # the old entries stay, and are the preload's own:
+    assert _start(root, _config(tmp_path, root, sources["v2"])) == [str(sources["v2"])]
+
+
+def test_a_url_preload_keeps_its_secrets_out_of_the_record_and_the_log(
+    root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="shmcache.service")
+    url = "https://deploy:s3cr3t@127.0.0.1:9/data/x.npy?token=abc"  # nothing listens on port 9
+    config = tmp_path / "shmcache.toml"
+    config.write_text(f'root = "{root}"\n\n[[datasets]]\nkey = "x"\nsource = "{url}"\n')
+    with app_client(root, config_file=config) as client:
+        for job in client.get("/v1/jobs").json():
+            wait_job(client, job["id"])
+    assert "preload x" in caplog.text
+    assert "s3cr3t" not in caplog.text and "token=abc" not in caplog.text
+    if Layout(root).preloads.exists():
+        assert "s3cr3t" not in Layout(root).preloads.read_text()
