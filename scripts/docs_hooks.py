@@ -30,6 +30,7 @@ ROOT_PAGES = {
 _SITE_NAME = {source: page for page, source in ROOT_PAGES.items()}
 _LINK = re.compile(r"\]\((?P<target>[^)\s#]*)(?P<anchor>#[^)\s]*)?\)")
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)*\1")
+_LONE_STAR = re.compile(r"(?<!\*)\*(?!\*)")  # a glob's: "**Usage**:" headings stay bold
 
 
 def site_markdown(text: str) -> str:
@@ -54,7 +55,7 @@ def _escape_html(line: str) -> str:
     pieces, last = [line[:start]], start
 
     def plain(text: str) -> str:
-        return text.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+        return _LONE_STAR.sub(r"\\*", text.replace("<", "&lt;").replace(">", "&gt;"))
 
     for span in _CODE_SPAN.finditer(line, start):
         pieces.append(plain(line[last : span.start()]))

@@ -30,7 +30,9 @@ def _flags_show_no_value() -> None:
     (``ls --json true`` then reads ``true`` as the prefix): a flag shows none, as in click."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # an older typer: it prints no type beside a flag
+        return
 
     def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
         return None if self.is_flag else shown(self, ctx)
