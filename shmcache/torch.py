@@ -143,9 +143,10 @@ class CachedDataset(Dataset[Any]):
 
     ``CachedDataset("feats", "labels")`` yields ``(feats[i], labels[i])``;
     ``CachedDataset({"x": "feats", "y": "labels"})`` yields ``{"x": ..., "y": ...}``.
-    It pickles as its keys and the versions it was sized from (under 1 KiB) and maps those
-    versions lazily in each worker: a later put under a key never reaches its workers
-    (``KeyNotFoundError`` once that version is gone; make a new dataset for new data).
+    It maps its columns when made, pickles as its keys and the versions it was sized from
+    (under 1 KiB) and maps those versions in each spawned worker: a later put under a key
+    never reaches it (fork workers share its mapping; a spawned one started after the put
+    raises ``KeyNotFoundError``: make a new dataset for new data).
     Batches are gathered with one fancy index per array (``__getitems__``); pass
     ``collate_fn=shmcache.torch.collate`` to use them without a second copy.
     ``team="vision"`` reads that team's root (``docs/team.md``) instead of ``root``.
@@ -193,8 +194,16 @@ class CachedDataset(Dataset[Any]):
                 f"lengths ({rows} rows); put arrays of one length, or slice them to one"
             )
         self._length = lengths.pop()
-        if self._huge_pages:  # collapse the pages now, once, before workers map them
-            self._columns()
+        for key, dtype in zip(self._keys, [a.dtype for a in arrays], strict=True):
+            if dtype.fields is not None or dtype.kind in "OUSVMm":  # bfloat16's raw bits pass
+                raise UnsupportedDataError(
+                    f"CachedDataset column {key!r} has dtype {dtype} (records, strings, "
+                    "objects, times), which torch tensors cannot hold: read it with "
+                    "shmcache.open_array in a Dataset of your own and a DataLoader"
+                )
+        # Mapped now (a mapping per column, no page read; huge pages collapsed once): fork
+        # workers then keep this version even after a put under the key replaced it.
+        self._columns()
 
     def _store(self) -> Any:
         return get_store(self._root, team=self._team)
@@ -224,10 +233,7 @@ class CachedDataset(Dataset[Any]):
             return tensor_of(store.open_array_version(key, version, private=True, huge_pages=huge))
         except MappingRefusedError:  # strict overcommit: read the shared pages, copy rows out
             self._copy_rows = True
-            if version is None:
-                shared = store.open_array(key, raw=True)
-            else:
-                shared = store.open_array_version(key, version)
+            shared = store.open_array_version(key, version or self._current(store, key))
             with warnings.catch_warnings():  # "non-writable": no write reaches it (rows are copies)
                 warnings.simplefilter("ignore", UserWarning)
                 return tensor_of(shared)
@@ -235,13 +241,21 @@ class CachedDataset(Dataset[Any]):
     def _shared_arrays(self) -> list[np.ndarray]:
         """The read-only arrays of the dataset's versions (bfloat16/float8 as their bits)."""
         store = self._store()
-        try:
+        try:  # a dataset pickled before versions were kept: the key's version now
             return [
-                store.open_array(k, raw=True) if v is None else store.open_array_version(k, v)
+                store.open_array_version(k, v if v is not None else self._current(store, k))
                 for k, v in zip(self._keys, self._versions, strict=True)
             ]
         except KeyNotFoundError as exc:
             raise self._version_gone(exc) from None
+
+    @staticmethod
+    def _current(store: Any, key: str) -> str:
+        """The key's version now (for a dataset pickled before versions were kept)."""
+        version = store.layout.entry_version(key)
+        if version is None:
+            raise KeyNotFoundError(f"no entry {key!r} in cache {store.root}")
+        return str(version)
 
     def _version_gone(self, exc: KeyNotFoundError) -> KeyNotFoundError:
         return KeyNotFoundError(

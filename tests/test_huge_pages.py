@@ -192,12 +192,12 @@ def _two_columns(store: shmcache.Store) -> tuple[np.ndarray, np.ndarray]:
 @needs_collapse
 def test_a_dataset_on_huge_pages_gives_the_same_rows_and_batches(store: shmcache.Store) -> None:
     feats, labels = _two_columns(store)
-    plain = shmcache.torch.CachedDataset("feats", "labels")
     huge = shmcache.torch.CachedDataset("feats", "labels", huge_pages=True)
     column = huge._columns()[0]
     assert (column.data_ptr() - 128) % HUGE == 0  # the mapping (header included) is aligned
     mappings, pmd = _pmd_mapped(_data_file(store, "feats"))
     assert mappings == 1 and pmd >= (8 * MiB) // HUGE * HUGE - HUGE  # the constructor collapsed it
+    plain = shmcache.torch.CachedDataset("feats", "labels")  # a mapping of its own, on 4 KiB pages
     indices = np.random.default_rng(2).permutation(len(feats))[:1000].tolist()
     for start in range(0, 1000, 256):
         batch = indices[start : start + 256]

@@ -163,7 +163,7 @@ def test_quotas_are_per_member(served: Path, team: dict[str, User]) -> None:
         MemberWriter(root).put_array(key, np.zeros(200 << 10, dtype=np.uint8))
 
     as_user(team["alice"], put_big, served, "a/big")
-    with pytest.raises(QuotaExceededError, match=r"quota is 256\.0 KiB"):
+    with pytest.raises(QuotaExceededError, match=r"your quota \([^)]+\) is 256\.0 KiB"):
         as_user(team["alice"], put_big, served, "a/big2")
     as_user(team["bob"], put_big, served, "b/big")  # bob's quota is his own
     assert sorted(e.key for e in Store(served).list()) == ["a/big", "b/big"]
