@@ -117,7 +117,7 @@ async def health(service: ServiceDep) -> Health:
     summary="Capacity, use, budget, entries, bytes held by readers",
 )
 async def stats(service: ServiceDep) -> Stats:
-    space = service.space(await _entry_view(service))
+    space = await asyncio.to_thread(service.space, await _entry_view(service))  # walks tmp/: off the loop
     scan = service.readers.latest()  # else a new scan (shared), in a thread: the loop stays free
     if scan is None:
         scan = await asyncio.to_thread(service.readers.recent)
@@ -167,7 +167,7 @@ async def set_budget(body: BudgetRequest, service: ServiceDep, request: Request)
 
 async def _budget(service: Service) -> Budget:
     record = read_budget(service.store.layout)
-    space = service.space(await _entry_view(service))
+    space = await asyncio.to_thread(service.space, await _entry_view(service))  # walks tmp/: off the loop
     return Budget(
         max_bytes=None if record is None else record.max_bytes,
         set_by=None if record is None else record.set_by,

@@ -143,3 +143,20 @@ def test_stats_and_doctor_show_partial_writes(
     stats = subprocess.run([*CLI, "stats", "--root", str(root)], capture_output=True, text=True,
                            env=clean_env(), timeout=WAIT_S)
     assert "partial:" not in stats.stdout, stats.stdout
+
+
+def test_a_migrations_staged_link_is_kept_while_fresh(store: Store) -> None:
+    """A format-1 migration stages its link in tmp/ with no writer's lock: the sweep of a
+    put short of room leaves it alone for the staging grace, as a staging lock file."""
+    from shmcache._disk.entry_tree import MIGRATING_PREFIX
+    from shmcache._store.maintenance import remove_dead_partials
+
+    store.put_array("k", np.arange(4))
+    link = store.layout.tmp / f"{MIGRATING_PREFIX}{os.getpid()}-0a0b0c0d.link"
+    link.symlink_to("../objects/none")
+    remove_dead_partials(store.layout)
+    assert link.is_symlink()
+    old = os.lstat(link).st_mtime - 3600
+    os.utime(link, (old, old), follow_symlinks=False)
+    remove_dead_partials(store.layout)
+    assert not link.is_symlink() and store.open_array("k").tolist() == [0, 1, 2, 3]

@@ -34,6 +34,7 @@ from .layout import (
 
 __all__ = [
     "CRASH_ENV",
+    "MIGRATING_PREFIX",
     "build_tree",
     "common_prefix",
     "crash_point",
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 CRASH_ENV = "SHMCACHE_TEST_CRASH_AT"
+MIGRATING_PREFIX = "migrate-"
+"""A format-1 link staged in ``tmp/`` by a migration (no writer's lock: aged, not probed)."""
 _CRASH_AT = os.environ.get(CRASH_ENV) or None
 
 _AT_FDCWD = -100
@@ -178,7 +181,7 @@ def migrate_flat_links(layout: Layout) -> int:
         make_prefix_dirs(layout, key.rpartition("/")[0])
         link = layout.entry_link(key)
         if not os.path.lexists(link):
-            staged = f"{layout.tmp}/migrate-{os.getpid()}-{os.urandom(4).hex()}.link"
+            staged = f"{layout.tmp}/{MIGRATING_PREFIX}{os.getpid()}-{os.urandom(4).hex()}.link"
             os.symlink(layout.link_target(version, key), staged)
             os.rename(staged, link)
         os.unlink(flat)

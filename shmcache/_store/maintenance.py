@@ -13,7 +13,7 @@ from typing import Any
 
 from .._disk.checksum import crc_of_range, parse_checksums
 from .._disk.dtypes import dtype_name
-from .._disk.entry_tree import migrate_flat_links, prune_empty_prefixes
+from .._disk.entry_tree import MIGRATING_PREFIX, migrate_flat_links, prune_empty_prefixes
 from .._disk.fs import FileLockProbe, remove_tree
 from .._disk.generations import bump_all_generations
 from .._disk.layout import MANIFEST_FILE, META_FILE, PACKED_GUARD, Layout, packed_range
@@ -118,6 +118,9 @@ def _remove_dead_partials(layout: Layout, alive: Callable[[str], bool], kept: se
         path = layout.tmp / name
         if name.endswith(STAGING_SUFFIX):  # a writer between creating and locking it
             if not FileLockProbe.holder_alive(path) and _age(path) > _STAGING_GRACE_S:
+                freed += remove_tree(path)
+        elif name.startswith(MIGRATING_PREFIX):  # a format-1 link between its symlink and rename
+            if _age(path) > _STAGING_GRACE_S:
                 freed += remove_tree(path)
         elif not alive(writer_of(name)) and writer_of(name) not in kept:
             dead_writer = True
