@@ -12,6 +12,7 @@ take the key's lock) and every other rank of the node opens that copy.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import zlib
@@ -56,7 +57,12 @@ def main() -> None:
         f"crc32 {checksum:08x}, loss {loss.item():.4f} after {steps} steps",
         flush=True,
     )
-    dist.barrier()  # every rank done before any tears its connections down (gloo aborted at exit once)
+    # The DDP model holds the process group: freed (with its reducer's threads) before the
+    # group is destroyed, not at interpreter exit, where torch 2.13's gloo aborted now and
+    # then ("terminate called without an active exception": 6 of 80 runs here, 0 of 50 so)
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
