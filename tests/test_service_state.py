@@ -151,8 +151,9 @@ def test_a_fresh_scan_sees_what_was_mapped_before_the_call(service: Service) -> 
     del array
 
 
-def test_concurrent_callers_share_scans(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
-    scans = []
+def _slowed_scans(service: Service, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Make each /proc scan take 50 ms longer (so that callers overlap); when each began."""
+    scans: list[float] = []
     real = service.store.scan_mappings
 
     def slow_scan():  # type: ignore[no-untyped-def]
@@ -161,6 +162,11 @@ def test_concurrent_callers_share_scans(service: Service, monkeypatch: pytest.Mo
         return real()
 
     monkeypatch.setattr(service.store, "scan_mappings", slow_scan)
+    return scans
+
+
+def test_concurrent_callers_share_scans(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    scans = _slowed_scans(service, monkeypatch)
     threads = [threading.Thread(target=service.readers.fresh) for _ in range(16)]
     for thread in threads:
         thread.start()
@@ -174,15 +180,7 @@ def test_stats_scan_is_at_most_max_age_old(service: Service, monkeypatch: pytest
     assert service.readers.latest() is first and service.readers.recent() is first  # young enough
     service.readers.max_age = 0.0
     assert service.readers.latest() is None  # too old: never answered from
-    scans = []
-    real = service.store.scan_mappings
-
-    def slow_scan():  # type: ignore[no-untyped-def]
-        scans.append(time.monotonic())
-        time.sleep(0.05)
-        return real()
-
-    monkeypatch.setattr(service.store, "scan_mappings", slow_scan)
+    scans = _slowed_scans(service, monkeypatch)
     service.readers.max_age = 60.0
     service.readers._last = (time.monotonic() - 61.0, first)  # as after a quiet minute
     threads = [threading.Thread(target=service.readers.deleted_bytes) for _ in range(16)]
