@@ -28,11 +28,11 @@ from pathlib import Path
 from shmcache import Store
 from shmcache._control import ACTIVE_STATES, JOB_STATES, Job, JobError, JobState
 from shmcache._error_table import HTTP, fix, reword
-from shmcache._sources.urls import redact_url
 from shmcache._store.ownership import acting_for
 from shmcache.errors import ShmCacheError
 
 from .errors import JobCancelledError, JobConflictError, JobFinishedError, JobNotFoundError
+from .sources import shown_source
 
 __all__ = ["JobManager", "LoadJob"]
 
@@ -98,7 +98,7 @@ class LoadJob:
     def shown_source(self) -> str:
         """The source as logs and answers name it: a URL without its secrets (a config
         preload's user information or query string)."""
-        return redact_url(self.source) if isinstance(self.source, str) else str(self.source)
+        return shown_source(self.source)
 
     def snapshot(self) -> Job:
         """The job as it is now, as the shared immutable record."""

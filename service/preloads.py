@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shmcache import EntryInfo, Store
-from shmcache._sources.urls import is_url, redact_url
+from shmcache._sources.urls import is_url
 from shmcache.errors import ShmCacheError
 
 from .setting_fields import DatasetSpec
-from .sources import from_source, is_up_to_date
+from .sources import from_source, is_up_to_date, shown_source
 
 if TYPE_CHECKING:
     from .state import Service
@@ -42,7 +42,7 @@ def start_preloads(service: Service) -> None:
     store = service.store
     recorded = _read(store)
     for spec in service.settings.datasets:
-        source = _shown(spec.source)
+        source = shown_source(spec.source)
         try:
             known = None if recorded is None else recorded.get(spec.key, [])
             why_not = _why_not_load(store, spec, known)
@@ -67,7 +67,7 @@ def start_preloads(service: Service) -> None:
 def _why_not_load(store: Store, spec: DatasetSpec, known: list[str] | None) -> tuple[int, str] | None:
     """``(log level, why)`` when the preload is not to be loaded now, else None. ``known``:
     the sources recorded for the key (None: no record in this root at all)."""
-    source = _shown(spec.source)
+    source = shown_source(spec.source)
     if isinstance(spec.source, Path) and not spec.source.exists():
         return logging.WARNING, f"source {source} does not exist; skipped"
     if is_up_to_date(store, spec.key, spec.source):
@@ -83,11 +83,6 @@ def _why_not_load(store: Store, spec: DatasetSpec, known: list[str] | None) -> t
         f"the preload's {source}; to load the preload again, evict {spec.key} and restart "
         f"(or put {source} under it yourself)"
     )
-
-
-def _shown(source: Path | str) -> str:
-    """A source as entries record it: a URL without its secrets (user information, query)."""
-    return redact_url(source) if isinstance(source, str) else str(source)
 
 
 def _put_since(store: Store, key: str, sources: tuple[str, ...]) -> EntryInfo | None:

@@ -33,7 +33,7 @@ from shmcache.errors import (
 
 from .errors import SourceNotAllowedError, short
 
-__all__ = ["check_loadable", "from_source", "is_up_to_date", "resolve_source"]
+__all__ = ["check_loadable", "from_source", "is_up_to_date", "resolve_source", "shown_source"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -191,6 +191,12 @@ def is_up_to_date(store: Store, key: str, source: Path | str) -> bool:
         if e.source is not None
     ]
     return is_current(source, loaded)
+
+
+def shown_source(source: Path | str) -> str:
+    """A source as entries record it and logs and answers name it: a URL without its
+    secrets (user information, query string)."""
+    return redact_url(source) if isinstance(source, str) else str(source)
 
 
 def from_source(recorded: str, source: Path | str) -> bool:

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from ._api import get_store
 from ._batches import GatheredBatch
 from ._containers.shared import SharedRagged
-from ._disk.mapped import origin_of
+from ._disk.mapped import version_of
 from .errors import InvalidRequestError, KeyNotFoundError, UnsupportedDataError
 
 __all__ = ["TokenWindows"]
@@ -128,8 +128,7 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self._starts = len(tokens) - block_size  # window starts 0 .. tokens - block_size - 1
         self._length = (len(tokens) - 1) // block_size if length is None else length
         self._array: np.ndarray | None = tokens  # this version, whatever is put under the key later
-        found = origin_of(tokens)
-        self._version = "?" if found is None else found[0][1]
+        self._version = version_of(tokens) or "?"
         self._ref = pickle.dumps(tokens)  # a reference to this version (root, version, range)
         self._span = np.arange(block_size + 1, dtype=np.int64)
         try:  # the widening done by numpy where it has the type (a third faster than torch's)

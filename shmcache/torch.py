@@ -51,7 +51,7 @@ from ._cuda import (
 )
 from ._disk.attach import private_view
 from ._disk.dtypes import ml_name
-from ._disk.mapped import origin_of
+from ._disk.mapped import version_of
 from ._tensors import open_state_dict, tensor_of
 from ._tokens import TokenWindows
 from .errors import InvalidRequestError, KeyNotFoundError, MappingRefusedError, UnsupportedDataError
@@ -121,11 +121,6 @@ def _positions(indices: Sequence[int]) -> torch.Tensor:
     return torch.as_tensor(indices, dtype=torch.long)
 
 
-def _version_of(array: np.ndarray) -> str | None:
-    found = origin_of(array)
-    return None if found is None else found[0][1]
-
-
 _forks = 0
 """How many forks led to this process: a dataset maps its columns again when it changes."""
 
@@ -184,7 +179,7 @@ class CachedDataset(Dataset[Any]):
         arrays = [store.open_array(k, raw=True) for k in self._keys]
         # The versions the length comes from: every process reads these, never a later
         # put under the same key (other rows, other length, another key's older rows).
-        self._versions = [_version_of(array) for array in arrays]
+        self._versions = [version_of(array) for array in arrays]
         lengths = {len(array) for array in arrays}
         if len(lengths) != 1:
             paired = zip(self._keys, arrays, strict=True)

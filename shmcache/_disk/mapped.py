@@ -19,7 +19,7 @@ from ..errors import CorruptEntryError
 from .layout import ARRAY_FILE
 from .npy import header_length
 
-__all__ = ["MappedFile", "SharedManifest", "is_shared_read_only", "mapped_base", "origin_of"]
+__all__ = ["MappedFile", "SharedManifest", "is_shared_read_only", "mapped_base", "origin_of", "version_of"]
 
 _HEADER_READ = 256  # numpy pads headers to 64 bytes; nearly all fit in 128
 _DATA_START = 64  # a packed entry starts after the manifest's head (format 2)
@@ -149,6 +149,13 @@ def origin_of(array: np.ndarray) -> tuple[tuple[str, str, str, str], int] | None
     if origin is None and not array.size and offset:  # empty, at its entry's end
         origin = base.origin_at(offset - 1)
     return None if origin is None else (origin, offset + base.file_start)
+
+
+def version_of(array: np.ndarray) -> str | None:
+    """The version of the entry a shared array (or a view of one) lies in; None for any
+    other array (what a Dataset sized from it records, to read no other)."""
+    found = origin_of(array)
+    return None if found is None else found[0][1]
 
 
 def mapped_base(array: np.ndarray) -> Any:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .._disk.fs import too_many_open_files
+from .._disk.fs import out_of_descriptors, too_many_open_files
 from .._disk.layout import Layout
 from .._disk.trust import check_root
 from .._units import size_in_bytes
@@ -64,7 +64,7 @@ def read_budget(layout: Layout) -> BudgetRecord | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not the record's fault: no advice to reset it
+        if out_of_descriptors(exc):  # not the record's fault: no advice to reset it
             raise too_many_open_files(exc, f"reading the budget of {layout.root}") from exc
         if exc.errno == errno.EACCES:
             check_root(str(layout.root), layout.owner)  # another user's root: say that

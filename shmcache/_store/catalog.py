@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._disk.fs import allocated_bytes, free_bytes, too_many_open_files, total_bytes
+from .._disk.fs import allocated_bytes, free_bytes, out_of_descriptors, too_many_open_files, total_bytes
 from .._disk.layout import (
     GENERATION_BYTES,
     MANIFEST_FILE,
@@ -61,7 +60,7 @@ def _entry_links(layout: Layout) -> dict[str, str]:
     try:
         return layout.links_under("")
     except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
+        if out_of_descriptors(exc):
             raise too_many_open_files(exc, f"listing cache root {layout.root}") from exc
         raise CacheRootError(f"cannot read cache root {layout.root}: {exc.strerror}") from exc
 
