@@ -268,12 +268,17 @@ def as_user(user: User, fn: Callable[..., Any], *args: Any, groups: list[int] | 
 
 
 def forked_as(
-    user: User, work: Callable[[int, int], None], *, close: tuple[int, ...] = ()
+    user: User,
+    work: Callable[[int, int], None],
+    *,
+    close: tuple[int, ...] = (),
+    groups: list[int] | None = None,
 ) -> tuple[int, int, int]:
-    """Fork a child that runs ``work(report_fd, hold_fd)`` as ``user`` (exit status 0 if it
-    returned): ``(pid, read end of its reports, write end whose closing releases its
-    hold_fd)``. ``close``: the parent's descriptors of other children (their release
-    ends) that this one must not keep open, or they would never see EOF."""
+    """Fork a child that runs ``work(report_fd, hold_fd)`` as ``user`` (with ``groups``, as
+    :func:`become`; exit status 0 if it returned): ``(pid, read end of its reports, write
+    end whose closing releases its hold_fd)``. ``close``: the parent's descriptors of other
+    children (their release ends) that this one must not keep open, or they would never
+    see EOF."""
     report_r, report_w = os.pipe()
     hold_r, hold_w = os.pipe()
     pid = os.fork()
@@ -282,7 +287,7 @@ def forked_as(
         try:
             for fd in (report_r, hold_w, *close):
                 os.close(fd)
-            become(user)
+            become(user, groups)
             work(report_w, hold_r)
             code = 0
         finally:

@@ -26,7 +26,7 @@ import pytest
 from service_helpers import clean_env, temporary_root
 from shmcache.service.fd_channel import FdChannel
 from shmcache.service.members import MemberPolicy
-from team_helpers import User, as_user, made_users
+from team_helpers import User, as_user, forked_as, made_users
 
 from shmcache import CacheFullError, InvalidSourceError, NotPermittedError, QuotaExceededError, Store
 from shmcache._disk.layout import SHM_DIR
@@ -233,23 +233,9 @@ def test_the_daemon_sees_another_users_mapping_of_an_entry(served: Path, team: d
     for directory in (Path(path).parent.parent, Path(path).parent):  # a team root: group-readable
         os.chmod(directory, 0o755)
     os.chmod(path, 0o644)
-    ready_r, ready_w = os.pipe()
-    release_r, release_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child process
-        code = 1
-        try:
-            os.close(ready_r)
-            os.close(release_w)
-            os.setgroups([])
-            os.setgid(team["bob"].gid)
-            os.setuid(team["bob"].uid)
-            _map_for(path, ready_w, release_r)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(release_r)
+    pid, ready_r, release_w = forked_as(
+        team["bob"], lambda ready_w, release_r: _map_for(path, ready_w, release_r), groups=[]
+    )
     try:
         assert os.read(ready_r, 1) == b"1", "the child could not map the entry"
         assert in_use(path)
